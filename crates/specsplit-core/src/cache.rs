@@ -1,0 +1,1 @@
+//! cache (in progress)

@@ -1,0 +1,13 @@
+//! specsplit-core: the exact math of speculative decoding, free of any networking.
+//!
+//! - [`tree`]: flattened breadth-first token trees, conversion and validation.
+//! - [`mask`]: tree-attention masks and position ids.
+//! - [`sampling`]: temperature / top-k / top-p transforms shared by draft and target.
+//! - [`verify`]: greedy and lossless stochastic verification of a tree.
+//! - [`cache`]: pre-allocated per-session KV caches with O(1) rollback and path compaction.
+
+pub mod cache;
+pub mod mask;
+pub mod sampling;
+pub mod tree;
+pub mod verify;
