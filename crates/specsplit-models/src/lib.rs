@@ -1,1 +1,14 @@
-//! specsplit-models
+//! specsplit-models: one Llama-family transformer whose forward pass takes explicit positions,
+//! an additive attention mask (causal or tree) and a session KV cache, and returns logits only
+//! for the rows asked for; plus model sourcing (local dir, GGUF, Hugging Face, catalogue
+//! aliases) and tokenizers.
+
+pub mod config;
+pub mod error;
+pub mod loader;
+pub mod source;
+pub mod tokenizer;
+pub mod transformer;
+pub mod weights;
+
+pub use error::ModelError;

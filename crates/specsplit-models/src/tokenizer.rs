@@ -1,0 +1,1 @@
+//! tokenizer (in progress)

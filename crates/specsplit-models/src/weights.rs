@@ -1,0 +1,1 @@
+//! weights (in progress)
