@@ -1,1 +1,321 @@
-//! cache (in progress)
+//! Pre-allocated per-session KV caches with O(1) rollback and path compaction.
+//!
+//! A [`SessionCache`] owns, for every layer, one K and one V tensor of shape
+//! `(1, num_kv_heads, capacity, head_dim)`, allocated once. Appending writes the new entries in
+//! place (a single slice write per tensor) and hands back views of the valid prefix, so a model can
+//! attend over the whole cache without copying it. Rolling back ([`SessionCache::truncate`]) only
+//! moves the length; keeping an accepted tree path ([`SessionCache::compact`]) moves only the
+//! entries whose position changes.
+
+use candle_core::{DType, Device, Tensor};
+
+/// Everything that can go wrong using a [`SessionCache`].
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// Appending or advancing would go past the pre-allocated capacity.
+    #[error(
+        "KV cache capacity exceeded: {needed} entries needed but capacity is {capacity}; \
+         create the session cache with a larger capacity or truncate it first"
+    )]
+    CapacityExceeded {
+        /// Number of entries the operation would need.
+        needed: usize,
+        /// The cache's capacity.
+        capacity: usize,
+    },
+    /// A layer index outside `0..num_layers`.
+    #[error("KV cache layer {layer} out of range: the cache has {num_layers} layers")]
+    BadLayer {
+        /// The layer asked for.
+        layer: usize,
+        /// Number of layers in the cache.
+        num_layers: usize,
+    },
+    /// A K or V tensor whose shape, dtype or device does not fit the cache.
+    #[error("bad K/V tensor for the KV cache: {0}")]
+    BadShape(String),
+    /// `truncate` to a length beyond the current one.
+    #[error("cannot truncate KV cache to {new_len}: it only holds {len} entries")]
+    BadTruncate {
+        /// Requested length.
+        new_len: usize,
+        /// Current length.
+        len: usize,
+    },
+    /// Invalid `compact` arguments.
+    #[error("bad KV cache compaction: {0}")]
+    BadCompaction(String),
+    /// The cache specification is unusable (zero sized dimension).
+    #[error("bad KV cache spec: {0}")]
+    BadSpec(String),
+    /// An underlying tensor operation failed.
+    #[error("tensor error in KV cache: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The shape of a session KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheSpec {
+    /// Number of transformer layers.
+    pub num_layers: usize,
+    /// Number of key/value heads per layer.
+    pub num_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Maximum number of token entries the cache can hold.
+    pub capacity: usize,
+}
+
+/// Pre-allocated K/V storage for one decoding session (batch size 1).
+#[derive(Debug, Clone)]
+pub struct SessionCache {
+    spec: CacheSpec,
+    dtype: DType,
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+}
+
+impl SessionCache {
+    /// Allocates (zero-filled) K and V tensors for every layer on `device`.
+    pub fn new(spec: CacheSpec, dtype: DType, device: &Device) -> Result<Self, CacheError> {
+        if spec.num_layers == 0 || spec.num_kv_heads == 0 || spec.head_dim == 0 {
+            return Err(CacheError::BadSpec(format!(
+                "num_layers, num_kv_heads and head_dim must be positive, got {spec:?}"
+            )));
+        }
+        if !dtype.is_float() {
+            return Err(CacheError::BadSpec(format!(
+                "the cache dtype must be a float type, got {dtype:?}"
+            )));
+        }
+        let shape = (1, spec.num_kv_heads, spec.capacity, spec.head_dim);
+        let mut k = Vec::with_capacity(spec.num_layers);
+        let mut v = Vec::with_capacity(spec.num_layers);
+        for _ in 0..spec.num_layers {
+            k.push(Tensor::zeros(shape, dtype, device)?);
+            v.push(Tensor::zeros(shape, dtype, device)?);
+        }
+        Ok(Self {
+            spec,
+            dtype,
+            k,
+            v,
+            len: 0,
+        })
+    }
+
+    /// Bytes a cache with this spec and dtype takes (K and V of every layer).
+    pub fn bytes_for(spec: &CacheSpec, dtype: DType) -> usize {
+        2 * spec.num_layers
+            * spec.num_kv_heads
+            * spec.capacity
+            * spec.head_dim
+            * dtype.size_in_bytes()
+    }
+
+    /// Bytes this cache takes.
+    pub fn memory_bytes(&self) -> usize {
+        Self::bytes_for(&self.spec, self.dtype)
+    }
+
+    /// Number of valid entries.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the cache holds no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Maximum number of entries.
+    pub fn capacity(&self) -> usize {
+        self.spec.capacity
+    }
+
+    /// The cache's shape.
+    pub fn spec(&self) -> &CacheSpec {
+        &self.spec
+    }
+
+    /// The element type of the stored K/V tensors.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device the cache lives on.
+    pub fn device(&self) -> &Device {
+        self.k[0].device()
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), CacheError> {
+        if layer >= self.spec.num_layers {
+            return Err(CacheError::BadLayer {
+                layer,
+                num_layers: self.spec.num_layers,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_kv(&self, what: &str, t: &Tensor) -> Result<usize, CacheError> {
+        let dims = t.dims();
+        let ok = dims.len() == 4
+            && dims[0] == 1
+            && dims[1] == self.spec.num_kv_heads
+            && dims[3] == self.spec.head_dim;
+        if !ok {
+            return Err(CacheError::BadShape(format!(
+                "{what} has shape {dims:?}, expected (1, {}, n, {})",
+                self.spec.num_kv_heads, self.spec.head_dim
+            )));
+        }
+        if t.dtype() != self.dtype {
+            return Err(CacheError::BadShape(format!(
+                "{what} has dtype {:?}, the cache holds {:?}",
+                t.dtype(),
+                self.dtype
+            )));
+        }
+        if !t.device().same_device(self.k[0].device()) {
+            return Err(CacheError::BadShape(format!(
+                "{what} is on {:?}, the cache is on {:?}",
+                t.device().location(),
+                self.k[0].device().location()
+            )));
+        }
+        Ok(dims[2])
+    }
+
+    /// Writes `k`, `v` of shape `(1, kv_heads, n, head_dim)` at `[len, len+n)` of `layer` in
+    /// place and returns views of entries `[0, len+n)`.
+    ///
+    /// The length itself only moves with [`SessionCache::advance`], once every layer appended.
+    pub fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor), CacheError> {
+        self.check_layer(layer)?;
+        let n = self.check_kv("k", k)?;
+        let nv = self.check_kv("v", v)?;
+        if n != nv {
+            return Err(CacheError::BadShape(format!(
+                "k holds {n} entries but v holds {nv}"
+            )));
+        }
+        let needed = self.len + n;
+        if needed > self.spec.capacity {
+            return Err(CacheError::CapacityExceeded {
+                needed,
+                capacity: self.spec.capacity,
+            });
+        }
+        if n > 0 {
+            self.k[layer].slice_set(&k.contiguous()?, 2, self.len)?;
+            self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
+        }
+        Ok((
+            self.k[layer].narrow(2, 0, needed)?,
+            self.v[layer].narrow(2, 0, needed)?,
+        ))
+    }
+
+    /// Marks `n` more entries valid, after every layer appended them.
+    pub fn advance(&mut self, n: usize) -> Result<(), CacheError> {
+        let needed = self.len + n;
+        if needed > self.spec.capacity {
+            return Err(CacheError::CapacityExceeded {
+                needed,
+                capacity: self.spec.capacity,
+            });
+        }
+        self.len = needed;
+        Ok(())
+    }
+
+    /// Rolls back to `new_len` entries in O(1): only the length changes, no data moves.
+    pub fn truncate(&mut self, new_len: usize) -> Result<(), CacheError> {
+        if new_len > self.len {
+            return Err(CacheError::BadTruncate {
+                new_len,
+                len: self.len,
+            });
+        }
+        self.len = new_len;
+        Ok(())
+    }
+
+    /// Keeps the tree entries at absolute positions `keep` (strictly increasing, each in
+    /// `[base, len)`), moving them down to `base..base + keep.len()`; entries below `base` are
+    /// never touched and entries already in place are not moved. Then `len = base + keep.len()`.
+    pub fn compact(&mut self, base: usize, keep: &[usize]) -> Result<(), CacheError> {
+        if base > self.len {
+            return Err(CacheError::BadCompaction(format!(
+                "base {base} is beyond the cache length {}",
+                self.len
+            )));
+        }
+        for (i, &p) in keep.iter().enumerate() {
+            if p < base || p >= self.len {
+                return Err(CacheError::BadCompaction(format!(
+                    "keep[{i}] = {p} is outside the tree range [{base}, {})",
+                    self.len
+                )));
+            }
+            if i > 0 && keep[i - 1] >= p {
+                return Err(CacheError::BadCompaction(format!(
+                    "keep must be strictly increasing, but keep[{}] = {} >= keep[{i}] = {p}",
+                    i - 1,
+                    keep[i - 1]
+                )));
+            }
+        }
+        // Entries before the first one that moves are already in place.
+        let first_moved = keep
+            .iter()
+            .enumerate()
+            .position(|(i, &p)| p != base + i)
+            .unwrap_or(keep.len());
+        let moved = &keep[first_moved..];
+        if !moved.is_empty() {
+            let dst = base + first_moved;
+            let device = self.k[0].device().clone();
+            if let Some(start) = single_run(moved) {
+                // One contiguous run: narrow + copy per tensor, no index upload. `copy` (not
+                // `contiguous`) so the source never shares the destination's storage.
+                for t in self.k.iter().chain(self.v.iter()) {
+                    let src = t.narrow(2, start, moved.len())?.copy()?;
+                    t.slice_set(&src, 2, dst)?;
+                }
+            } else {
+                let idx: Vec<u32> = moved.iter().map(|&p| p as u32).collect();
+                let idx = Tensor::from_vec(idx, moved.len(), &device)?;
+                for t in self.k.iter().chain(self.v.iter()) {
+                    let src = t.index_select(&idx, 2)?;
+                    t.slice_set(&src, 2, dst)?;
+                }
+            }
+        }
+        self.len = base + keep.len();
+        Ok(())
+    }
+
+    /// Views of entries `[0, len)` of `layer` (K, V). Panics if `layer` is out of range.
+    pub fn layer(&self, layer: usize) -> (Tensor, Tensor) {
+        self.check_layer(layer).expect("layer index in range");
+        // narrow within bounds cannot fail.
+        let k = self.k[layer].narrow(2, 0, self.len).expect("narrow k");
+        let v = self.v[layer].narrow(2, 0, self.len).expect("narrow v");
+        (k, v)
+    }
+}
+
+/// If `positions` (strictly increasing) form one contiguous run, its first position.
+fn single_run(positions: &[usize]) -> Option<usize> {
+    let first = *positions.first()?;
+    let last = *positions.last()?;
+    (last - first + 1 == positions.len()).then_some(first)
+}

@@ -1,1 +1,281 @@
-//! verify (in progress)
+//! Verification of a draft tree against the target's outputs for every tree node.
+//!
+//! Row convention (for both `target_next` and `target_logits`): row 0 is the target's output
+//! after the prefix alone (it scores the roots), row `i + 1` its output after node `i`'s
+//! root-to-node path (it scores node `i`'s children, or the bonus token when `i` is a leaf).
+//!
+//! - [`verify_greedy`] follows, level by level, the first child whose token is the target's
+//!   argmax, so the emitted tokens are exactly the target-alone greedy continuation.
+//! - [`verify_stochastic`] is lossless multi-step speculative sampling for trees (SpecInfer):
+//!   children are tried in order, each accepted with probability `min(1, p(x)/q(x))`; after a
+//!   rejection `p ← norm(max(0, p − q))`, and with siblings drawn without replacement also
+//!   `q ← q` without `x`, renormalised (recursive rejection sampling). The emitted tokens are
+//!   distributed exactly as target-alone sampling.
+
+use rand::Rng;
+
+use crate::sampling::{argmax, draw_index, try_warp, SamplingError, SamplingParams};
+use crate::tree::{Distribution, DistributionError, TokenTree, TreeError};
+
+/// Outcome of verifying one tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// Accepted node indices, root first (a root-to-node path; empty when the first level is
+    /// rejected).
+    pub accepted_nodes: Vec<usize>,
+    /// Tokens of `accepted_nodes`.
+    pub accepted_tokens: Vec<u32>,
+    /// The target's own next token after the accepted path (correction or bonus).
+    pub next_token: u32,
+    /// True when the accepted path ends at a leaf (so `next_token` is a bonus token).
+    pub bonus: bool,
+}
+
+impl Verdict {
+    /// Number of accepted draft tokens.
+    pub fn num_accepted(&self) -> usize {
+        self.accepted_nodes.len()
+    }
+
+    /// Accepted tokens followed by `next_token`: everything this round emits.
+    pub fn emitted_tokens(&self) -> Vec<u32> {
+        let mut out = self.accepted_tokens.clone();
+        out.push(self.next_token);
+        out
+    }
+}
+
+/// Why a tree could not be verified.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum VerifyError {
+    /// `target_next` does not have one entry per node plus one.
+    #[error("expected {expected} target tokens (one per tree node plus one for the prefix), got {got}")]
+    WrongTargetLength {
+        /// Nodes + 1.
+        expected: usize,
+        /// Actual length.
+        got: usize,
+    },
+    /// `target_logits` is not `(nodes + 1) × vocab_size`.
+    #[error("expected {rows} logits rows of {vocab_size} ({expected} values; one row per tree node plus one), got {got} values")]
+    WrongLogitsLength {
+        /// Rows expected (nodes + 1).
+        rows: usize,
+        /// Vocabulary size.
+        vocab_size: usize,
+        /// Values expected (saturating).
+        expected: usize,
+        /// Values received.
+        got: usize,
+    },
+    /// A vocabulary size of zero.
+    #[error("the vocabulary size must be positive")]
+    ZeroVocab,
+    /// Invalid sampling parameters.
+    #[error("invalid sampling parameters: {0}")]
+    InvalidParams(#[source] SamplingError),
+    /// A target logits row that yields no distribution (NaN, all -inf).
+    #[error("target logits row {row} is unusable: {source}")]
+    BadLogits {
+        /// Row index.
+        row: usize,
+        /// What is wrong.
+        #[source]
+        source: SamplingError,
+    },
+    /// The tree lacks what verification needs.
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+}
+
+/// Greedy verification: `target_next[0]` is the target's argmax after the prefix,
+/// `target_next[i + 1]` its argmax after node `i`. Emits exactly the target's greedy tokens.
+pub fn verify_greedy(tree: &TokenTree, target_next: &[u32]) -> Result<Verdict, VerifyError> {
+    let expected = tree.len() + 1;
+    if target_next.len() != expected {
+        return Err(VerifyError::WrongTargetLength { expected, got: target_next.len() });
+    }
+    Ok(greedy_walk(tree, |row| target_next[row]))
+}
+
+/// Follows the first child matching the target's choice at each level.
+fn greedy_walk(tree: &TokenTree, mut target_at: impl FnMut(usize) -> u32) -> Verdict {
+    let mut accepted = Vec::new();
+    let mut candidates = tree.roots();
+    let mut row = 0;
+    loop {
+        let want = target_at(row);
+        match candidates.clone().find(|&c| tree.token(c) == want) {
+            Some(c) => {
+                accepted.push(c);
+                row = c + 1;
+                candidates = tree.children(c);
+            }
+            None => return finish(tree, accepted, want),
+        }
+    }
+}
+
+/// Assembles a verdict from the accepted path and the next token.
+fn finish(tree: &TokenTree, accepted_nodes: Vec<usize>, next_token: u32) -> Verdict {
+    let bonus = accepted_nodes.last().is_some_and(|&c| tree.is_leaf(c));
+    let accepted_tokens = accepted_nodes.iter().map(|&c| tree.token(c)).collect();
+    Verdict { accepted_nodes, accepted_tokens, next_token, bonus }
+}
+
+/// Lossless stochastic verification. `target_logits` holds `tree.len() + 1` rows of
+/// `vocab_size` raw logits (row convention in the module docs); `params` are the same
+/// transforms the draft applied. Greedy parameters reduce to [`verify_greedy`] on the rows'
+/// argmaxes. Sampled parameters need [`TokenTree::require_distributions`].
+///
+/// A rejection whose residual `max(0, p − q)` has no mass (possible only through rounding,
+/// when `p ≤ q` everywhere, i.e. `p = q` and the rejection itself had probability ~0) keeps
+/// the current `p`, so the emitted token always stays inside the target's support.
+pub fn verify_stochastic<R: Rng + ?Sized>(
+    tree: &TokenTree,
+    target_logits: &[f32],
+    vocab_size: usize,
+    params: &SamplingParams,
+    rng: &mut R,
+) -> Result<Verdict, VerifyError> {
+    params.validate().map_err(VerifyError::InvalidParams)?;
+    if vocab_size == 0 {
+        return Err(VerifyError::ZeroVocab);
+    }
+    let rows = tree.len() + 1;
+    let expected = rows.saturating_mul(vocab_size);
+    if target_logits.len() != expected {
+        return Err(VerifyError::WrongLogitsLength {
+            rows,
+            vocab_size,
+            expected,
+            got: target_logits.len(),
+        });
+    }
+    let row_of = |r: usize| &target_logits[r * vocab_size..(r + 1) * vocab_size];
+    if params.is_greedy() {
+        return Ok(greedy_walk(tree, |r| argmax(row_of(r))));
+    }
+    if let Some(node) = tree.tokens().iter().position(|&t| t as usize >= vocab_size) {
+        return Err(TreeError::TokenOutOfVocab {
+            node,
+            token: i64::from(tree.token(node)),
+            vocab_size,
+        }
+        .into());
+    }
+    tree.require_distributions()?;
+
+    let without_replacement = tree.siblings_without_replacement();
+    let mut p = vec![0.0f64; vocab_size];
+    let mut q = vec![0.0f64; vocab_size];
+    let mut residual = vec![0.0f64; vocab_size];
+    let mut accepted = Vec::new();
+    let mut parent: Option<usize> = None;
+    let mut row = 0usize;
+    'level: loop {
+        let target = try_warp(row_of(row), params)
+            .map_err(|source| VerifyError::BadLogits { row, source })?;
+        load_dense(&mut p, &target);
+        let candidates = match parent {
+            None => tree.roots(),
+            Some(c) => tree.children(c),
+        };
+        if !candidates.is_empty() {
+            let dist = match parent {
+                None => tree.root_distribution(),
+                Some(c) => tree.child_distribution(c),
+            }
+            .ok_or(TreeError::MissingDistribution { node: parent })?;
+            load_draft(&mut q, dist)
+                .map_err(|reason| TreeError::BadDistribution { node: parent, reason })?;
+            for c in candidates {
+                let token = tree.token(c);
+                let x = token as usize;
+                let (px, qx) = (p[x], q[x]);
+                if !(qx > 0.0) {
+                    return Err(TreeError::DrawnTokenHasZeroDraftProb { node: c, token, parent }.into());
+                }
+                // Accept with probability min(1, p(x)/q(x)).
+                let u: f64 = rng.random();
+                if u * qx < px {
+                    accepted.push(c);
+                    parent = Some(c);
+                    row = c + 1;
+                    continue 'level;
+                }
+                // Rejected: p ← norm(max(0, p − q)) with the q that x was drawn from.
+                let mut mass = 0.0f64;
+                for ((r, &pv), &qv) in residual.iter_mut().zip(&p).zip(&q) {
+                    *r = (pv - qv).max(0.0);
+                    mass += *r;
+                }
+                if mass > 0.0 && mass.is_finite() {
+                    for r in &mut residual {
+                        *r /= mass;
+                    }
+                    std::mem::swap(&mut p, &mut residual);
+                }
+                if without_replacement {
+                    q[x] = 0.0;
+                    normalize(&mut q);
+                }
+            }
+        }
+        let next = match draw_index(&p, rng) {
+            Some(j) => j as u32,
+            None => argmax(row_of(row)),
+        };
+        return Ok(finish(tree, accepted, next));
+    }
+}
+
+/// Writes a warped target distribution into a dense f64 buffer.
+fn load_dense(buf: &mut [f64], dist: &Distribution) {
+    buf.fill(0.0);
+    for (t, pr) in dist.iter() {
+        if let Some(slot) = buf.get_mut(t as usize) {
+            *slot = f64::from(pr);
+        }
+    }
+}
+
+/// Writes a draft distribution into a dense f64 buffer normalised to total 1, checking that it
+/// fits the vocabulary and is a usable distribution.
+fn load_draft(buf: &mut [f64], dist: &Distribution) -> Result<(), DistributionError> {
+    let vocab_size = buf.len();
+    if let Distribution::Dense(pr) = dist {
+        if pr.len() != vocab_size {
+            return Err(DistributionError::DenseLength { len: pr.len(), vocab_size });
+        }
+    }
+    buf.fill(0.0);
+    for (index, (t, pr)) in dist.iter().enumerate() {
+        if !pr.is_finite() || pr < 0.0 {
+            return Err(DistributionError::InvalidProbability { index, value: pr });
+        }
+        let slot = buf.get_mut(t as usize).ok_or(DistributionError::TokenOutOfVocab {
+            token: i64::from(t),
+            vocab_size,
+        })?;
+        *slot = f64::from(pr);
+    }
+    let total: f64 = buf.iter().sum();
+    if !(total > 0.0) {
+        return Err(DistributionError::BadSum { sum: total });
+    }
+    for v in buf.iter_mut() {
+        *v /= total;
+    }
+    Ok(())
+}
+
+/// Renormalises non-negative weights to total 1 (left as is when the total is zero).
+fn normalize(buf: &mut [f64]) {
+    let total: f64 = buf.iter().sum();
+    if total > 0.0 {
+        for v in buf.iter_mut() {
+            *v /= total;
+        }
+    }
+}

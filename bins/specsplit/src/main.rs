@@ -1,0 +1,441 @@
+//! `specsplit`: generate text with disaggregated speculative decoding.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
+use specsplit_models::tokenizer::TextTokenizer;
+use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_workers::cli::{init_logging, shutdown_signal};
+use specsplit_workers::config::{load_section, WorkerConfig};
+use specsplit_workers::launch;
+
+/// Speculative decoding split across a draft worker and a target worker.
+///
+/// With no worker addresses, `generate` starts a draft and a target worker inside this process
+/// on loopback with the default models (fetched on first use), so it works alone.
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of PROMPT, streaming text to stdout; a stats line goes to stderr.
+    Generate(GenerateArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum ModeArg {
+    /// Speculative decoding (draft + target).
+    Spec,
+    /// The target alone, token by token: the reference output speculation must equal.
+    Ar,
+}
+
+#[derive(Clone, Copy, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum PipelineArg {
+    /// Draft, verify, repeat.
+    Sequential,
+    /// Draft the next tree while the current one is verified.
+    Overlapped,
+}
+
+/// Flags of `generate`; each overrides the config file and environment when given.
+#[derive(clap::Args, Serialize)]
+struct GenerateArgs {
+    /// The prompt ("-" reads it from stdin).
+    #[serde(skip)]
+    prompt: String,
+    /// TOML configuration file (section [orchestrator]).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Draft worker address, e.g. http://127.0.0.1:50051 (empty: start one in-process).
+    #[arg(long, value_name = "URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_addr: Option<String>,
+    /// Target worker address, e.g. http://127.0.0.1:50052 (empty: start one in-process).
+    #[arg(long, value_name = "URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    target_addr: Option<String>,
+    /// Draft model for the in-process draft worker.
+    #[arg(long, value_name = "SPEC")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_model: Option<String>,
+    /// Target model for the in-process target worker (and the tokenizer by default).
+    #[arg(long, value_name = "SPEC")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    target_model: Option<String>,
+    /// Model whose tokenizer encodes the prompt (default: the target model).
+    #[arg(long, value_name = "SPEC")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokenizer: Option<String>,
+    /// Device of in-process workers: cpu, cuda or cuda:N.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device: Option<String>,
+    /// Dtype of in-process workers: f32, f16 or bf16.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dtype: Option<String>,
+    /// Most new tokens to generate.
+    #[arg(long, short = 'n', value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<usize>,
+    /// Draft depth as a chain (same as --widths 1,1,…,1 of this length).
+    #[arg(long, value_name = "K", conflicts_with = "widths")]
+    #[serde(skip)]
+    depth: Option<usize>,
+    /// Draft tree widths per depth, e.g. 4,2,1,1 (a chain when all are 1).
+    #[arg(long, value_name = "W,W,…", value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    widths: Option<Vec<usize>>,
+    /// Adapt the depth to measured acceptance and timings.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    adaptive_depth: bool,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, short = 't')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f32>,
+    /// Keep only the k most likely tokens when sampling (0 = off).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_k: Option<usize>,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f32>,
+    /// Random seed (0 = random).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    /// Stop after this many milliseconds (0 = none).
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadline_ms: Option<u64>,
+    /// Send the prompt as is, without the model's chat template.
+    #[arg(long)]
+    #[serde(skip)]
+    no_chat_template: bool,
+    /// spec: speculative decoding; ar: the target alone (the reference).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<ModeArg>,
+    /// sequential or overlapped rounds.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pipeline: Option<PipelineArg>,
+    /// Print one JSON object (text, token_ids, stats, rounds, config) instead of streaming.
+    #[arg(long)]
+    #[serde(skip)]
+    json: bool,
+    /// Log format: text or json (filter with RUST_LOG; default warn).
+    #[arg(long, value_name = "FORMAT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_format: Option<String>,
+}
+
+/// The `[orchestrator]` section: where the workers are and how to generate.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Settings {
+    draft_addr: String,
+    target_addr: String,
+    draft_model: String,
+    target_model: String,
+    tokenizer: String,
+    device: String,
+    dtype: String,
+    chat_template: bool,
+    log_format: String,
+    mode: Mode,
+    pipeline: Pipeline,
+    max_tokens: usize,
+    widths: Vec<usize>,
+    adaptive_depth: bool,
+    min_depth: usize,
+    max_depth: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    seed: u64,
+    deadline_ms: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        let g = GenerateConfig::default();
+        Self {
+            draft_addr: String::new(),
+            target_addr: String::new(),
+            draft_model: WorkerConfig::draft_defaults().model,
+            target_model: WorkerConfig::target_defaults().model,
+            tokenizer: String::new(),
+            device: "cpu".into(),
+            dtype: String::new(),
+            chat_template: true,
+            log_format: "text".into(),
+            mode: g.mode,
+            pipeline: g.pipeline,
+            max_tokens: g.max_tokens,
+            widths: g.widths,
+            adaptive_depth: g.adaptive_depth,
+            min_depth: g.min_depth,
+            max_depth: g.max_depth,
+            temperature: g.temperature,
+            top_k: g.top_k,
+            top_p: g.top_p,
+            seed: g.seed,
+            deadline_ms: g.deadline_ms,
+        }
+    }
+}
+
+impl Settings {
+    fn generate_config(&self) -> GenerateConfig {
+        GenerateConfig {
+            mode: self.mode,
+            pipeline: self.pipeline,
+            max_tokens: self.max_tokens,
+            widths: self.widths.clone(),
+            adaptive_depth: self.adaptive_depth,
+            min_depth: self.min_depth,
+            max_depth: self.max_depth,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+            deadline_ms: self.deadline_ms,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// Workers started inside this process, stopped when dropped.
+struct InProcess {
+    stop: Vec<tokio::sync::oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl InProcess {
+    async fn shutdown(self) {
+        for s in self.stop {
+            let _ = s.send(());
+        }
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+async fn start_in_process(
+    s: &Settings,
+    with_draft: bool,
+) -> Result<(InProcess, Option<String>, String, TextTokenizer)> {
+    let mut ip = InProcess {
+        stop: vec![],
+        tasks: vec![],
+    };
+    let mut tokenizer = None;
+    let mut addrs = Vec::new();
+    let mut kinds = vec![("target", s.target_model.clone())];
+    if with_draft {
+        kinds.push(("draft", s.draft_model.clone()));
+    }
+    for (kind, model) in kinds {
+        let base = if kind == "draft" {
+            WorkerConfig::draft_defaults()
+        } else {
+            WorkerConfig::target_defaults()
+        };
+        let cfg = WorkerConfig {
+            listen: "127.0.0.1:0".into(),
+            model: model.clone(),
+            device: s.device.clone(),
+            dtype: s.dtype.clone(),
+            max_sessions: 4,
+            ..base
+        };
+        eprintln!("loading {kind} model '{model}' ...");
+        let c2 = cfg.clone();
+        let m = tokio::task::spawn_blocking(move || launch::load(&c2))
+            .await?
+            .with_context(|| format!("starting the in-process {kind} worker"))?;
+        if kind == "target" {
+            tokenizer = Some(m.tokenizer.clone());
+        }
+        let (listener, addr) = launch::bind(&cfg).await?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            let _ = rx.await;
+        };
+        let task = if kind == "draft" {
+            tokio::spawn(async move {
+                if let Err(e) = launch::run_draft(&cfg, m, listener, shutdown).await {
+                    tracing::error!("in-process draft worker failed: {e}");
+                }
+            })
+        } else {
+            tokio::spawn(async move {
+                if let Err(e) = launch::run_target(&cfg, m, listener, shutdown).await {
+                    tracing::error!("in-process target worker failed: {e}");
+                }
+            })
+        };
+        ip.stop.push(tx);
+        ip.tasks.push(task);
+        addrs.push(format!("http://{addr}"));
+    }
+    let target = addrs[0].clone();
+    let draft = addrs.get(1).cloned();
+    let tok = tokenizer.context("no tokenizer")?;
+    Ok((ip, draft, target, tok))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Generate(args) => generate(args).await,
+    }
+}
+
+async fn generate(mut args: GenerateArgs) -> Result<()> {
+    if let Some(k) = args.depth {
+        if k == 0 {
+            bail!("--depth must be at least 1");
+        }
+        args.widths = Some(vec![1; k]);
+    }
+    let mut s: Settings = load_section("orchestrator", &Settings::default(), args.config.as_deref(), &args)?;
+    if args.no_chat_template {
+        s.chat_template = false;
+    }
+    if std::env::var_os("RUST_LOG").is_none() {
+        std::env::set_var("RUST_LOG", "warn");
+    }
+    init_logging(&s.log_format);
+    let prompt_text = if args.prompt == "-" {
+        let mut p = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut p)?;
+        p
+    } else {
+        args.prompt.clone()
+    };
+    let gen_cfg = s.generate_config();
+    gen_cfg
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
+
+    let spec = gen_cfg.mode == Mode::Spec;
+    let (in_process, draft_addr, target_addr, tokenizer) =
+        if s.target_addr.is_empty() && (s.draft_addr.is_empty() || !spec) {
+            let (ip, d, t, tok) = start_in_process(&s, spec).await?;
+            (Some(ip), d, t, tok)
+        } else {
+            if s.target_addr.is_empty() || (spec && s.draft_addr.is_empty()) {
+                bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
+            }
+            let tok_spec = if s.tokenizer.is_empty() {
+                s.target_model.clone()
+            } else {
+                s.tokenizer.clone()
+            };
+            let tok = tokio::task::spawn_blocking(move || {
+                specsplit_models::loader::load_tokenizer(&tok_spec)
+            })
+            .await?
+            .context("loading the tokenizer (set --tokenizer to the target's model)")?;
+            let d = spec.then(|| s.draft_addr.clone());
+            (None, d, s.target_addr.clone(), tok)
+        };
+
+    let result = run(&s, &gen_cfg, &prompt_text, &tokenizer, draft_addr.as_deref(), &target_addr, args.json).await;
+    if let Some(ip) = in_process {
+        ip.shutdown().await;
+    }
+    result
+}
+
+async fn run(
+    s: &Settings,
+    gen_cfg: &GenerateConfig,
+    prompt_text: &str,
+    tokenizer: &TextTokenizer,
+    draft_addr: Option<&str>,
+    target_addr: &str,
+    json: bool,
+) -> Result<()> {
+    let text_in = if s.chat_template {
+        tokenizer.apply_chat_template(prompt_text)
+    } else {
+        prompt_text.to_string()
+    };
+    let prompt = tokenizer
+        .encode(&text_in, !s.chat_template)
+        .context("tokenizing the prompt")?;
+    let orch = Orchestrator::connect(draft_addr, target_addr).await?;
+    let mut printed = String::new();
+    let mut all: Vec<u32> = Vec::new();
+    let mut stdout = std::io::stdout();
+    let on_tokens = |toks: &[u32]| {
+        if json {
+            return;
+        }
+        all.extend_from_slice(toks);
+        let eos = orch.eos_token_ids();
+        let visible: Vec<u32> = all.iter().copied().filter(|t| !eos.contains(t)).collect();
+        if let Ok(text) = tokenizer.decode(&visible, true) {
+            // Print only complete characters: hold back a trailing replacement character.
+            let stable = text.trim_end_matches('\u{FFFD}');
+            if stable.len() > printed.len() && stable.starts_with(printed.as_str()) {
+                let _ = stdout.write_all(stable[printed.len()..].as_bytes());
+                let _ = stdout.flush();
+                printed = stable.to_string();
+            }
+        }
+    };
+    let gen = tokio::select! {
+        r = orch.generate(&prompt, gen_cfg, on_tokens) => r?,
+        _ = shutdown_signal() => bail!("interrupted"),
+    };
+    let text = tokenizer.decode(&gen.token_ids, true).unwrap_or_default();
+    if json {
+        let obj = serde_json::json!({
+            "text": text,
+            "token_ids": gen.token_ids,
+            "prompt_token_ids": prompt,
+            "stop_reason": gen.stop_reason,
+            "stats": gen.stats,
+            "rounds": gen.rounds,
+            "config": s,
+        });
+        println!("{}", serde_json::to_string(&obj)?);
+    } else {
+        if !printed.ends_with('\n') {
+            println!();
+        }
+        let st = &gen.stats;
+        eprintln!(
+            "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% stop={:?}",
+            st.tokens,
+            st.tokens_per_s,
+            st.ttft_ms,
+            st.tpot_ms,
+            st.acceptance_rate * 100.0,
+            st.mean_accepted_len,
+            st.rounds,
+            st.overlap_hit_rate * 100.0,
+            gen.stop_reason,
+        );
+    }
+    Ok(())
+}

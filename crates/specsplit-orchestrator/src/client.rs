@@ -1,0 +1,550 @@
+//! The round loop over gRPC clients of the two workers.
+
+use std::time::{Duration, Instant};
+
+use specsplit_core::tree::{TokenTree, TreeLimits};
+use specsplit_proto::draft_service_client::DraftServiceClient;
+use specsplit_proto::target_service_client::TargetServiceClient;
+use specsplit_proto::{DraftRequest, EndSessionRequest, PingRequest, VerifyRequest};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::adaptive::{resize_widths, DepthController};
+use crate::stats::{GenerationStats, RoundRecord};
+use crate::{GenerateConfig, Generation, Mode, Pipeline, StopReason};
+
+/// Largest gRPC message sent or accepted (dense draft distributions are large).
+const MAX_MESSAGE_BYTES: usize = 512 << 20;
+/// How long to keep retrying a worker that is unreachable mid-generation (e.g. restarting).
+const RECONNECT_WINDOW: Duration = Duration::from_secs(30);
+
+/// Errors of the orchestrator.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    /// A worker could not be reached.
+    #[error("{worker} worker at {addr} is unreachable: {reason}")]
+    Unreachable {
+        /// "draft" or "target".
+        worker: &'static str,
+        /// Its address.
+        addr: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The draft and target cannot be paired.
+    #[error("{0}")]
+    Incompatible(String),
+    /// A worker refused or failed a request.
+    #[error("{worker} worker: {status}")]
+    Rpc {
+        /// "draft" or "target".
+        worker: &'static str,
+        /// The gRPC status.
+        status: Status,
+    },
+    /// The settings are invalid.
+    #[error("invalid settings: {0}")]
+    Config(String),
+    /// A worker sent something that does not make sense.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+fn rpc(worker: &'static str) -> impl Fn(Status) -> OrchestratorError {
+    move |status| OrchestratorError::Rpc { worker, status }
+}
+
+/// A connection to a target worker and, for speculative decoding, a draft worker.
+#[derive(Clone)]
+pub struct Orchestrator {
+    draft: Option<DraftServiceClient<Channel>>,
+    target: TargetServiceClient<Channel>,
+    target_addr: String,
+    eos: Vec<u32>,
+    vocab_size: usize,
+}
+
+async fn channel(worker: &'static str, addr: &str) -> Result<Channel, OrchestratorError> {
+    let unreachable = |reason: String| OrchestratorError::Unreachable {
+        worker,
+        addr: addr.to_string(),
+        reason,
+    };
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    Endpoint::from_shared(uri)
+        .map_err(|e| unreachable(format!("bad address: {e}")))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| unreachable(format!("{e} (is the worker running and listening there?)")))
+}
+
+impl Orchestrator {
+    /// Connects to the workers (no draft for target-only decoding), pings both and checks that
+    /// their vocabularies match.
+    pub async fn connect(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+    ) -> Result<Self, OrchestratorError> {
+        let mut target = TargetServiceClient::new(channel("target", target_addr).await?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let tp = target
+            .ping(PingRequest {})
+            .await
+            .map_err(|s| OrchestratorError::Unreachable {
+                worker: "target",
+                addr: target_addr.into(),
+                reason: s.message().to_string(),
+            })?
+            .into_inner();
+        let mut eos: Vec<u32> = tp.eos_token_ids.iter().map(|&t| t as u32).collect();
+        let draft = match draft_addr {
+            None => None,
+            Some(addr) => {
+                let mut d = DraftServiceClient::new(channel("draft", addr).await?)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                let dp = d
+                    .ping(PingRequest {})
+                    .await
+                    .map_err(|s| OrchestratorError::Unreachable {
+                        worker: "draft",
+                        addr: addr.into(),
+                        reason: s.message().to_string(),
+                    })?
+                    .into_inner();
+                if dp.vocab_size != tp.vocab_size {
+                    return Err(OrchestratorError::Incompatible(format!(
+                        "the draft model '{}' has a vocabulary of {} tokens but the target model \
+                         '{}' has {}: speculative decoding needs the same tokenizer on both sides",
+                        dp.model_name, dp.vocab_size, tp.model_name, tp.vocab_size
+                    )));
+                }
+                for t in dp.eos_token_ids {
+                    if !eos.contains(&(t as u32)) {
+                        eos.push(t as u32);
+                    }
+                }
+                Some(d)
+            }
+        };
+        Ok(Self {
+            draft,
+            target,
+            target_addr: target_addr.to_string(),
+            eos,
+            vocab_size: tp.vocab_size.max(0) as usize,
+        })
+    }
+
+    /// End-of-sequence ids reported by the workers.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Vocabulary size reported by the target.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Generates up to `cfg.max_tokens` tokens after `prompt`, calling `on_tokens` with each
+    /// round's emitted tokens as soon as they are known. Both workers' sessions are ended on
+    /// every exit path.
+    pub async fn generate(
+        &self,
+        prompt: &[u32],
+        cfg: &GenerateConfig,
+        on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, OrchestratorError> {
+        cfg.validate().map_err(OrchestratorError::Config)?;
+        if prompt.is_empty() {
+            return Err(OrchestratorError::Config("the prompt holds no tokens".into()));
+        }
+        if cfg.mode == Mode::Spec && self.draft.is_none() {
+            return Err(OrchestratorError::Config(
+                "speculative mode needs a draft worker address".into(),
+            ));
+        }
+        let session = format!("gen-{:032x}", rand::random::<u128>());
+        let result = Run::new(self, &session, cfg).run(prompt, on_tokens).await;
+        // End the sessions whatever happened (best effort: a dead worker holds none anyway).
+        let end = EndSessionRequest {
+            session_id: session.clone(),
+        };
+        let mut target = self.target.clone();
+        let _ = tokio::time::timeout(Duration::from_secs(5), target.end_session(end.clone())).await;
+        if let Some(d) = &self.draft {
+            let mut d = d.clone();
+            let _ = tokio::time::timeout(Duration::from_secs(5), d.end_session(end)).await;
+        }
+        result
+    }
+}
+
+/// A draft tree and how long drafting it took.
+struct Drafted {
+    tree: TokenTree,
+    ms: f64,
+}
+
+/// State of one generation.
+struct Run<'a> {
+    o: &'a Orchestrator,
+    session: &'a str,
+    cfg: &'a GenerateConfig,
+    /// Prompt + emitted tokens.
+    seq: Vec<u32>,
+    /// Cached length the target reported, and the tokens it has not cached yet.
+    target_cached: Option<usize>,
+    pending: Vec<u32>,
+    depth: DepthController,
+    widths: Vec<usize>,
+    request_no: u64,
+}
+
+impl<'a> Run<'a> {
+    fn new(o: &'a Orchestrator, session: &'a str, cfg: &'a GenerateConfig) -> Self {
+        Self {
+            o,
+            session,
+            cfg,
+            seq: Vec::new(),
+            target_cached: None,
+            pending: Vec::new(),
+            depth: DepthController::new(cfg.min_depth, cfg.max_depth),
+            widths: cfg.widths.clone(),
+            request_no: 0,
+        }
+    }
+
+    fn limits(&self) -> TreeLimits {
+        TreeLimits {
+            max_nodes: 1 << 16,
+            max_depth: 1 << 10,
+            vocab_size: self.o.vocab_size,
+        }
+    }
+
+    async fn run(
+        mut self,
+        prompt: &[u32],
+        mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, OrchestratorError> {
+        let start = Instant::now();
+        let deadline = (self.cfg.deadline_ms > 0)
+            .then(|| start + Duration::from_millis(self.cfg.deadline_ms));
+        self.seq = prompt.to_vec();
+        let mut out: Vec<u32> = Vec::new();
+        let mut rounds: Vec<RoundRecord> = Vec::new();
+        let mut ttft_ms = 0.0;
+        // The pre-drafted next tree (empty after a miss).
+        let mut next_tree: Option<Drafted> = None;
+        let stop = loop {
+            if out.len() >= self.cfg.max_tokens {
+                break StopReason::MaxTokens;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break StopReason::Deadline;
+            }
+            let remaining = self.cfg.max_tokens - out.len();
+            // Never draft deeper than what may still be emitted (accepted + 1 ≤ remaining).
+            let depth = if self.cfg.mode == Mode::Ar {
+                0
+            } else {
+                let d = if self.cfg.adaptive_depth {
+                    self.depth.depth(self.widths.len())
+                } else {
+                    self.cfg.widths.len()
+                };
+                self.widths = resize_widths(&self.cfg.widths, d);
+                d.min(remaining - 1)
+            };
+            let widths = resize_widths(&self.widths, depth);
+            let (drafted, overlap_hit) = if depth == 0 {
+                let empty = Drafted {
+                    tree: TokenTree::new(),
+                    ms: 0.0,
+                };
+                (empty, None)
+            } else {
+                let seq = self.seq.clone();
+                match next_tree.take() {
+                    Some(pre) if pre.tree.len() > 0 => (pre, Some(true)),
+                    Some(_) => (self.draft(&seq, &widths).await?, Some(false)),
+                    None => (self.draft(&seq, &widths).await?, None),
+                }
+            };
+            let overlap = self.cfg.pipeline == Pipeline::Overlapped && depth > 0;
+            // The guess for the overlapped pre-draft: the tree's first-child path is accepted.
+            let guess = first_child_path(&drafted.tree);
+            let (verdict, pre) = if overlap && remaining > guess.len() + 1 {
+                let mut ctx = self.seq.clone();
+                ctx.extend(guess.iter().map(|&i| drafted.tree.token(i)));
+                let mut pre_widths = vec![1];
+                pre_widths.extend_from_slice(&widths);
+                let o = self.o.clone();
+                let (sess, cfg, no) = (self.session.to_string(), self.cfg.clone(), self.request_no);
+                self.request_no += 1;
+                let limits = self.limits();
+                let pre = tokio::spawn(async move {
+                    draft_call(&o, &sess, &cfg, no, &ctx, &pre_widths, &limits).await
+                });
+                let v = self.verify(&drafted.tree).await;
+                // Wait for the pre-draft even on error so no request outlives the generation.
+                let pre = pre.await.map_err(|e| OrchestratorError::Protocol(e.to_string()))?;
+                (v?, Some(pre?))
+            } else {
+                (self.verify(&drafted.tree).await?, None)
+            };
+            let (v, verify_ms, server_ms) = verdict;
+            let mut emitted: Vec<u32> = v.accepted.clone();
+            emitted.push(v.next);
+            // Use the pre-drafted tree when the guess held and its root is the target's token.
+            if let Some(pre) = pre {
+                let hit = v.accepted_nodes == guess
+                    && pre.tree.roots().next().map(|r| pre.tree.token(r)) == Some(v.next);
+                let tree = if hit {
+                    subtree(&pre.tree, 0)
+                } else {
+                    TokenTree::new()
+                };
+                next_tree = Some(Drafted { tree, ms: 0.0 });
+            }
+            if self.cfg.adaptive_depth && depth > 0 {
+                self.depth.observe(depth, v.accepted.len(), drafted.ms, verify_ms);
+            }
+            // Cut at a stop token or at max_tokens.
+            let mut stop_now = None;
+            if let Some(k) = emitted
+                .iter()
+                .position(|t| self.o.eos.contains(t) || self.cfg.stop_token_ids.contains(t))
+            {
+                emitted.truncate(k + 1);
+                stop_now = Some(StopReason::Eos);
+            }
+            if out.len() + emitted.len() >= self.cfg.max_tokens {
+                emitted.truncate(self.cfg.max_tokens - out.len());
+                stop_now.get_or_insert(StopReason::MaxTokens);
+            }
+            if out.is_empty() {
+                ttft_ms = start.elapsed().as_secs_f64() * 1e3;
+            }
+            on_tokens(&emitted);
+            out.extend_from_slice(&emitted);
+            self.seq.extend_from_slice(&emitted);
+            self.pending = vec![v.next];
+            self.target_cached = Some(v.cached_len);
+            rounds.push(RoundRecord {
+                drafted: depth,
+                tree_nodes: drafted.tree.len(),
+                accepted: v.accepted.len(),
+                emitted,
+                draft_ms: drafted.ms,
+                verify_ms,
+                verify_server_ms: server_ms,
+                overlap_hit,
+            });
+            if let Some(s) = stop_now {
+                break s;
+            }
+        };
+        let elapsed = start.elapsed().as_secs_f64();
+        Ok(Generation {
+            stats: GenerationStats::from_rounds(&rounds, elapsed, ttft_ms),
+            token_ids: out,
+            stop_reason: stop,
+            rounds,
+        })
+    }
+
+    async fn draft(
+        &mut self,
+        seq: &[u32],
+        widths: &[usize],
+    ) -> Result<Drafted, OrchestratorError> {
+        let no = self.request_no;
+        self.request_no += 1;
+        draft_call(self.o, self.session, self.cfg, no, seq, widths, &self.limits()).await
+    }
+
+    /// Verifies `tree`, by delta when the target holds the session, else with the full
+    /// sequence; a lost session or a restarted target gets the full sequence again.
+    async fn verify(&mut self, tree: &TokenTree) -> Result<(Verified, f64, f64), OrchestratorError> {
+        let (draft_tree, root_distribution) = tree.to_proto();
+        let give_up = Instant::now() + RECONNECT_WINDOW;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let mut req = VerifyRequest {
+                request_id: format!("{}-{}", self.session, self.request_no),
+                session_id: self.session.to_string(),
+                draft_tree: draft_tree.clone(),
+                root_distribution: root_distribution.clone(),
+                siblings_without_replacement: tree.siblings_without_replacement(),
+                temperature: self.cfg.temperature,
+                sampling: Some(self.cfg.sampling()),
+                ..Default::default()
+            };
+            self.request_no += 1;
+            match self.target_cached {
+                Some(len) => {
+                    req.new_token_ids = self.pending.iter().map(|&t| t as i32).collect();
+                    req.expected_prefix_length = len as i32;
+                }
+                None => req.prompt_token_ids = self.seq.iter().map(|&t| t as i32).collect(),
+            }
+            let t0 = Instant::now();
+            let mut target = self.o.target.clone();
+            match target.verify_drafts(req).await {
+                Ok(r) => {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let r = r.into_inner();
+                    let server_ms = r.telemetry.as_ref().map_or(0.0, |t| t.wall_time_ms);
+                    return Ok((Verified::from_response(&r, tree)?, ms, server_ms));
+                }
+                Err(s) if s.code() == Code::FailedPrecondition && self.target_cached.is_some() => {
+                    tracing::warn!(session = self.session, "target lost the session ({}); resending the full context", s.message());
+                    self.target_cached = None;
+                }
+                Err(s)
+                    if matches!(s.code(), Code::Unavailable | Code::Unknown)
+                        && Instant::now() < give_up =>
+                {
+                    tracing::warn!(addr = %self.o.target_addr, "target unavailable ({}); retrying", s.message());
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    // A restarted target holds no session: start over with the full context.
+                    self.target_cached = None;
+                }
+                Err(s) => return Err(rpc("target")(s)),
+            }
+        }
+    }
+}
+
+async fn draft_call(
+    o: &Orchestrator,
+    session: &str,
+    cfg: &GenerateConfig,
+    request_no: u64,
+    seq: &[u32],
+    widths: &[usize],
+    limits: &TreeLimits,
+) -> Result<Drafted, OrchestratorError> {
+    let Some(draft) = &o.draft else {
+        return Err(OrchestratorError::Config("no draft worker".into()));
+    };
+    let req = DraftRequest {
+        request_id: format!("{session}-{request_no}"),
+        prompt_token_ids: seq.iter().map(|&t| t as i32).collect(),
+        max_draft_len: widths.len() as i32,
+        num_beams: widths.first().copied().unwrap_or(1) as i32,
+        temperature: Some(cfg.temperature),
+        reset_cache: false,
+        session_id: session.to_string(),
+        tree_widths: widths.iter().map(|&w| w as i32).collect(),
+        sampling: Some(cfg.sampling()),
+    };
+    let t0 = Instant::now();
+    let mut d = draft.clone();
+    let r = d.generate_drafts(req).await.map_err(rpc("draft"))?.into_inner();
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let tree = TokenTree::from_proto(
+        &r.draft_tree,
+        r.root_distribution.as_ref(),
+        r.siblings_without_replacement,
+        limits,
+    )
+    .map_err(|e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}")))?;
+    Ok(Drafted { tree, ms })
+}
+
+/// A verdict as received.
+struct Verified {
+    accepted: Vec<u32>,
+    accepted_nodes: Vec<usize>,
+    next: u32,
+    cached_len: usize,
+}
+
+impl Verified {
+    fn from_response(
+        r: &specsplit_proto::VerifyResponse,
+        tree: &TokenTree,
+    ) -> Result<Self, OrchestratorError> {
+        let accepted: Vec<u32> = r.accepted_token_ids.iter().map(|&t| t as u32).collect();
+        let accepted_nodes: Vec<usize> = if r.accepted_node_indices.len() == accepted.len() {
+            r.accepted_node_indices.iter().map(|&i| i as usize).collect()
+        } else {
+            // A peer without node indices: recover the path by walking the tree.
+            path_of_tokens(tree, &accepted).ok_or_else(|| {
+                OrchestratorError::Protocol("accepted tokens are not a path of the tree".into())
+            })?
+        };
+        if !r.has_correction {
+            return Err(OrchestratorError::Protocol(
+                "the target returned no next token".into(),
+            ));
+        }
+        Ok(Self {
+            accepted,
+            accepted_nodes,
+            next: r.correction_token_id as u32,
+            cached_len: r.cached_length.max(0) as usize,
+        })
+    }
+}
+
+/// Node indices of the path from a root whose tokens are `tokens`, if any.
+fn path_of_tokens(tree: &TokenTree, tokens: &[u32]) -> Option<Vec<usize>> {
+    let mut path = Vec::with_capacity(tokens.len());
+    let mut candidates: Vec<usize> = tree.roots().collect();
+    for &t in tokens {
+        let n = *candidates.iter().find(|&&i| tree.token(i) == t)?;
+        path.push(n);
+        candidates = tree.children(n).collect();
+    }
+    Some(path)
+}
+
+/// The path that follows the first child from the first root down to a leaf.
+fn first_child_path(tree: &TokenTree) -> Vec<usize> {
+    let mut path = Vec::new();
+    let mut next = tree.roots().next();
+    while let Some(n) = next {
+        path.push(n);
+        next = tree.children(n).next();
+    }
+    path
+}
+
+/// The subtree below `root` (excluded) as a tree of its own: `root`'s children become roots
+/// and `root`'s child distribution becomes the root distribution.
+fn subtree(tree: &TokenTree, root: usize) -> TokenTree {
+    let mut t = TokenTree::new();
+    t.set_siblings_without_replacement(tree.siblings_without_replacement());
+    if let Some(d) = tree.child_distribution(root) {
+        t.set_root_distribution(d.clone());
+    }
+    // Breadth-first over the descendants keeps the new tree breadth-first.
+    let mut queue: std::collections::VecDeque<(usize, Option<usize>)> =
+        tree.children(root).map(|c| (c, None)).collect();
+    while let Some((old, parent)) = queue.pop_front() {
+        let new = match parent {
+            None => t.push_root(tree.token(old), tree.log_prob(old)),
+            Some(p) => t.push_child(p, tree.token(old), tree.log_prob(old)),
+        }
+        .expect("breadth-first copy of a valid tree");
+        if let Some(d) = tree.child_distribution(old) {
+            t.set_child_distribution(new, d.clone())
+                .expect("node just added");
+        }
+        queue.extend(tree.children(old).map(|c| (c, Some(new))));
+    }
+    t
+}

@@ -1,0 +1,157 @@
+//! specsplit-orchestrator: runs speculative decoding against a draft and a target worker.
+//!
+//! Each round drafts a token tree, has the target verify it in one pass, and emits the accepted
+//! tokens plus the target's own next token. In the overlapped pipeline the next round's tree is
+//! drafted while the current one is verified, on the guess that the tree's first-child path is
+//! accepted. Sessions are ended on both workers on every exit path.
+
+mod adaptive;
+mod client;
+mod stats;
+
+pub use adaptive::DepthController;
+pub use client::{Orchestrator, OrchestratorError};
+pub use stats::{GenerationStats, RoundRecord};
+
+use serde::{Deserialize, Serialize};
+
+/// Whether a draft model is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Speculative decoding with the draft worker.
+    #[default]
+    Spec,
+    /// The target alone, one token per round (the reference speculation must match).
+    Ar,
+}
+
+/// How drafting and verification are scheduled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Pipeline {
+    /// Draft, then verify, then draft again.
+    Sequential,
+    /// Draft round N+1 while round N is verified (on the guess that its first-child path is
+    /// accepted); redraft on a miss.
+    #[default]
+    Overlapped,
+}
+
+/// Why a generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// An end-of-sequence token was generated.
+    Eos,
+    /// `max_tokens` new tokens were generated.
+    MaxTokens,
+    /// The deadline passed.
+    Deadline,
+}
+
+/// Settings of one generation.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GenerateConfig {
+    /// Speculative or target-only.
+    pub mode: Mode,
+    /// Sequential or overlapped rounds.
+    pub pipeline: Pipeline,
+    /// Most new tokens to generate.
+    pub max_tokens: usize,
+    /// Children per node at each depth of the draft tree, e.g. `[4, 2, 1, 1]`; all ones is a chain.
+    pub widths: Vec<usize>,
+    /// Adapt the tree depth to measured acceptance and timings.
+    pub adaptive_depth: bool,
+    /// Smallest depth the adaptive controller may choose.
+    pub min_depth: usize,
+    /// Largest depth the adaptive controller may choose.
+    pub max_depth: usize,
+    /// Sampling temperature (0 = greedy).
+    pub temperature: f32,
+    /// Top-k truncation (0 = off).
+    pub top_k: usize,
+    /// Top-p truncation (1 = off).
+    pub top_p: f32,
+    /// Seed of the random choices (0 = random).
+    pub seed: u64,
+    /// Stop after this many milliseconds (0 = no deadline).
+    pub deadline_ms: u64,
+    /// Stop at these tokens (besides the workers' own EOS ids).
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for GenerateConfig {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Spec,
+            pipeline: Pipeline::Overlapped,
+            max_tokens: 128,
+            widths: vec![1, 1, 1, 1],
+            adaptive_depth: false,
+            min_depth: 1,
+            max_depth: 12,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            deadline_ms: 0,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+impl GenerateConfig {
+    /// The sampling parameters in wire form.
+    pub fn sampling(&self) -> specsplit_proto::SamplingParams {
+        specsplit_proto::SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k as i32,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
+
+    /// Checks the settings, with a message naming the bad one.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_tokens == 0 {
+            return Err("max_tokens must be at least 1".into());
+        }
+        if self.mode == Mode::Spec && (self.widths.is_empty() || self.widths.contains(&0)) {
+            return Err(format!(
+                "tree widths must be positive numbers, got {:?}",
+                self.widths
+            ));
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(format!("top_p must lie in [0, 1], got {}", self.top_p));
+        }
+        if self.min_depth == 0 || self.min_depth > self.max_depth {
+            return Err(format!(
+                "adaptive depth bounds must satisfy 1 <= min_depth <= max_depth, got {}..{}",
+                self.min_depth, self.max_depth
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The result of one generation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Generation {
+    /// Generated token ids (not including the prompt).
+    pub token_ids: Vec<u32>,
+    /// Why it stopped.
+    pub stop_reason: StopReason,
+    /// Summary statistics.
+    pub stats: GenerationStats,
+    /// One record per round.
+    pub rounds: Vec<RoundRecord>,
+}

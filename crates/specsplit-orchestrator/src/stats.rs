@@ -1,0 +1,124 @@
+//! Per-round records and the summary statistics of a generation.
+
+use serde::Serialize;
+
+/// What happened in one round.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RoundRecord {
+    /// Depth of the draft tree (the most tokens it could get accepted); 0 for a target-only step.
+    pub drafted: usize,
+    /// Nodes in the draft tree.
+    pub tree_nodes: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
+    /// Tokens emitted this round (accepted + the target's next token, cut at a stop).
+    pub emitted: Vec<u32>,
+    /// Wall time of the draft call that produced this round's tree, in ms (0 when it was
+    /// drafted during the previous round's verification).
+    pub draft_ms: f64,
+    /// Wall time of the verify call, in ms.
+    pub verify_ms: f64,
+    /// Time the target reported spending on the request, in ms.
+    pub verify_server_ms: f64,
+    /// Whether this round's tree came from the overlapped pre-draft (None when not attempted).
+    pub overlap_hit: Option<bool>,
+}
+
+/// Summary of a generation.
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct GenerationStats {
+    /// New tokens generated.
+    pub tokens: usize,
+    /// Wall time from the first request to the last token, in seconds.
+    pub elapsed_s: f64,
+    /// Tokens per second over the whole generation.
+    pub tokens_per_s: f64,
+    /// Time to the first generated token, in ms.
+    pub ttft_ms: f64,
+    /// Mean time per output token after the first, in ms.
+    pub tpot_ms: f64,
+    /// Accepted ÷ drafted, where drafted counts the depth of each round's tree.
+    pub acceptance_rate: f64,
+    /// 1 + accepted ÷ rounds over speculative rounds.
+    pub mean_accepted_len: f64,
+    /// Number of rounds.
+    pub rounds: usize,
+    /// Overlapped pre-drafts used ÷ attempted (0 when none was attempted).
+    pub overlap_hit_rate: f64,
+    /// Pre-drafts attempted.
+    pub overlap_attempts: usize,
+    /// Share of verify wall time spent outside the target's own handling (network, serialization).
+    pub network_share: f64,
+}
+
+impl GenerationStats {
+    /// Summarises `rounds`, given the total and first-token times.
+    pub fn from_rounds(rounds: &[RoundRecord], elapsed_s: f64, ttft_ms: f64) -> Self {
+        let tokens: usize = rounds.iter().map(|r| r.emitted.len()).sum();
+        let drafted: usize = rounds.iter().map(|r| r.drafted).sum();
+        let accepted: usize = rounds.iter().map(|r| r.accepted).sum();
+        let spec_rounds = rounds.iter().filter(|r| r.drafted > 0).count();
+        let attempts = rounds.iter().filter(|r| r.overlap_hit.is_some()).count();
+        let hits = rounds.iter().filter(|r| r.overlap_hit == Some(true)).count();
+        let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
+        let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        Self {
+            tokens,
+            elapsed_s,
+            tokens_per_s: ratio(tokens as f64, elapsed_s),
+            ttft_ms,
+            tpot_ms: if tokens > 1 {
+                (elapsed_s * 1e3 - ttft_ms) / (tokens - 1) as f64
+            } else {
+                0.0
+            },
+            acceptance_rate: ratio(accepted as f64, drafted as f64),
+            mean_accepted_len: if spec_rounds > 0 {
+                1.0 + accepted as f64 / spec_rounds as f64
+            } else {
+                1.0
+            },
+            rounds: rounds.len(),
+            overlap_hit_rate: ratio(hits as f64, attempts as f64),
+            overlap_attempts: attempts,
+            network_share: ratio((verify - server).max(0.0), verify),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round(drafted: usize, accepted: usize, hit: Option<bool>) -> RoundRecord {
+        RoundRecord {
+            drafted,
+            tree_nodes: drafted,
+            accepted,
+            emitted: vec![7; accepted + 1],
+            draft_ms: 1.0,
+            verify_ms: 10.0,
+            verify_server_ms: 8.0,
+            overlap_hit: hit,
+        }
+    }
+
+    #[test]
+    fn summary_follows_the_documented_definitions() {
+        let rounds = vec![
+            round(4, 4, None),
+            round(4, 1, Some(true)),
+            round(4, 0, Some(false)),
+        ];
+        let s = GenerationStats::from_rounds(&rounds, 2.0, 100.0);
+        assert_eq!(s.tokens, 5 + 2 + 1);
+        assert_eq!(s.rounds, 3);
+        assert!((s.acceptance_rate - 5.0 / 12.0).abs() < 1e-12);
+        assert!((s.mean_accepted_len - (1.0 + 5.0 / 3.0)).abs() < 1e-12);
+        assert!((s.overlap_hit_rate - 0.5).abs() < 1e-12);
+        assert!((s.tokens_per_s - 4.0).abs() < 1e-12);
+        assert!((s.tpot_ms - 1900.0 / 7.0).abs() < 1e-9);
+        assert!((s.network_share - 0.2).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,155 @@
+//! Starting a worker from its configuration: load the model, bind, serve until shutdown.
+//! Shared by the worker binaries and the CLI's in-process mode.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
+use tokio::net::TcpListener;
+
+use crate::config::WorkerConfig;
+use crate::draft::DraftEngine;
+use crate::service::{serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo};
+use crate::session::SessionLimits;
+use crate::target::TargetEngine;
+
+/// Errors starting a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// A setting is unusable.
+    #[error("{0}")]
+    Config(String),
+    /// The model failed to load.
+    #[error("loading model '{spec}': {source}")]
+    Model {
+        /// The `--model` value.
+        spec: String,
+        /// What failed.
+        source: specsplit_models::ModelError,
+    },
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device, LaunchError> {
+    let bad = |e: candle_core::Error| LaunchError::Config(format!("device '{s}': {e}"));
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Device::new_cuda(0).map_err(bad),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Device::new_cuda(n).map_err(bad),
+            _ => Err(LaunchError::Config(format!(
+                "unknown device '{s}': use cpu, cuda or cuda:N"
+            ))),
+        },
+    }
+}
+
+/// Parses `f32`, `f16`, `bf16`, or "" for the device default.
+pub fn parse_dtype(s: &str) -> Result<Option<DType>, LaunchError> {
+    match s {
+        "" => Ok(None),
+        "f32" => Ok(Some(DType::F32)),
+        "f16" => Ok(Some(DType::F16)),
+        "bf16" => Ok(Some(DType::BF16)),
+        _ => Err(LaunchError::Config(format!(
+            "unknown dtype '{s}': use f32, f16 or bf16"
+        ))),
+    }
+}
+
+/// Loads the model a worker configuration names.
+pub fn load(cfg: &WorkerConfig) -> Result<LoadedModel, LaunchError> {
+    let opts = LoadOptions {
+        device: parse_device(&cfg.device)?,
+        dtype: parse_dtype(&cfg.dtype)?,
+    };
+    load_model(&cfg.model, &opts).map_err(|source| LaunchError::Model {
+        spec: cfg.model.clone(),
+        source,
+    })
+}
+
+fn limits(cfg: &WorkerConfig) -> SessionLimits {
+    SessionLimits {
+        max_sessions: cfg.max_sessions.max(1),
+        memory_budget_bytes: cfg.memory_budget_mb.saturating_mul(1 << 20),
+        ttl: Duration::from_secs(cfg.session_ttl_secs.max(1)),
+    }
+}
+
+fn info(cfg: &WorkerConfig, m: &LoadedModel) -> WorkerInfo {
+    let dev = match m.model.device() {
+        Device::Cpu => "cpu".to_string(),
+        d => format!("{d:?}"),
+    };
+    WorkerInfo {
+        model_name: m.name.clone(),
+        vocab_size: m.model.config().vocab_size,
+        eos_token_ids: m.tokenizer.eos_token_ids().to_vec(),
+        max_context: cfg.max_context,
+        max_tree_nodes: cfg.max_tree_nodes,
+        max_prompt_len: cfg.max_prompt_len,
+        device: dev,
+    }
+}
+
+/// Binds `cfg.listen`, returning the listener and its actual address (port 0 picks one).
+pub async fn bind(cfg: &WorkerConfig) -> Result<(TcpListener, SocketAddr), LaunchError> {
+    let l = TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|source| LaunchError::Bind {
+            addr: cfg.listen.clone(),
+            source,
+        })?;
+    let addr = l.local_addr().map_err(|source| LaunchError::Bind {
+        addr: cfg.listen.clone(),
+        source,
+    })?;
+    Ok((l, addr))
+}
+
+/// A draft worker service over a loaded model.
+pub fn draft_worker(cfg: &WorkerConfig, m: LoadedModel) -> DraftWorker {
+    let info = info(cfg, &m);
+    let eos = m.tokenizer.eos_token_ids().to_vec();
+    let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context);
+    DraftWorker::new(Arc::new(engine), limits(cfg), info)
+}
+
+/// A target worker service over a loaded model.
+pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
+    let info = info(cfg, &m);
+    let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context);
+    TargetWorker::new(Arc::new(engine), limits(cfg), info)
+}
+
+/// Serves a draft worker for `m` on `listener` until `shutdown`.
+pub async fn run_draft(
+    cfg: &WorkerConfig,
+    m: LoadedModel,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    serve_draft(draft_worker(cfg, m), listener, shutdown).await
+}
+
+/// Serves a target worker for `m` on `listener` until `shutdown`.
+pub async fn run_target(
+    cfg: &WorkerConfig,
+    m: LoadedModel,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    serve_target(target_worker(cfg, m), listener, shutdown).await
+}

@@ -1,0 +1,16 @@
+//! specsplit-workers: the draft and target engines and the gRPC services that expose them.
+//!
+//! The engines ([`draft::DraftEngine`], [`target::TargetEngine`]) own the per-session KV caches
+//! and call into `specsplit-core` for the math; the services ([`service`]) translate the wire
+//! protocol, enforce limits and map errors to gRPC status codes. No math lives in the services.
+
+pub mod cli;
+pub mod config;
+pub mod draft;
+pub mod error;
+pub mod launch;
+pub mod service;
+pub mod session;
+pub mod target;
+
+pub use error::EngineError;

@@ -1,0 +1,441 @@
+//! gRPC services over the engines: request validation, session lookup, status codes,
+//! telemetry, the standard health service, TTL sweeping and graceful shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use specsplit_core::sampling::SamplingParams;
+use specsplit_core::tree::{TokenTree, TreeLimits};
+use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
+use specsplit_proto::target_service_server::{TargetService, TargetServiceServer};
+use specsplit_proto::{
+    DraftRequest, DraftResponse, EndSessionRequest, EndSessionResponse, PingRequest, PingResponse,
+    TelemetryMetadata, VerifyRequest, VerifyResponse,
+};
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+
+use crate::draft::{tree_size, DraftEngine, DraftParams, DraftSession};
+use crate::session::{SessionHandle, SessionLimits, SessionStore};
+use crate::target::{Prefix, TargetEngine, TargetSession};
+use crate::EngineError;
+
+/// Largest gRPC message accepted or sent (dense draft distributions are large).
+pub const MAX_MESSAGE_BYTES: usize = 512 << 20;
+
+/// Identity and limits a worker reports and enforces.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    /// Name of the loaded model.
+    pub model_name: String,
+    /// Vocabulary size (logit rows).
+    pub vocab_size: usize,
+    /// End-of-sequence token ids.
+    pub eos_token_ids: Vec<u32>,
+    /// Tokens one session may hold.
+    pub max_context: usize,
+    /// Most nodes of a draft tree.
+    pub max_tree_nodes: usize,
+    /// Longest prompt accepted.
+    pub max_prompt_len: usize,
+    /// Device label for telemetry, e.g. "cpu" or "cuda:0".
+    pub device: String,
+}
+
+impl WorkerInfo {
+    fn ping(&self, worker_type: &str) -> PingResponse {
+        PingResponse {
+            status: "ok".into(),
+            worker_type: worker_type.into(),
+            model_name: self.model_name.clone(),
+            vocab_size: self.vocab_size as i32,
+            eos_token_ids: self.eos_token_ids.iter().map(|&t| t as i32).collect(),
+            max_context: self.max_context as i32,
+        }
+    }
+
+    fn tokens(&self, ids: &[i32], what: &str) -> Result<Vec<u32>, Status> {
+        if ids.len() > self.max_prompt_len {
+            return Err(Status::invalid_argument(format!(
+                "{what} has {} tokens; this worker accepts at most {} (max_prompt_len)",
+                ids.len(),
+                self.max_prompt_len
+            )));
+        }
+        ids.iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                if t < 0 || t as usize >= self.vocab_size {
+                    Err(Status::invalid_argument(format!(
+                        "{what}[{i}] = {t} is outside the vocabulary [0, {})",
+                        self.vocab_size
+                    )))
+                } else {
+                    Ok(t as u32)
+                }
+            })
+            .collect()
+    }
+
+    fn telemetry(&self, start: Instant, model: Duration, tokens: usize) -> TelemetryMetadata {
+        TelemetryMetadata {
+            span_id: format!("{:016x}", rand::random::<u64>()),
+            wall_time_ms: start.elapsed().as_secs_f64() * 1e3,
+            model_time_ms: model.as_secs_f64() * 1e3,
+            tokens_processed: tokens as i32,
+            device: self.device.clone(),
+        }
+    }
+}
+
+fn sampling_from(
+    full: Option<&specsplit_proto::SamplingParams>,
+    temperature: f32,
+) -> Result<SamplingParams, Status> {
+    let p = match full {
+        Some(p) => SamplingParams::from_proto(p),
+        None => SamplingParams::from_proto(&specsplit_proto::SamplingParams {
+            temperature,
+            ..Default::default()
+        }),
+    };
+    p.map_err(|e| Status::invalid_argument(format!("sampling parameters: {e}")))
+}
+
+/// Runs `f` on a blocking thread while holding `session`'s lock (one request per session at
+/// a time; model forwards never block the async runtime).
+async fn with_session<S, T>(
+    session: SessionHandle<S>,
+    f: impl FnOnce(&mut S) -> Result<T, EngineError> + Send + 'static,
+) -> Result<T, Status>
+where
+    S: Send + 'static,
+    T: Send + 'static,
+{
+    let mut guard = session.lock_owned().await;
+    tokio::task::spawn_blocking(move || f(&mut guard))
+        .await
+        .map_err(|e| Status::internal(format!("worker task failed: {e}")))?
+        .map_err(Status::from)
+}
+
+/// The draft worker's gRPC service.
+pub struct DraftWorker {
+    engine: Arc<DraftEngine>,
+    store: Arc<SessionStore<DraftSession>>,
+    info: WorkerInfo,
+}
+
+impl DraftWorker {
+    /// A service over `engine` with sessions bounded by `limits`.
+    pub fn new(engine: Arc<DraftEngine>, limits: SessionLimits, info: WorkerInfo) -> Self {
+        Self {
+            engine,
+            store: Arc::new(SessionStore::new(limits)),
+            info,
+        }
+    }
+
+    /// The session store (for inspection and sweeping).
+    pub fn sessions(&self) -> Arc<SessionStore<DraftSession>> {
+        self.store.clone()
+    }
+
+    fn widths(&self, r: &DraftRequest) -> Result<Vec<usize>, Status> {
+        let widths: Vec<usize> = if !r.tree_widths.is_empty() {
+            if r.tree_widths.iter().any(|&w| w <= 0) {
+                return Err(Status::invalid_argument(format!(
+                    "tree_widths must all be positive, got {:?}",
+                    r.tree_widths
+                )));
+            }
+            r.tree_widths.iter().map(|&w| w as usize).collect()
+        } else {
+            if r.max_draft_len <= 0 {
+                return Err(Status::invalid_argument(format!(
+                    "max_draft_len must be positive, got {}",
+                    r.max_draft_len
+                )));
+            }
+            let mut w = vec![1usize; r.max_draft_len as usize];
+            w[0] = r.num_beams.max(1) as usize;
+            w
+        };
+        let n = tree_size(&widths);
+        if n > self.info.max_tree_nodes {
+            return Err(Status::invalid_argument(format!(
+                "a tree with widths {widths:?} has {n} nodes; this worker drafts at most {} \
+                 (max_tree_nodes)",
+                self.info.max_tree_nodes
+            )));
+        }
+        Ok(widths)
+    }
+}
+
+#[tonic::async_trait]
+impl DraftService for DraftWorker {
+    async fn generate_drafts(
+        &self,
+        request: Request<DraftRequest>,
+    ) -> Result<Response<DraftResponse>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        let tokens = self.info.tokens(&r.prompt_token_ids, "prompt_token_ids")?;
+        let widths = self.widths(&r)?;
+        let sampling = sampling_from(r.sampling.as_ref(), r.temperature.unwrap_or(0.0))?;
+        let session = if r.session_id.is_empty() {
+            Arc::new(tokio::sync::Mutex::new(
+                self.engine
+                    .new_session(sampling.seed)
+                    .map_err(Status::from)?,
+            ))
+        } else {
+            if r.reset_cache {
+                self.store.remove(&r.session_id);
+            }
+            let engine = self.engine.clone();
+            let seed = sampling.seed;
+            self.store
+                .get_or_create(&r.session_id, self.engine.session_bytes(), || {
+                    engine.new_session(seed)
+                })?
+                .0
+        };
+        let engine = self.engine.clone();
+        let params = DraftParams { widths, sampling };
+        let (tree, stats) =
+            with_session(session, move |s| engine.draft(s, &tokens, &params)).await?;
+        let (draft_tree, root_distribution) = tree.to_proto();
+        Ok(Response::new(DraftResponse {
+            request_id: r.request_id,
+            draft_tree,
+            telemetry: Some(
+                self.info
+                    .telemetry(start, stats.model_time, stats.tokens_processed),
+            ),
+            root_distribution,
+            siblings_without_replacement: tree.siblings_without_replacement(),
+        }))
+    }
+
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        Ok(Response::new(self.info.ping("draft")))
+    }
+
+    async fn end_session(
+        &self,
+        request: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        let id = request.into_inner().session_id;
+        let was_active = self.store.remove(&id);
+        Ok(Response::new(EndSessionResponse {
+            session_id: id,
+            was_active,
+        }))
+    }
+}
+
+/// The target worker's gRPC service.
+pub struct TargetWorker {
+    engine: Arc<TargetEngine>,
+    store: Arc<SessionStore<TargetSession>>,
+    info: WorkerInfo,
+}
+
+impl TargetWorker {
+    /// A service over `engine` with sessions bounded by `limits`.
+    pub fn new(engine: Arc<TargetEngine>, limits: SessionLimits, info: WorkerInfo) -> Self {
+        Self {
+            engine,
+            store: Arc::new(SessionStore::new(limits)),
+            info,
+        }
+    }
+
+    /// The session store (for inspection and sweeping).
+    pub fn sessions(&self) -> Arc<SessionStore<TargetSession>> {
+        self.store.clone()
+    }
+}
+
+#[tonic::async_trait]
+impl TargetService for TargetWorker {
+    async fn verify_drafts(
+        &self,
+        request: Request<VerifyRequest>,
+    ) -> Result<Response<VerifyResponse>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        let sampling = sampling_from(r.sampling.as_ref(), r.temperature)?;
+        let tree = if r.draft_tree.is_empty() {
+            TokenTree::new()
+        } else {
+            let limits = TreeLimits {
+                max_nodes: self.info.max_tree_nodes,
+                max_depth: self.info.max_tree_nodes,
+                vocab_size: self.info.vocab_size,
+            };
+            let tree = TokenTree::from_proto(
+                &r.draft_tree,
+                r.root_distribution.as_ref(),
+                r.siblings_without_replacement,
+                &limits,
+            )
+            .map_err(|e| Status::invalid_argument(format!("draft_tree: {e}")))?;
+            if !sampling.is_greedy() {
+                tree.require_distributions()
+                    .map_err(|e| Status::invalid_argument(format!("draft_tree: {e}")))?;
+            }
+            tree
+        };
+        let prefix = if !r.prompt_token_ids.is_empty() {
+            Prefix::Full(self.info.tokens(&r.prompt_token_ids, "prompt_token_ids")?)
+        } else {
+            if r.expected_prefix_length < 0 {
+                return Err(Status::invalid_argument(
+                    "expected_prefix_length must not be negative",
+                ));
+            }
+            Prefix::Delta {
+                new_tokens: self.info.tokens(&r.new_token_ids, "new_token_ids")?,
+                expected_len: r.expected_prefix_length as usize,
+            }
+        };
+        let session = match (&prefix, r.session_id.is_empty()) {
+            (Prefix::Delta { .. }, true) => {
+                return Err(Status::failed_precondition(
+                    "a delta request (no prompt_token_ids) needs a session_id; send the full prompt",
+                ))
+            }
+            (Prefix::Full(_), true) => Arc::new(tokio::sync::Mutex::new(
+                self.engine
+                    .new_session(sampling.seed)
+                    .map_err(Status::from)?,
+            )),
+            (Prefix::Delta { .. }, false) => self.store.get(&r.session_id).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "session '{}' is not cached here (evicted, expired or never started); \
+                     resend the full prompt",
+                    r.session_id
+                ))
+            })?,
+            (Prefix::Full(_), false) => {
+                let engine = self.engine.clone();
+                let seed = sampling.seed;
+                self.store
+                    .get_or_create(&r.session_id, self.engine.session_bytes(), || {
+                        engine.new_session(seed)
+                    })?
+                    .0
+            }
+        };
+        let engine = self.engine.clone();
+        let out = with_session(session, move |s| {
+            engine.verify(s, prefix, &tree, &sampling)
+        })
+        .await?;
+        let v = &out.verdict;
+        Ok(Response::new(VerifyResponse {
+            request_id: r.request_id,
+            accepted_token_ids: v.accepted_tokens.iter().map(|&t| t as i32).collect(),
+            correction_token_id: v.next_token as i32,
+            num_accepted: v.accepted_tokens.len() as i32,
+            telemetry: Some(
+                self.info
+                    .telemetry(start, out.model_time, out.tokens_processed),
+            ),
+            session_id: r.session_id,
+            cache_hit: out.cache_hit,
+            has_correction: true,
+            cached_length: out.cached_len as i32,
+            accepted_node_indices: v.accepted_nodes.iter().map(|&i| i as i32).collect(),
+        }))
+    }
+
+    async fn end_session(
+        &self,
+        request: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        let id = request.into_inner().session_id;
+        let was_active = self.store.remove(&id);
+        Ok(Response::new(EndSessionResponse {
+            session_id: id,
+            was_active,
+        }))
+    }
+
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        Ok(Response::new(self.info.ping("target")))
+    }
+}
+
+/// Sweeps expired sessions of `store` every few seconds until the returned task is aborted.
+fn spawn_sweeper<S: Send + 'static>(store: Arc<SessionStore<S>>) -> tokio::task::JoinHandle<()> {
+    let period = (store.limits().ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tick.tick().await;
+            let n = store.sweep_expired();
+            if n > 0 {
+                tracing::info!(expired = n, "dropped idle sessions");
+            }
+        }
+    })
+}
+
+/// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
+/// in-flight requests finish first.
+pub async fn serve_draft(
+    worker: DraftWorker,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let sweeper = spawn_sweeper(worker.sessions());
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<DraftServiceServer<DraftWorker>>()
+        .await;
+    let svc = DraftServiceServer::new(worker)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let r = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await;
+    sweeper.abort();
+    r
+}
+
+/// Serves the target worker (plus gRPC health) on `listener` until `shutdown` resolves;
+/// in-flight requests finish first.
+pub async fn serve_target(
+    worker: TargetWorker,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let sweeper = spawn_sweeper(worker.sessions());
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<TargetServiceServer<TargetWorker>>()
+        .await;
+    let svc = TargetServiceServer::new(worker)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let r = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await;
+    sweeper.abort();
+    r
+}

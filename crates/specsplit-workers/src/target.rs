@@ -1,0 +1,300 @@
+//! The target engine: per-session KV cache, the delta protocol, and verification of a whole
+//! draft tree in one forward pass followed by rollback/compaction to the accepted path.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Tensor, D};
+use rand_chacha::ChaCha8Rng;
+use specsplit_core::cache::SessionCache;
+use specsplit_core::mask::TreeMask;
+use specsplit_core::sampling::{self, SamplingParams};
+use specsplit_core::tree::TokenTree;
+use specsplit_core::verify::{self, Verdict};
+use specsplit_models::transformer::Transformer;
+
+use crate::draft::{common_prefix, seeded_rng};
+use crate::EngineError;
+
+/// One target session: the cached sequence and the logits after its last token.
+pub struct TargetSession {
+    cache: SessionCache,
+    tokens: Vec<u32>,
+    last_logits: Option<Tensor>,
+    rng: ChaCha8Rng,
+}
+
+impl TargetSession {
+    /// Tokens currently in the session's cache.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+/// Where the sequence before the tree comes from.
+#[derive(Debug, Clone)]
+pub enum Prefix {
+    /// The whole sequence so far; the longest cached common prefix is reused.
+    Full(Vec<u32>),
+    /// Tokens to append to the session's cached sequence, whose length must be `expected_len`.
+    Delta {
+        /// Tokens to append (the previous round's correction or bonus token).
+        new_tokens: Vec<u32>,
+        /// Length the caller believes the cached sequence has.
+        expected_len: usize,
+    },
+}
+
+/// The outcome of one verification round.
+#[derive(Debug, Clone)]
+pub struct VerifyOutcome {
+    /// Accepted path and the target's next token.
+    pub verdict: Verdict,
+    /// Length of the cached sequence afterwards (prefix + accepted; the next token is not cached).
+    pub cached_len: usize,
+    /// Whether a cached prefix was reused.
+    pub cache_hit: bool,
+    /// Time in the forward pass and the verdict's device→host copy.
+    pub model_time: Duration,
+    /// Tokens that went through the model.
+    pub tokens_processed: usize,
+}
+
+/// Verifies draft trees with the target model.
+pub struct TargetEngine {
+    model: Arc<Transformer>,
+    max_context: usize,
+}
+
+impl TargetEngine {
+    /// An engine over `model` whose sessions hold `max_context` tokens.
+    pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
+        Self { model, max_context }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Transformer {
+        &self.model
+    }
+
+    /// Bytes one session's cache takes.
+    pub fn session_bytes(&self) -> usize {
+        crate::draft::session_cache_bytes(&self.model, self.max_context)
+    }
+
+    /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
+    pub fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
+        Ok(TargetSession {
+            cache: self.model.new_cache(self.max_context)?,
+            tokens: Vec::new(),
+            last_logits: None,
+            rng: seeded_rng(seed),
+        })
+    }
+
+    /// Verifies `tree` after the sequence given by `prefix`, in one forward pass over the
+    /// uncached tail of the sequence and every tree node; then keeps only the accepted path in
+    /// the cache. An empty tree is a plain decoding step (the target alone).
+    pub fn verify(
+        &self,
+        s: &mut TargetSession,
+        prefix: Prefix,
+        tree: &TokenTree,
+        params: &SamplingParams,
+    ) -> Result<VerifyOutcome, EngineError> {
+        let (keep, new, cache_hit) = match prefix {
+            Prefix::Full(seq) => {
+                if seq.is_empty() {
+                    return Err(EngineError::InvalidArgument(
+                        "prompt_token_ids is empty: send the prompt, or use new_token_ids with \
+                         expected_prefix_length on an existing session"
+                            .into(),
+                    ));
+                }
+                let lcp = common_prefix(&s.tokens, &seq);
+                let reusable = lcp == seq.len() && lcp == s.tokens.len() && s.last_logits.is_some();
+                let keep = if reusable {
+                    lcp
+                } else {
+                    lcp.min(seq.len() - 1)
+                };
+                (keep, seq[keep..].to_vec(), keep > 0)
+            }
+            Prefix::Delta {
+                new_tokens,
+                expected_len,
+            } => {
+                if expected_len != s.tokens.len() {
+                    return Err(EngineError::FailedPrecondition(format!(
+                        "expected_prefix_length {} does not match the session's cached length {}; \
+                         resend the full prompt",
+                        expected_len,
+                        s.tokens.len()
+                    )));
+                }
+                if new_tokens.is_empty() && s.last_logits.is_none() {
+                    return Err(EngineError::FailedPrecondition(
+                        "the session has no pending logits and no new tokens were sent; resend \
+                         the full prompt"
+                            .into(),
+                    ));
+                }
+                (s.tokens.len(), new_tokens, true)
+            }
+        };
+        let needed = keep + new.len() + tree.len();
+        if needed > self.max_context {
+            return Err(EngineError::InvalidArgument(format!(
+                "sequence of {} tokens plus a {}-node tree exceeds the target context of {} tokens",
+                keep + new.len(),
+                tree.len(),
+                self.max_context
+            )));
+        }
+        s.cache.truncate(keep)?;
+        s.tokens.truncate(keep);
+        if !new.is_empty() {
+            s.last_logits = None;
+        }
+        let t0 = Instant::now();
+        let logits = self.forward_round(s, keep, &new, tree)?;
+        let verdict = self.decide(tree, &logits, params, &mut s.rng)?;
+        let model_time = t0.elapsed();
+
+        // Keep the accepted path: the prefix and the new tokens stay, the accepted tree nodes
+        // move down next to them, the rest is dropped.
+        let base = keep + new.len();
+        let kept: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| base + i).collect();
+        s.cache.compact(base, &kept)?;
+        s.tokens.extend_from_slice(&new);
+        s.tokens.extend_from_slice(&verdict.accepted_tokens);
+        let last_row = verdict.accepted_nodes.last().map_or(0, |&i| i + 1);
+        s.last_logits = Some(logits.get(last_row)?);
+        Ok(VerifyOutcome {
+            cached_len: s.tokens.len(),
+            cache_hit,
+            model_time,
+            tokens_processed: new.len() + tree.len(),
+            verdict,
+        })
+    }
+
+    /// One forward pass over `new` (causal, after `keep` cached tokens) and the tree nodes (each
+    /// seeing the whole sequence, its ancestors and itself). Returns the logits rows
+    /// (tree.len() + 1, vocab): row 0 after the sequence, row i+1 after node i.
+    fn forward_round(
+        &self,
+        s: &mut TargetSession,
+        keep: usize,
+        new: &[u32],
+        tree: &TokenTree,
+    ) -> Result<Tensor, EngineError> {
+        let dev = self.model.device().clone();
+        // A long uncached tail (the prompt) is prefilled causally first, so the combined
+        // chain+tree mask below stays small.
+        let (keep, new) = if new.len() > 1 {
+            let head = &new[..new.len() - 1];
+            let ids = Tensor::new(head, &dev)?;
+            let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
+            let pos = Tensor::new(pos.as_slice(), &dev)?;
+            let rows = Tensor::new(&[0u32], &dev)?;
+            self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
+            (keep + head.len(), &new[new.len() - 1..])
+        } else {
+            (keep, new)
+        };
+        if new.is_empty() && tree.is_empty() {
+            let l = s.last_logits.as_ref().ok_or_else(|| {
+                EngineError::FailedPrecondition("no pending logits; resend the full prompt".into())
+            })?;
+            return Ok(l.unsqueeze(0)?);
+        }
+        // The new tokens form a chain and the tree hangs below its last token: one combined
+        // tree gives the mask and positions of the whole pass.
+        let combined = chain_then_tree(new, tree)?;
+        let mask = TreeMask::new(&combined);
+        let mask_t = mask.to_tensor(keep, self.model.dtype(), &dev)?;
+        let pos = Tensor::new(mask.positions(keep).as_slice(), &dev)?;
+        let ids = Tensor::new(combined.tokens(), &dev)?;
+        let first_row = new.len().saturating_sub(1);
+        let want: Vec<u32> = (first_row..combined.len()).map(|r| r as u32).collect();
+        let want = Tensor::new(want.as_slice(), &dev)?;
+        let logits = self
+            .model
+            .forward(&ids, &pos, Some(&mask_t), &mut s.cache, &want)?;
+        if new.is_empty() {
+            let l = s.last_logits.as_ref().ok_or_else(|| {
+                EngineError::FailedPrecondition("no pending logits; resend the full prompt".into())
+            })?;
+            Ok(Tensor::cat(&[&l.unsqueeze(0)?, &logits], 0)?)
+        } else {
+            Ok(logits)
+        }
+    }
+
+    /// The verdict from the logits rows: greedy compares device-side argmaxes (one small copy),
+    /// sampling copies the rows and runs lossless multi-step speculative sampling.
+    fn decide(
+        &self,
+        tree: &TokenTree,
+        logits: &Tensor,
+        params: &SamplingParams,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Verdict, EngineError> {
+        if params.is_greedy() {
+            let next: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            if tree.is_empty() {
+                return Ok(Verdict {
+                    accepted_nodes: vec![],
+                    accepted_tokens: vec![],
+                    next_token: next[0],
+                    bonus: false,
+                });
+            }
+            return verify::verify_greedy(tree, &next)
+                .map_err(|e| EngineError::InvalidArgument(e.to_string()));
+        }
+        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        if tree.is_empty() {
+            let dist = sampling::warp(&rows[0], params);
+            return Ok(Verdict {
+                accepted_nodes: vec![],
+                accepted_tokens: vec![],
+                next_token: sampling::sample(&dist, rng),
+                bonus: false,
+            });
+        }
+        let vocab = rows[0].len();
+        let flat: Vec<f32> = rows.into_iter().flatten().collect();
+        verify::verify_stochastic(tree, &flat, vocab, params, rng)
+            .map_err(|e| EngineError::InvalidArgument(e.to_string()))
+    }
+}
+
+/// A tree made of `chain` (roots first, each the parent of the next) with `tree`'s roots hung
+/// below the chain's last token; just `tree` when the chain is empty.
+fn chain_then_tree(chain: &[u32], tree: &TokenTree) -> Result<TokenTree, EngineError> {
+    let mut t = TokenTree::new();
+    let mut parent: Option<usize> = None;
+    let bad = |e: specsplit_core::tree::TreeError| EngineError::InvalidArgument(e.to_string());
+    for &tok in chain {
+        parent = Some(match parent {
+            None => t.push_root(tok, 0.0),
+            Some(p) => t.push_child(p, tok, 0.0),
+        }
+        .map_err(bad)?);
+    }
+    let offset = t.len();
+    for i in 0..tree.len() {
+        let par = match tree.parent(i) {
+            Some(p) => Some(p + offset),
+            None => parent,
+        };
+        match par {
+            None => t.push_root(tree.token(i), 0.0),
+            Some(p) => t.push_child(p, tree.token(i), 0.0),
+        }
+        .map_err(bad)?;
+    }
+    Ok(t)
+}

@@ -1,0 +1,521 @@
+#!/usr/bin/env bash
+# Validate the deployment files: systemd units in deploy/systemd and Kubernetes manifests in
+# deploy/k8s. Needs no GPU, no cluster, no running systemd and no network beyond the package
+# registries (Debian, PyPI) for the first run; later runs reuse a cached virtualenv.
+#
+#   scripts/check-deploy.sh            # run every check, exit non-zero on any problem
+#
+# What it checks
+#   systemd  - `systemd-analyze verify` on every unit (against stub copies of the binaries, so no
+#              build is needed); any warning counts as a failure
+#            - `systemd-analyze security --offline` exposure at most $SPECSPLIT_CHECK_MAX_EXPOSURE
+#            - the sysusers.d entry creates the user the units run as
+#            - specsplit.toml keys/values and specsplit.env variable names
+#   k8s      - strict schema validation (kubernetes-validate, bundled offline schemas) of every
+#              manifest and of the kustomize output, for Kubernetes $SPECSPLIT_CHECK_K8S_VERSIONS
+#            - consistency: Service selectors and target ports, probe ports and service names,
+#              ConfigMap mounts, the TOML's listen ports, GPU limits, session affinity
+#
+# Tools: systemd-analyze (Debian package systemd), python3 with venv; installed with apt-get when
+# missing and running as root. Environment:
+#   SPECSPLIT_CHECK_CACHE         virtualenv cache dir (default ~/.cache/specsplit-check-deploy)
+#   SPECSPLIT_CHECK_K8S_VERSIONS  Kubernetes versions to validate against (default "1.29.0 1.37.0")
+#   SPECSPLIT_CHECK_MAX_EXPOSURE  highest allowed systemd-analyze security score (default 3.0)
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+systemd_dir="$repo/deploy/systemd"
+k8s_dir="$repo/deploy/k8s"
+cache="${SPECSPLIT_CHECK_CACHE:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/specsplit-check-deploy}"
+k8s_versions="${SPECSPLIT_CHECK_K8S_VERSIONS:-1.29.0 1.37.0}"
+max_exposure="${SPECSPLIT_CHECK_MAX_EXPOSURE:-3.0}"
+validator_req="kubernetes-validate==1.37.0"
+
+passed=0
+failed=0
+ok() { passed=$((passed + 1)); echo "ok:   $*"; }
+bad() { failed=$((failed + 1)); echo "FAIL: $*"; }
+die() { echo "check-deploy: $*" >&2; exit 2; }
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+# ---------------------------------------------------------------------------------------------
+# Tools
+# ---------------------------------------------------------------------------------------------
+missing=()
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+command -v python3 >/dev/null 2>&1 || missing+=(python3)
+if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    missing+=(python3-venv)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing: ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq >/dev/null
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+        die "missing ${missing[*]}; install them (Debian: apt-get install ${missing[*]}) or run as root"
+    fi
+fi
+
+venv="$cache/venv"
+if ! "$venv/bin/python" -c 'import kubernetes_validate, yaml, sys
+import importlib.metadata as m
+sys.exit(m.version("kubernetes-validate") != sys.argv[1])' "${validator_req#*==}" >/dev/null 2>&1; then
+    echo "setting up $venv ($validator_req)"
+    rm -rf "$venv"
+    mkdir -p "$cache"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "$validator_req" 'tomli; python_version < "3.11"'
+fi
+
+# ---------------------------------------------------------------------------------------------
+# systemd units
+# ---------------------------------------------------------------------------------------------
+echo "== systemd ($systemd_dir)"
+mapfile -t units < <(cd "$systemd_dir" && ls -1 -- *.service *.timer *.socket 2>/dev/null || true)
+[ "${#units[@]}" -gt 0 ] || bad "no unit files in $systemd_dir"
+
+# The units start binaries in /usr/local/bin that a validation host has not installed: verify
+# copies whose ExecStart points at stub executables instead.
+mkdir -p "$tmp/bin" "$tmp/units"
+for bin in $(cd "$systemd_dir" && grep -ho '/usr/local/bin/[A-Za-z0-9._-]*' -- "${units[@]}" | sort -u); do
+    printf '#!/bin/sh\nexit 0\n' > "$tmp/bin/${bin##*/}"
+    chmod 0755 "$tmp/bin/${bin##*/}"
+done
+for u in "${units[@]}"; do
+    sed "s#/usr/local/bin/#$tmp/bin/#g" "$systemd_dir/$u" > "$tmp/units/$u"
+done
+
+for u in "${units[@]}"; do
+    # verify reports unknown keys and bad values as warnings with exit status 0: any output fails.
+    if out="$(cd "$tmp/units" && systemd-analyze verify --man=no "./$u" 2>&1)" && [ -z "$out" ]; then
+        ok "systemd-analyze verify $u"
+    else
+        bad "systemd-analyze verify $u"
+        printf '%s\n' "$out" | sed "s#$tmp/units/##g; s#$tmp/bin/#/usr/local/bin/#g; s/^/      /"
+    fi
+    case "$u" in *.service) ;; *) continue ;; esac
+    # --threshold takes the exposure in tenths (3.0 -> 30).
+    if out="$(cd "$tmp/units" && systemd-analyze security --offline=true --man=no \
+            --threshold="$(awk -v e="$max_exposure" 'BEGIN { printf "%d", e * 10 + 0.5 }')" \
+            "./$u" 2>&1)"; then
+        ok "systemd-analyze security $u: $(printf '%s\n' "$out" | grep -o 'exposure level for [^:]*: [0-9.]*' | awk '{print $NF}') <= $max_exposure"
+    else
+        bad "systemd-analyze security $u (exposure above $max_exposure, or error)"
+        printf '%s\n' "$out" | grep -E '✗|Overall|rror' | sed 's/^/      /'
+    fi
+done
+
+# The service user: the sysusers.d entry must create every User=/Group= the units use.
+sysusers="$systemd_dir/specsplit.sysusers.conf"
+if [ -f "$sysusers" ]; then
+    mkdir -p "$tmp/root/etc"
+    if out="$(systemd-sysusers --root="$tmp/root" - < "$sysusers" 2>&1)"; then
+        for name in $(cd "$systemd_dir" && sed -n 's/^\(User\|Group\)=//p' -- "${units[@]}" | sort -u); do
+            if grep -q "^$name:" "$tmp/root/etc/passwd" "$tmp/root/etc/group"; then
+                ok "sysusers entry creates '$name'"
+            else
+                bad "units use '$name', which specsplit.sysusers.conf does not create"
+            fi
+        done
+    else
+        bad "systemd-sysusers rejected specsplit.sysusers.conf"
+        printf '%s\n' "$out" | sed 's/^/      /'
+    fi
+else
+    bad "missing $sysusers"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Configuration files and Kubernetes manifests (Python: TOML, YAML, JSON schemas)
+# ---------------------------------------------------------------------------------------------
+# Render the kustomization with kustomize when a kustomize-capable tool is at hand; otherwise the
+# Python side renders the subset of kustomize features the kustomization uses.
+rendered=""
+if command -v kustomize >/dev/null 2>&1; then
+    kustomize build "$k8s_dir" > "$tmp/rendered.yaml" 2> "$tmp/kustomize.err" && rendered="$tmp/rendered.yaml" \
+        || { bad "kustomize build deploy/k8s"; sed 's/^/      /' "$tmp/kustomize.err"; }
+elif command -v kubectl >/dev/null 2>&1 && kubectl kustomize --help >/dev/null 2>&1; then
+    kubectl kustomize "$k8s_dir" > "$tmp/rendered.yaml" 2> "$tmp/kustomize.err" && rendered="$tmp/rendered.yaml" \
+        || { bad "kubectl kustomize deploy/k8s"; sed 's/^/      /' "$tmp/kustomize.err"; }
+fi
+
+set +e
+"$venv/bin/python" - "$repo" "$k8s_versions" "$rendered" > "$tmp/py.out" <<'PY'
+import glob, os, re, sys
+
+import kubernetes_validate
+import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
+repo, versions, rendered_path = sys.argv[1], sys.argv[2].split(), sys.argv[3]
+k8s_dir = os.path.join(repo, "deploy", "k8s")
+sysd_dir = os.path.join(repo, "deploy", "systemd")
+
+
+def ok(msg):
+    print("ok:   " + msg)
+
+
+def bad(msg):
+    print("FAIL: " + msg)
+
+
+def rel(path):
+    return os.path.relpath(path, repo)
+
+
+# ---- specsplit.toml: the keys the programs accept (flag names with "-" -> "_") ----
+WORKER_KEYS = {"listen", "model", "device", "dtype", "max_sessions", "session_ttl_secs",
+               "max_context", "log_format"}
+KEYS = {"draft": WORKER_KEYS,
+        "target": WORKER_KEYS | {"memory_budget_mb", "max_tree_nodes", "max_prompt_len"},
+        "orchestrator": None}  # the CLI's keys: not checked one by one
+INT_KEYS = {"max_sessions", "session_ttl_secs", "max_context", "memory_budget_mb",
+            "max_tree_nodes", "max_prompt_len"}
+
+
+def check_value(where, key, value):
+    if key in INT_KEYS:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return f"{where}.{key} = {value!r}: expected a positive integer"
+    elif key == "listen":
+        if not isinstance(value, str) or not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\s]+):\d{1,5}", value):
+            return f"{where}.listen = {value!r}: expected HOST:PORT"
+    elif key == "device":
+        if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            return f"{where}.device = {value!r}: expected cpu, cuda or cuda:N"
+    elif key == "dtype":
+        if value not in ("f32", "f16", "bf16"):
+            return f"{where}.dtype = {value!r}: expected f32, f16 or bf16"
+    elif key == "log_format":
+        if value not in ("text", "json"):
+            return f"{where}.log_format = {value!r}: expected text or json"
+    elif key in ("model", "draft_addr", "target_addr"):
+        if not isinstance(value, str) or not value:
+            return f"{where}.{key} = {value!r}: expected a non-empty string"
+    return None
+
+
+def check_toml(text, name):
+    """Checks one specsplit.toml; returns the parsed table or None."""
+    try:
+        conf = tomllib.loads(text)
+    except Exception as e:  # tomllib.TOMLDecodeError
+        bad(f"{name}: not valid TOML: {e}")
+        return None
+    problems = []
+    for section, table in conf.items():
+        if section not in KEYS:
+            problems.append(f"unknown section [{section}] (expected draft, target, orchestrator)")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{section} is not a table")
+            continue
+        for key, value in table.items():
+            if KEYS[section] is not None and key not in KEYS[section]:
+                problems.append(f"unknown key {section}.{key}")
+                continue
+            p = check_value(section, key, value)
+            if p:
+                problems.append(p)
+    if problems:
+        for p in problems:
+            bad(f"{name}: {p}")
+    else:
+        ok(f"{name}: valid specsplit configuration")
+    return conf
+
+
+toml_path = os.path.join(sysd_dir, "specsplit.toml")
+if os.path.exists(toml_path):
+    with open(toml_path, encoding="utf-8") as f:
+        check_toml(f.read(), rel(toml_path))
+else:
+    bad(f"missing {rel(toml_path)}")
+
+# ---- specsplit.env: KEY=VALUE lines; SPECSPLIT_<SECTION>__<KEY> must name a known key ----
+env_path = os.path.join(sysd_dir, "specsplit.env")
+if os.path.exists(env_path):
+    problems = []
+    with open(env_path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            s = line.strip()
+            if not s or s.startswith("#"):
+                continue
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", s)
+            if not m:
+                problems.append(f"line {n}: not KEY=VALUE")
+                continue
+            var = m.group(1)
+            if var.startswith("SPECSPLIT_") and "__" in var:
+                section, _, key = var[len("SPECSPLIT_"):].lower().partition("__")
+                if section not in KEYS or (KEYS[section] is not None and key not in KEYS[section]):
+                    problems.append(f"line {n}: {var} names no known setting")
+    # Commented-out examples should be right too.
+    with open(env_path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            m = re.match(r"#(SPECSPLIT_([A-Z]+)__([A-Z_]+))=", line.strip())
+            if m:
+                section, key = m.group(2).lower(), m.group(3).lower()
+                if section not in KEYS or (KEYS[section] is not None and key not in KEYS[section]):
+                    problems.append(f"line {n}: example {m.group(1)} names no known setting")
+    for p in problems:
+        bad(f"{rel(env_path)}: {p}")
+    if not problems:
+        ok(f"{rel(env_path)}: valid environment file")
+else:
+    bad(f"missing {rel(env_path)}")
+
+
+# ---- Kubernetes manifests ----
+def load_docs(path, text=None):
+    try:
+        if text is None:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        return [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        bad(f"{path}: YAML error: {e}")
+        return []
+
+
+def validate(doc, label):
+    """Strict schema validation against every requested Kubernetes version."""
+    kind, name = doc.get("kind"), (doc.get("metadata") or {}).get("name")
+    what = f"{label}: {kind}/{name}"
+    if not isinstance(kind, str) or "apiVersion" not in doc:
+        bad(f"{what}: missing kind or apiVersion")
+        return
+    for v in versions:
+        try:
+            kubernetes_validate.validate(doc, v, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            cause = e.caught
+            path = ".".join(str(p) for p in cause.absolute_path) or "(top)"
+            bad(f"{what} (k8s {v}): {path}: {cause.message}")
+            return
+        except kubernetes_validate.SchemaNotFoundError:
+            bad(f"{what} (k8s {v}): no schema for apiVersion {doc['apiVersion']} kind {kind}")
+            return
+        except Exception as e:
+            bad(f"{what} (k8s {v}): {type(e).__name__}: {e}")
+            return
+    ok(f"{what}: schema-valid (k8s {', '.join(versions)}, strict)")
+
+
+kust_path = os.path.join(k8s_dir, "kustomization.yaml")
+kust = {}
+if os.path.exists(kust_path):
+    docs = load_docs(kust_path)
+    kust = docs[0] if docs else {}
+else:
+    bad(f"missing {rel(kust_path)}")
+resources = kust.get("resources") or []
+files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(k8s_dir, "*.yaml"))
+               + glob.glob(os.path.join(k8s_dir, "*.yml")))
+for f in files:
+    if f != "kustomization.yaml" and f not in resources:
+        bad(f"deploy/k8s/{f} is not listed in kustomization.yaml resources")
+missing = [r for r in resources if not os.path.exists(os.path.join(k8s_dir, r))]
+for r in missing:
+    bad(f"kustomization.yaml lists missing resource {r}")
+if kust and not missing:
+    ok(f"kustomization.yaml: {len(resources)} resources, all present")
+
+source_docs = []
+for f in resources:
+    if f in missing:
+        continue
+    for d in load_docs(os.path.join(k8s_dir, f)):
+        validate(d, f"deploy/k8s/{f}")
+        source_docs.append(d)
+
+# The rendered set: kustomize's output if the shell side produced it, else a minimal render of
+# the features this kustomization uses (namespace, labels without selectors, images).
+SUPPORTED = {"apiVersion", "kind", "namespace", "resources", "labels", "images"}
+if rendered_path:
+    with open(rendered_path, encoding="utf-8") as f:
+        final = load_docs("kustomize output", f.read())
+    how = "kustomize"
+else:
+    unsupported = set(kust) - SUPPORTED
+    if unsupported:
+        bad(f"kustomization.yaml uses {sorted(unsupported)}: install kustomize or kubectl so the "
+            "check can render it")
+    import copy
+    final = copy.deepcopy(source_docs)
+    for d in final:
+        md = d.setdefault("metadata", {})
+        if kust.get("namespace") and d.get("kind") != "Namespace":
+            md["namespace"] = kust["namespace"]
+        for entry in kust.get("labels") or []:
+            pairs = entry.get("pairs") or {}
+            md.setdefault("labels", {}).update(pairs)
+            tmpl = (d.get("spec") or {}).get("template")
+            if entry.get("includeTemplates") or entry.get("includeSelectors"):
+                if tmpl is not None:
+                    tmpl.setdefault("metadata", {}).setdefault("labels", {}).update(pairs)
+            if entry.get("includeSelectors"):
+                bad("minimal render does not support labels.includeSelectors: install kustomize")
+        pod = ((d.get("spec") or {}).get("template") or {}).get("spec") or {}
+        for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+            for img in kust.get("images") or []:
+                if c.get("image", "").split(":")[0] == img.get("name"):
+                    c["image"] = img.get("newName", img["name"]) + (
+                        ":" + str(img["newTag"]) if "newTag" in img else "")
+    how = "built-in minimal render"
+for d in final:
+    validate(d, f"rendered ({how})")
+
+# ---- Consistency of the rendered objects ----
+DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+by_kind = {}
+for d in final:
+    by_kind.setdefault(d.get("kind"), []).append(d)
+    name = (d.get("metadata") or {}).get("name", "")
+    if not (DNS1123.fullmatch(name or "") and len(name) <= 63):
+        bad(f"{d.get('kind')}/{name}: name is not a DNS-1123 label")
+    if kust.get("namespace") and d.get("kind") != "Namespace" and \
+            (d.get("metadata") or {}).get("namespace") != kust["namespace"]:
+        bad(f"{d.get('kind')}/{name}: not in namespace {kust['namespace']}")
+
+configmaps = {(c.get("metadata") or {}).get("name"): c for c in by_kind.get("ConfigMap", [])}
+ROLE = {"specsplit-draft": ("draft", "specsplit.DraftService"),
+        "specsplit-target": ("target", "specsplit.TargetService")}
+deployments = by_kind.get("Deployment", [])
+if not deployments:
+    bad("no Deployment in the rendered manifests")
+for dep in deployments:
+    dname = dep["metadata"]["name"]
+    spec = dep.get("spec") or {}
+    pod = (spec.get("template") or {}).get("spec") or {}
+    tlabels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+    sel = (spec.get("selector") or {}).get("matchLabels") or {}
+    problems = []
+    if not sel or any(tlabels.get(k) != v for k, v in sel.items()):
+        problems.append("selector.matchLabels do not match the pod template labels")
+    volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+    for v in volumes.values():
+        cm = (v.get("configMap") or {}).get("name")
+        if cm and cm not in configmaps:
+            problems.append(f"volume {v['name']} references missing ConfigMap {cm}")
+    roles_seen = 0
+    for c in pod.get("containers") or []:
+        cmd = (c.get("command") or [""])[0]
+        role = ROLE.get(os.path.basename(cmd))
+        if not role:
+            continue
+        roles_seen += 1
+        section, svc = role
+        cname = c.get("name")
+        ports = {p.get("containerPort") for p in c.get("ports") or []}
+        for pn in (p.get("name") for p in c.get("ports") or []):
+            if pn and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", pn) or (pn and len(pn) > 15):
+                problems.append(f"{cname}: port name {pn!r} is not a valid IANA service name")
+        for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.get(probe_kind)
+            if not probe:
+                problems.append(f"{cname}: no {probe_kind}")
+                continue
+            g = probe.get("grpc")
+            if not g:
+                problems.append(f"{cname}: {probe_kind} is not a gRPC probe")
+                continue
+            if g.get("port") not in ports:
+                problems.append(f"{cname}: {probe_kind} port {g.get('port')} is not a container port")
+            if g.get("service", "") not in ("", svc):
+                problems.append(f"{cname}: {probe_kind} asks for service {g.get('service')!r}, "
+                                f"the worker serves {svc!r}")
+        if (c.get("readinessProbe") or {}).get("grpc", {}).get("service") != svc:
+            problems.append(f"{cname}: readinessProbe should ask for service {svc}")
+        # --config must point into a mounted ConfigMap that has the file; its TOML must parse
+        # and listen on the container port.
+        args = c.get("args") or []
+        conf_path = None
+        for i, a in enumerate(args):
+            if a == "--config" and i + 1 < len(args):
+                conf_path = args[i + 1]
+            elif a.startswith("--config="):
+                conf_path = a.split("=", 1)[1]
+        if not conf_path:
+            problems.append(f"{cname}: no --config argument")
+        else:
+            found = False
+            for m in c.get("volumeMounts") or []:
+                mp = m.get("mountPath", "").rstrip("/")
+                if os.path.dirname(conf_path) == mp:
+                    cmname = (volumes.get(m.get("name")) or {}).get("configMap", {}).get("name")
+                    cmap = configmaps.get(cmname)
+                    key = os.path.basename(conf_path)
+                    if cmap and key in (cmap.get("data") or {}):
+                        found = True
+                        conf = check_toml(cmap["data"][key], f"ConfigMap {cmname} {key}")
+                        listen = ((conf or {}).get(section) or {}).get("listen")
+                        if listen and int(listen.rsplit(":", 1)[1]) not in ports:
+                            problems.append(f"{cname}: [{section}] listen {listen} is not a "
+                                            f"container port {sorted(ports)}")
+            if not found:
+                problems.append(f"{cname}: --config {conf_path} is not a key of a mounted ConfigMap")
+        limits = ((c.get("resources") or {}).get("limits") or {})
+        if section == "target" and "nvidia.com/gpu" not in limits:
+            problems.append(f"{cname}: the target has no nvidia.com/gpu limit")
+        pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command") or []
+        pre_sleep = int(pre[1]) if len(pre) == 2 and pre[0] == "sleep" and pre[1].isdigit() else 0
+        grace = pod.get("terminationGracePeriodSeconds", 30)
+        if grace < 30 + pre_sleep:
+            problems.append(f"terminationGracePeriodSeconds {grace} < 30 s drain + {pre_sleep} s preStop")
+    if roles_seen == 0:
+        problems.append("no container runs specsplit-draft or specsplit-target")
+    for p in problems:
+        bad(f"Deployment/{dname}: {p}")
+    if not problems:
+        ok(f"Deployment/{dname}: selectors, probes, config mount, ports and grace period consistent")
+
+for svc_obj in by_kind.get("Service", []):
+    sname = svc_obj["metadata"]["name"]
+    spec = svc_obj.get("spec") or {}
+    sel = spec.get("selector") or {}
+    problems = []
+    matches = [d for d in deployments
+               if sel and all((((d.get("spec") or {}).get("template") or {}).get("metadata") or {})
+                              .get("labels", {}).get(k) == v for k, v in sel.items())]
+    if len(matches) != 1:
+        problems.append(f"selector {sel} matches {len(matches)} Deployments (expected 1)")
+    else:
+        containers = matches[0]["spec"]["template"]["spec"].get("containers") or []
+        cports = [p for c in containers for p in c.get("ports") or []]
+        for p in spec.get("ports") or []:
+            tp = p.get("targetPort", p.get("port"))
+            if not any(tp in (cp.get("name"), cp.get("containerPort")) for cp in cports):
+                problems.append(f"port {p.get('name')}: targetPort {tp} is no container port")
+        cmds = [os.path.basename((c.get("command") or [""])[0]) for c in containers]
+        if "specsplit-target" in cmds and spec.get("sessionAffinity") != "ClientIP":
+            problems.append("target Service needs sessionAffinity: ClientIP")
+    for p in problems:
+        bad(f"Service/{sname}: {p}")
+    if not problems:
+        ok(f"Service/{sname}: selects one Deployment, target ports exist")
+PY
+py_rc=$?
+set -e
+cat "$tmp/py.out"
+py_ok=$(grep -c '^ok:' "$tmp/py.out" || true)
+py_bad=$(grep -c '^FAIL:' "$tmp/py.out" || true)
+passed=$((passed + py_ok))
+failed=$((failed + py_bad))
+if [ "$py_rc" -ne 0 ]; then
+    bad "the manifest checks stopped with status $py_rc"
+fi
+
+echo
+echo "check-deploy: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
