@@ -76,13 +76,17 @@ fi
 # systemd units
 # ---------------------------------------------------------------------------------------------
 echo "== systemd ($systemd_dir)"
-mapfile -t units < <(cd "$systemd_dir" && ls -1 -- *.service *.timer *.socket 2>/dev/null || true)
+units=()
+for f in "$systemd_dir"/*.service "$systemd_dir"/*.timer "$systemd_dir"/*.socket; do
+    [ -e "$f" ] && units+=("${f##*/}")
+done
 [ "${#units[@]}" -gt 0 ] || bad "no unit files in $systemd_dir"
 
 # The units start binaries in /usr/local/bin that a validation host has not installed: verify
 # copies whose ExecStart points at stub executables instead.
 mkdir -p "$tmp/bin" "$tmp/units"
-for bin in $(cd "$systemd_dir" && grep -ho '/usr/local/bin/[A-Za-z0-9._-]*' -- "${units[@]}" | sort -u); do
+for bin in $(cd "$systemd_dir" && grep -h '^Exec' -- "${units[@]}" \
+        | grep -o '/usr/local/bin/[A-Za-z0-9._-]\+' | sort -u); do
     printf '#!/bin/sh\nexit 0\n' > "$tmp/bin/${bin##*/}"
     chmod 0755 "$tmp/bin/${bin##*/}"
 done
@@ -136,12 +140,20 @@ fi
 # Render the kustomization with kustomize when a kustomize-capable tool is at hand; otherwise the
 # Python side renders the subset of kustomize features the kustomization uses.
 rendered=""
+kustomize_cmd=()
 if command -v kustomize >/dev/null 2>&1; then
-    kustomize build "$k8s_dir" > "$tmp/rendered.yaml" 2> "$tmp/kustomize.err" && rendered="$tmp/rendered.yaml" \
-        || { bad "kustomize build deploy/k8s"; sed 's/^/      /' "$tmp/kustomize.err"; }
+    kustomize_cmd=(kustomize build)
 elif command -v kubectl >/dev/null 2>&1 && kubectl kustomize --help >/dev/null 2>&1; then
-    kubectl kustomize "$k8s_dir" > "$tmp/rendered.yaml" 2> "$tmp/kustomize.err" && rendered="$tmp/rendered.yaml" \
-        || { bad "kubectl kustomize deploy/k8s"; sed 's/^/      /' "$tmp/kustomize.err"; }
+    kustomize_cmd=(kubectl kustomize)
+fi
+if [ "${#kustomize_cmd[@]}" -gt 0 ]; then
+    if "${kustomize_cmd[@]}" "$k8s_dir" > "$tmp/rendered.yaml" 2> "$tmp/kustomize.err"; then
+        rendered="$tmp/rendered.yaml"
+        ok "${kustomize_cmd[*]} deploy/k8s renders"
+    else
+        bad "${kustomize_cmd[*]} deploy/k8s"
+        sed 's/^/      /' "$tmp/kustomize.err"
+    fi
 fi
 
 set +e
@@ -392,6 +404,7 @@ configmaps = {(c.get("metadata") or {}).get("name"): c for c in by_kind.get("Con
 ROLE = {"specsplit-draft": ("draft", "specsplit.DraftService"),
         "specsplit-target": ("target", "specsplit.TargetService")}
 deployments = by_kind.get("Deployment", [])
+checked_confs = {}
 if not deployments:
     bad("no Deployment in the rendered manifests")
 for dep in deployments:
@@ -458,7 +471,10 @@ for dep in deployments:
                     key = os.path.basename(conf_path)
                     if cmap and key in (cmap.get("data") or {}):
                         found = True
-                        conf = check_toml(cmap["data"][key], f"ConfigMap {cmname} {key}")
+                        if (cmname, key) not in checked_confs:
+                            checked_confs[(cmname, key)] = check_toml(
+                                cmap["data"][key], f"ConfigMap/{cmname} {key}")
+                        conf = checked_confs[(cmname, key)]
                         listen = ((conf or {}).get(section) or {}).get("listen")
                         if listen and int(listen.rsplit(":", 1)[1]) not in ports:
                             problems.append(f"{cname}: [{section}] listen {listen} is not a "

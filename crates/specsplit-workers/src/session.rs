@@ -139,6 +139,14 @@ impl<S> SessionStore<S> {
         before - map.len()
     }
 
+    /// Drops every session (as if all were evicted); returns how many there were.
+    pub fn clear(&self) -> usize {
+        let mut map = self.lock();
+        let n = map.len();
+        map.clear();
+        n
+    }
+
     /// Number of sessions held.
     pub fn len(&self) -> usize {
         self.lock().len()

@@ -1,0 +1,343 @@
+//! Statistical exactness of stochastic tree verification: the joint distribution of the first
+//! three emitted tokens must match the target's exact distribution (chi-square goodness of fit
+//! at significance 0.001), for chains, trees with and without replacement, temperature, top-k
+//! and top-p. Deliberately wrong verifiers must fail the same test (power check).
+
+mod common;
+
+use common::ctx_logits;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specsplit_core::sampling::{sample, sample_without_replacement, warp, SamplingParams};
+use specsplit_core::tree::{Distribution, TokenTree};
+use specsplit_core::verify::verify_stochastic;
+
+const V: usize = 6;
+const POSITIONS: usize = 3;
+const DRAWS: usize = 100_000;
+const ALPHA: f64 = 0.001;
+const TARGET_SEED: u64 = 11;
+const DRAFT_SEED: u64 = 23;
+const SCALE: f32 = 2.0;
+
+// ------------------------------------------------------------------------------------------
+// Chi-square p-value: Q(df/2, x/2), the regularised upper incomplete gamma function.
+// ------------------------------------------------------------------------------------------
+
+/// ln Γ(a) for a positive multiple of 1/2 (exact recurrence down to Γ(1) = 1 or Γ(1/2) = √π).
+fn ln_gamma_half_integer(a: f64) -> f64 {
+    assert!(a > 0.0 && (a * 2.0).fract() == 0.0, "a = {a} must be a positive multiple of 1/2");
+    let mut acc = if a.fract() == 0.0 { 0.0 } else { 0.5 * std::f64::consts::PI.ln() };
+    let mut z = if a.fract() == 0.0 { 1.0 } else { 0.5 };
+    while z < a {
+        acc += z.ln();
+        z += 1.0;
+    }
+    acc
+}
+
+/// Regularised upper incomplete gamma Q(a, x): power series for P when x < a + 1, else a
+/// continued fraction for Q (evaluated with the modified Lentz method).
+fn gamma_q(a: f64, x: f64) -> f64 {
+    if x <= 0.0 {
+        return 1.0;
+    }
+    let log_prefactor = -x + a * x.ln() - ln_gamma_half_integer(a);
+    if x < a + 1.0 {
+        // P(a, x) = e^{-x} x^a / Γ(a) · Σ_n x^n / (a (a+1) ... (a+n)).
+        let mut term = 1.0 / a;
+        let mut sum = term;
+        let mut denom = a;
+        for _ in 0..10_000 {
+            denom += 1.0;
+            term *= x / denom;
+            sum += term;
+            if term.abs() < sum.abs() * 1e-15 {
+                break;
+            }
+        }
+        1.0 - sum * log_prefactor.exp()
+    } else {
+        // Q(a, x) = e^{-x} x^a / Γ(a) · 1/(x+1-a - 1(1-a)/(x+3-a - 2(2-a)/(x+5-a - ...))).
+        let tiny = 1e-300;
+        let mut b = x + 1.0 - a;
+        let mut c = 1.0 / tiny;
+        let mut d = 1.0 / b;
+        let mut h = d;
+        for i in 1..10_000 {
+            let an = -(i as f64) * (i as f64 - a);
+            b += 2.0;
+            d = an * d + b;
+            if d.abs() < tiny {
+                d = tiny;
+            }
+            c = b + an / c;
+            if c.abs() < tiny {
+                c = tiny;
+            }
+            d = 1.0 / d;
+            let delta = d * c;
+            h *= delta;
+            if (delta - 1.0).abs() < 1e-15 {
+                break;
+            }
+        }
+        log_prefactor.exp() * h
+    }
+}
+
+/// Chi-square goodness of fit: cells with zero expected probability must be empty (asserted);
+/// cells with expected count < 5 are merged (smallest first). Returns (statistic, df, p-value).
+fn chi_square(observed: &[u64], expected_prob: &[f64], label: &str) -> (f64, usize, f64) {
+    let n: u64 = observed.iter().sum();
+    let total_p: f64 = expected_prob.iter().sum();
+    let mut cells: Vec<(f64, f64)> = Vec::new();
+    for (o, &p) in observed.iter().zip(expected_prob) {
+        if p == 0.0 {
+            assert_eq!(*o, 0, "{label}: emitted a sequence the target can never produce");
+            continue;
+        }
+        cells.push((p / total_p * n as f64, *o as f64));
+    }
+    cells.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut merged: Vec<(f64, f64)> = Vec::new();
+    let mut pool = (0.0, 0.0);
+    for (e, o) in cells {
+        pool.0 += e;
+        pool.1 += o;
+        if pool.0 >= 5.0 {
+            merged.push(pool);
+            pool = (0.0, 0.0);
+        }
+    }
+    if pool.0 > 0.0 {
+        match merged.last_mut() {
+            Some(last) => {
+                last.0 += pool.0;
+                last.1 += pool.1;
+            }
+            None => merged.push(pool),
+        }
+    }
+    let stat: f64 = merged.iter().map(|(e, o)| (o - e) * (o - e) / e).sum();
+    let df = merged.len().saturating_sub(1).max(1);
+    (stat, df, gamma_q(df as f64 / 2.0, stat / 2.0))
+}
+
+#[test]
+fn chi_square_p_values_match_tables() {
+    // Critical values of the chi-square distribution (standard tables).
+    for (df, x, p) in [(1, 3.841_459, 0.05), (2, 9.210_340, 0.01), (10, 23.209_251, 0.01), (100, 149.449_252, 0.001), (215, 215.0, 0.4873)] {
+        let got = gamma_q(df as f64 / 2.0, x / 2.0);
+        assert!((got - p).abs() < 2e-3 * p.max(0.01) + 1e-4, "df {df} x {x}: {got} vs {p}");
+    }
+    assert!((gamma_q(1.0, 2.0) - (-2.0f64).exp()).abs() < 1e-12);
+}
+
+// ------------------------------------------------------------------------------------------
+// The models: context-dependent target p and draft q over V tokens.
+// ------------------------------------------------------------------------------------------
+
+fn target_logits(ctx: &[u32]) -> Vec<f32> {
+    ctx_logits(TARGET_SEED, ctx, V, SCALE)
+}
+
+fn target_dist(ctx: &[u32], params: &SamplingParams) -> Distribution {
+    warp(&target_logits(ctx), params)
+}
+
+fn draft_dist(ctx: &[u32], params: &SamplingParams) -> Distribution {
+    warp(&ctx_logits(DRAFT_SEED, ctx, V, SCALE), params)
+}
+
+/// One test case: tree widths per depth, sibling mode and sampling parameters.
+struct Case {
+    name: &'static str,
+    widths: &'static [usize],
+    without_replacement: bool,
+    params: SamplingParams,
+}
+
+fn params(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
+    SamplingParams { temperature, top_k, top_p, seed: 0 }
+}
+
+fn draw_siblings(d: &Distribution, k: usize, wr: bool, rng: &mut ChaCha8Rng) -> Vec<u32> {
+    if wr {
+        sample_without_replacement(d, k, rng)
+    } else {
+        (0..k).map(|_| sample(d, rng)).collect()
+    }
+}
+
+/// Drafts a tree from q, level by level, recording the exact distributions used.
+fn draft_tree(case: &Case, rng: &mut ChaCha8Rng) -> TokenTree {
+    let p = &case.params;
+    let mut tree = TokenTree::new();
+    tree.set_siblings_without_replacement(case.without_replacement);
+    let q0 = draft_dist(&[], p);
+    for t in draw_siblings(&q0, case.widths[0], case.without_replacement, rng) {
+        tree.push_root(t, q0.prob(t).ln()).unwrap();
+    }
+    tree.set_root_distribution(q0);
+    let mut level: Vec<usize> = tree.roots().collect();
+    for &w in &case.widths[1..] {
+        let mut next = Vec::new();
+        for &node in &level {
+            let q = draft_dist(&tree.path_tokens(node), p);
+            for t in draw_siblings(&q, w, case.without_replacement, rng) {
+                next.push(tree.push_child(node, t, q.prob(t).ln()).unwrap());
+            }
+            tree.set_child_distribution(node, q).unwrap();
+        }
+        level = next;
+    }
+    tree
+}
+
+/// All target rows: after the prefix, then after each node's path.
+fn target_rows(tree: &TokenTree) -> Vec<f32> {
+    let mut rows = target_logits(&[]);
+    for i in 0..tree.len() {
+        rows.extend(target_logits(&tree.path_tokens(i)));
+    }
+    rows
+}
+
+/// A verifier under test: emits accepted tokens followed by the next token.
+type Verifier = fn(&TokenTree, &[f32], &SamplingParams, &mut ChaCha8Rng) -> Vec<u32>;
+
+fn correct_verifier(tree: &TokenTree, rows: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Vec<u32> {
+    verify_stochastic(tree, rows, V, p, rng).unwrap().emitted_tokens()
+}
+
+/// WRONG: on rejection keeps sampling from p instead of the residual max(0, p − q).
+fn no_residual_verifier(tree: &TokenTree, _rows: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut candidates = tree.roots();
+    let mut q = tree.root_distribution().unwrap().clone();
+    loop {
+        let target = target_dist(&out, p);
+        let mut accepted = None;
+        for c in candidates.clone() {
+            let x = tree.token(c);
+            if rng.random::<f64>() * f64::from(q.prob(x)) < f64::from(target.prob(x)) {
+                accepted = Some(c);
+                break;
+            }
+        }
+        match accepted {
+            Some(c) => {
+                out.push(tree.token(c));
+                candidates = tree.children(c);
+                if let Some(d) = tree.child_distribution(c) {
+                    q = d.clone();
+                }
+            }
+            None => {
+                out.push(sample(&target, rng));
+                return out;
+            }
+        }
+    }
+}
+
+/// WRONG: accepts every node independently with min(1, p/q), keeps the longest accepted path.
+fn independent_verifier(tree: &TokenTree, _rows: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Vec<u32> {
+    let mut ok = vec![false; tree.len()];
+    let mut best: Option<usize> = None;
+    for i in 0..tree.len() {
+        let parent_ok = tree.parent(i).is_none_or(|pa| ok[pa]);
+        if !parent_ok {
+            continue;
+        }
+        let path = tree.path_tokens(i);
+        let ctx = &path[..path.len() - 1];
+        let q = match tree.parent(i) {
+            None => tree.root_distribution().unwrap(),
+            Some(pa) => tree.child_distribution(pa).unwrap(),
+        };
+        let x = tree.token(i);
+        ok[i] = rng.random::<f64>() * f64::from(q.prob(x)) < f64::from(target_dist(ctx, p).prob(x));
+        if ok[i] && best.is_none_or(|b| tree.depth(i) > tree.depth(b)) {
+            best = Some(i);
+        }
+    }
+    let mut out = best.map_or(Vec::new(), |b| tree.path_tokens(b));
+    let next = sample(&target_dist(&out, p), rng);
+    out.push(next);
+    out
+}
+
+/// Runs `DRAWS` draft+verify rounds and returns the chi-square p-value of the joint of the
+/// first `POSITIONS` emitted tokens, plus the mean number of accepted tokens.
+fn run_case(case: &Case, verifier: Verifier, seed: u64) -> (f64, f64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let cells = V.pow(POSITIONS as u32);
+    let mut observed = vec![0u64; cells];
+    let mut accepted_total = 0usize;
+    for _ in 0..DRAWS {
+        let tree = draft_tree(case, &mut rng);
+        let rows = target_rows(&tree);
+        let mut emitted = verifier(&tree, &rows, &case.params, &mut rng);
+        accepted_total += emitted.len() - 1;
+        while emitted.len() < POSITIONS {
+            let t = sample(&target_dist(&emitted, &case.params), &mut rng);
+            emitted.push(t);
+        }
+        let cell = emitted[..POSITIONS].iter().fold(0usize, |acc, &t| acc * V + t as usize);
+        observed[cell] += 1;
+    }
+    // Exact target joint: p(x1) p(x2 | x1) p(x3 | x1 x2).
+    let mut expected = vec![0.0f64; cells];
+    for (cell, e) in expected.iter_mut().enumerate() {
+        let toks: Vec<u32> = (0..POSITIONS).rev().map(|k| ((cell / V.pow(k as u32)) % V) as u32).collect();
+        *e = (0..POSITIONS).map(|k| f64::from(target_dist(&toks[..k], &case.params).prob(toks[k]))).product();
+    }
+    let (stat, df, pv) = chi_square(&observed, &expected, case.name);
+    let mean_accepted = accepted_total as f64 / DRAWS as f64;
+    eprintln!("{}: chi2 = {stat:.1}, df = {df}, p = {pv:.4}, mean accepted = {mean_accepted:.3}", case.name);
+    (pv, mean_accepted)
+}
+
+fn assert_exact(case: Case, seed: u64) {
+    let (pv, mean_accepted) = run_case(&case, correct_verifier, seed);
+    assert!(pv >= ALPHA, "{}: p-value {pv} < {ALPHA}: emitted tokens do not follow the target", case.name);
+    assert!(mean_accepted > 0.3, "{}: suspiciously few acceptances ({mean_accepted})", case.name);
+}
+
+#[test]
+fn exact_chain_depth_3() {
+    assert_exact(Case { name: "chain", widths: &[1, 1, 1], without_replacement: false, params: params(1.0, 0, 1.0) }, 1);
+}
+
+#[test]
+fn exact_tree_with_replacement() {
+    assert_exact(Case { name: "tree/with-replacement", widths: &[3, 2, 1], without_replacement: false, params: params(1.0, 0, 1.0) }, 2);
+}
+
+#[test]
+fn exact_tree_without_replacement() {
+    assert_exact(Case { name: "tree/without-replacement", widths: &[3, 2, 1], without_replacement: true, params: params(1.0, 0, 1.0) }, 3);
+}
+
+#[test]
+fn exact_temperature_and_top_k() {
+    // Three roots drawn without replacement from a top-3 draft exhaust its support.
+    assert_exact(Case { name: "tree/T=0.7,top-k=3", widths: &[3, 2, 1], without_replacement: true, params: params(0.7, 3, 1.0) }, 4);
+}
+
+#[test]
+fn exact_top_p() {
+    assert_exact(Case { name: "tree/T=1.3,top-p=0.8", widths: &[2, 2, 1], without_replacement: false, params: params(1.3, 0, 0.8) }, 5);
+}
+
+#[test]
+fn wrong_verifiers_fail_the_test() {
+    let chain = Case { name: "WRONG no-residual/chain", widths: &[1, 1, 1], without_replacement: false, params: params(1.0, 0, 1.0) };
+    let (pv, _) = run_case(&chain, no_residual_verifier, 6);
+    assert!(pv < ALPHA, "the chi-square test missed a verifier without residual (p = {pv})");
+    let tree = Case { name: "WRONG independent/tree", widths: &[3, 2, 1], without_replacement: false, params: params(1.0, 0, 1.0) };
+    let (pv, _) = run_case(&tree, independent_verifier, 7);
+    assert!(pv < ALPHA, "the chi-square test missed an independent-acceptance verifier (p = {pv})");
+}

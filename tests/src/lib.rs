@@ -1,0 +1,142 @@
+//! Test support: start draft and target workers in-process on loopback and stop them again.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use specsplit_workers::config::WorkerConfig;
+use specsplit_workers::draft::DraftSession;
+use specsplit_workers::launch;
+use specsplit_workers::service::{serve_draft, serve_target};
+use specsplit_workers::session::SessionStore;
+use specsplit_workers::target::TargetSession;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// The directory the real models are fetched into (fetching them if missing).
+pub fn ensure_model(name: &str) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let status = std::process::Command::new(root.join("scripts/fetch-models.sh"))
+        .arg(name)
+        .status()
+        .expect("running scripts/fetch-models.sh");
+    assert!(status.success(), "fetching model {name} failed");
+}
+
+/// A worker configuration for tests: loopback, a free port, the given model.
+pub fn config(model: &str, target: bool) -> WorkerConfig {
+    let base = if target {
+        WorkerConfig::target_defaults()
+    } else {
+        WorkerConfig::draft_defaults()
+    };
+    WorkerConfig {
+        listen: "127.0.0.1:0".into(),
+        model: model.into(),
+        max_context: 1024,
+        memory_budget_mb: 4096,
+        ..base
+    }
+}
+
+/// A worker running in this process.
+pub struct Running<S> {
+    /// Its address as a URL.
+    pub url: String,
+    /// Its bound socket address.
+    pub addr: SocketAddr,
+    /// Its session store.
+    pub sessions: Arc<SessionStore<S>>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl<S> Running<S> {
+    /// Stops the worker gracefully and waits for it.
+    pub async fn stop(mut self) {
+        self.stop_now().await;
+    }
+
+    async fn stop_now(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl<S> Drop for Running<S> {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Starts a draft worker for `cfg` (loading its model).
+pub async fn start_draft(cfg: &WorkerConfig) -> Running<DraftSession> {
+    let m = launch::load(cfg).expect("load draft model");
+    let listener = TcpListener::bind(&cfg.listen).await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    let worker = launch::draft_worker(cfg, m);
+    let sessions = worker.sessions();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        serve_draft(worker, listener, async {
+            let _ = rx.await;
+        })
+        .await
+        .expect("draft server");
+    });
+    Running {
+        url: format!("http://{addr}"),
+        addr,
+        sessions,
+        stop: Some(tx),
+        task: Some(task),
+    }
+}
+
+/// Starts a target worker for `cfg` (loading its model).
+pub async fn start_target(cfg: &WorkerConfig) -> Running<TargetSession> {
+    let m = launch::load(cfg).expect("load target model");
+    let listener = TcpListener::bind(&cfg.listen).await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    let worker = launch::target_worker(cfg, m);
+    let sessions = worker.sessions();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        serve_target(worker, listener, async {
+            let _ = rx.await;
+        })
+        .await
+        .expect("target server");
+    });
+    Running {
+        url: format!("http://{addr}"),
+        addr,
+        sessions,
+        stop: Some(tx),
+        task: Some(task),
+    }
+}
+
+/// Deterministic varied prompts of token ids in `[lo, hi)`.
+pub fn prompts(n: usize, lo: u32, hi: u32) -> Vec<Vec<u32>> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7) % 23;
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    lo + (x % (hi - lo) as u64) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
