@@ -10,16 +10,18 @@
 #              build is needed); any warning counts as a failure
 #            - `systemd-analyze security --offline` exposure at most $SPECSPLIT_CHECK_MAX_EXPOSURE
 #            - the sysusers.d entry creates the user the units run as
-#            - specsplit.toml keys/values and specsplit.env variable names
+#            - specsplit.toml keys/values (also commented-out ones) and specsplit.env variable
+#              names, against the config structs in the Rust source when present
 #   k8s      - strict schema validation (kubernetes-validate, bundled offline schemas) of every
 #              manifest and of the kustomize output, for Kubernetes $SPECSPLIT_CHECK_K8S_VERSIONS
 #            - consistency: Service selectors and target ports, probe ports and service names,
-#              ConfigMap mounts, the TOML's listen ports, GPU limits, session affinity
+#              ConfigMap mounts, the TOML's listen ports, GPU limits, session affinity, grace
+#              period, and that deploy/container/Dockerfile installs what the pods run
 #
 # Tools: systemd-analyze (Debian package systemd), python3 with venv; installed with apt-get when
 # missing and running as root. Environment:
 #   SPECSPLIT_CHECK_CACHE         virtualenv cache dir (default ~/.cache/specsplit-check-deploy)
-#   SPECSPLIT_CHECK_K8S_VERSIONS  Kubernetes versions to validate against (default "1.29.0 1.37.0")
+#   SPECSPLIT_CHECK_K8S_VERSIONS  Kubernetes versions to validate against (default "1.27.0 1.37.0")
 #   SPECSPLIT_CHECK_MAX_EXPOSURE  highest allowed systemd-analyze security score (default 3.0)
 set -euo pipefail
 
@@ -27,7 +29,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 systemd_dir="$repo/deploy/systemd"
 k8s_dir="$repo/deploy/k8s"
 cache="${SPECSPLIT_CHECK_CACHE:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/specsplit-check-deploy}"
-k8s_versions="${SPECSPLIT_CHECK_K8S_VERSIONS:-1.29.0 1.37.0}"
+k8s_versions="${SPECSPLIT_CHECK_K8S_VERSIONS:-1.27.0 1.37.0}"
 max_exposure="${SPECSPLIT_CHECK_MAX_EXPOSURE:-3.0}"
 validator_req="kubernetes-validate==1.37.0"
 
@@ -96,7 +98,7 @@ done
 
 for u in "${units[@]}"; do
     # verify reports unknown keys and bad values as warnings with exit status 0: any output fails.
-    if out="$(cd "$tmp/units" && systemd-analyze verify --man=no "./$u" 2>&1)" && [ -z "$out" ]; then
+    if out="$(cd "$tmp/units" && systemd-analyze verify --man=no --recursive-errors=no "./$u" 2>&1)" && [ -z "$out" ]; then
         ok "systemd-analyze verify $u"
     else
         bad "systemd-analyze verify $u"
@@ -185,35 +187,73 @@ def rel(path):
     return os.path.relpath(path, repo)
 
 
-# ---- specsplit.toml: the keys the programs accept (flag names with "-" -> "_") ----
+# ---- specsplit.toml: the keys the programs accept (flag names with "-" -> "_"); the programs
+# reject unknown keys, so a typo here stops a worker at start-up. Mirrors docs/configuration.md.
 WORKER_KEYS = {"listen", "model", "device", "dtype", "max_sessions", "session_ttl_secs",
-               "max_context", "log_format"}
-KEYS = {"draft": WORKER_KEYS,
-        "target": WORKER_KEYS | {"memory_budget_mb", "max_tree_nodes", "max_prompt_len"},
-        "orchestrator": None}  # the CLI's keys: not checked one by one
-INT_KEYS = {"max_sessions", "session_ttl_secs", "max_context", "memory_budget_mb",
-            "max_tree_nodes", "max_prompt_len"}
+               "max_context", "memory_budget_mb", "max_tree_nodes", "max_prompt_len",
+               "log_format"}
+ORCH_KEYS = {"draft_addr", "target_addr", "draft_model", "target_model", "tokenizer", "device",
+             "dtype", "chat_template", "log_format", "mode", "pipeline", "max_tokens", "widths",
+             "adaptive_depth", "min_depth", "max_depth", "temperature", "top_k", "top_p", "seed",
+             "deadline_ms"}
+
+
+def struct_fields(path, struct):
+    """Field names of `struct NAME { ... }` in a Rust file (None if not found)."""
+    try:
+        with open(os.path.join(repo, path), encoding="utf-8") as f:
+            src = f.read()
+    except OSError:
+        return None
+    m = re.search(r"\bstruct\s+" + struct + r"\s*\{(.*?)\n\}", src, re.S)
+    if not m:
+        return None
+    fields = set(re.findall(r"^\s*(?:pub\s+)?([a-z_][a-z0-9_]*)\s*:", m.group(1), re.M))
+    return fields or None
+
+
+# The source is the authority when it is there; the lists above are the fallback.
+WORKER_KEYS = struct_fields("crates/specsplit-workers/src/config.rs", "WorkerConfig") or WORKER_KEYS
+ORCH_KEYS = struct_fields("bins/specsplit/src/main.rs", "Settings") or ORCH_KEYS
+KEYS = {"draft": WORKER_KEYS, "target": WORKER_KEYS, "orchestrator": ORCH_KEYS}
+POSITIVE = {"max_sessions", "session_ttl_secs", "max_context", "memory_budget_mb",
+            "max_tree_nodes", "max_prompt_len", "max_tokens", "min_depth", "max_depth"}
+NON_NEGATIVE = {"top_k", "seed", "deadline_ms"}
+CHOICES = {"dtype": ("", "f32", "f16", "bf16"), "log_format": ("text", "json"),
+           "mode": ("spec", "ar"), "pipeline": ("sequential", "overlapped")}
+
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_value(where, key, value):
-    if key in INT_KEYS:
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            return f"{where}.{key} = {value!r}: expected a positive integer"
-    elif key == "listen":
-        if not isinstance(value, str) or not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\s]+):\d{1,5}", value):
-            return f"{where}.listen = {value!r}: expected HOST:PORT"
-    elif key == "device":
-        if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-            return f"{where}.device = {value!r}: expected cpu, cuda or cuda:N"
-    elif key == "dtype":
-        if value not in ("f32", "f16", "bf16"):
-            return f"{where}.dtype = {value!r}: expected f32, f16 or bf16"
-    elif key == "log_format":
-        if value not in ("text", "json"):
-            return f"{where}.log_format = {value!r}: expected text or json"
-    elif key in ("model", "draft_addr", "target_addr"):
-        if not isinstance(value, str) or not value:
-            return f"{where}.{key} = {value!r}: expected a non-empty string"
+    if key in POSITIVE and not (is_int(value) and value > 0):
+        return f"{where}.{key} = {value!r}: expected a positive integer"
+    if key in NON_NEGATIVE and not (is_int(value) and value >= 0):
+        return f"{where}.{key} = {value!r}: expected a non-negative integer"
+    if key in CHOICES and value not in CHOICES[key]:
+        return f"{where}.{key} = {value!r}: expected one of {CHOICES[key]}"
+    if key in ("chat_template", "adaptive_depth") and not isinstance(value, bool):
+        return f"{where}.{key} = {value!r}: expected true or false"
+    if key in ("temperature", "top_p") and not (isinstance(value, (int, float))
+                                                and not isinstance(value, bool) and value >= 0):
+        return f"{where}.{key} = {value!r}: expected a non-negative number"
+    if key == "widths" and not (isinstance(value, list) and value
+                                and all(is_int(w) and w > 0 for w in value)):
+        return f"{where}.widths = {value!r}: expected a list of positive integers"
+    if key == "listen" and not (isinstance(value, str) and re.fullmatch(
+            r"(\[[0-9a-fA-F:.]+\]|[^:\s]+):\d{1,5}", value)):
+        return f"{where}.listen = {value!r}: expected HOST:PORT"
+    if key == "device" and not (isinstance(value, str) and re.fullmatch(r"cpu|cuda(:\d+)?", value)):
+        return f"{where}.device = {value!r}: expected cpu, cuda or cuda:N"
+    if key in ("draft_addr", "target_addr") and not (isinstance(value, str) and (
+            value == "" or re.fullmatch(r"https?://[^/:\s]+(:\d+)?/?", value))):
+        return f"{where}.{key} = {value!r}: expected http://HOST:PORT (or empty)"
+    if key in ("model", "draft_model", "target_model", "tokenizer") and not isinstance(value, str):
+        return f"{where}.{key} = {value!r}: expected a string"
+    if key == "model" and not value:
+        return f"{where}.model is empty"
     return None
 
 
@@ -233,12 +273,23 @@ def check_toml(text, name):
             problems.append(f"{section} is not a table")
             continue
         for key, value in table.items():
-            if KEYS[section] is not None and key not in KEYS[section]:
+            if key not in KEYS[section]:
                 problems.append(f"unknown key {section}.{key}")
                 continue
             p = check_value(section, key, value)
             if p:
                 problems.append(p)
+    # Commented-out keys ("#key = value") are meant to be uncommented: check their names too.
+    section = None
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        h = re.fullmatch(r"\[([A-Za-z0-9_]+)\]\s*(#.*)?", s)
+        if h:
+            section = h.group(1)
+            continue
+        m = re.match(r"#([a-z_][a-z0-9_]*)\s*=", s)
+        if m and section in KEYS and m.group(1) not in KEYS[section]:
+            problems.append(f"line {n}: commented-out key {section}.{m.group(1)} is not a setting")
     if problems:
         for p in problems:
             bad(f"{name}: {p}")
@@ -270,7 +321,7 @@ if os.path.exists(env_path):
             var = m.group(1)
             if var.startswith("SPECSPLIT_") and "__" in var:
                 section, _, key = var[len("SPECSPLIT_"):].lower().partition("__")
-                if section not in KEYS or (KEYS[section] is not None and key not in KEYS[section]):
+                if section not in KEYS or key not in KEYS[section]:
                     problems.append(f"line {n}: {var} names no known setting")
     # Commented-out examples should be right too.
     with open(env_path, encoding="utf-8") as f:
@@ -278,7 +329,7 @@ if os.path.exists(env_path):
             m = re.match(r"#(SPECSPLIT_([A-Z]+)__([A-Z_]+))=", line.strip())
             if m:
                 section, key = m.group(2).lower(), m.group(3).lower()
-                if section not in KEYS or (KEYS[section] is not None and key not in KEYS[section]):
+                if section not in KEYS or key not in KEYS[section]:
                     problems.append(f"line {n}: example {m.group(1)} names no known setting")
     for p in problems:
         bad(f"{rel(env_path)}: {p}")
@@ -311,9 +362,8 @@ def validate(doc, label):
         try:
             kubernetes_validate.validate(doc, v, strict=True)
         except kubernetes_validate.ValidationError as e:
-            cause = e.caught
-            path = ".".join(str(p) for p in cause.absolute_path) or "(top)"
-            bad(f"{what} (k8s {v}): {path}: {cause.message}")
+            path = ".".join(str(p) for p in e.absolute_path) or "(top)"
+            bad(f"{what} (k8s {v}): {path}: {e.message}")
             return
         except kubernetes_validate.SchemaNotFoundError:
             bad(f"{what} (k8s {v}): no schema for apiVersion {doc['apiVersion']} kind {kind}")
@@ -389,137 +439,177 @@ for d in final:
     validate(d, f"rendered ({how})")
 
 # ---- Consistency of the rendered objects ----
-DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-by_kind = {}
-for d in final:
-    by_kind.setdefault(d.get("kind"), []).append(d)
-    name = (d.get("metadata") or {}).get("name", "")
-    if not (DNS1123.fullmatch(name or "") and len(name) <= 63):
-        bad(f"{d.get('kind')}/{name}: name is not a DNS-1123 label")
-    if kust.get("namespace") and d.get("kind") != "Namespace" and \
-            (d.get("metadata") or {}).get("namespace") != kust["namespace"]:
-        bad(f"{d.get('kind')}/{name}: not in namespace {kust['namespace']}")
+def consistency():
+    DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+    by_kind = {}
+    for d in final:
+        by_kind.setdefault(d.get("kind"), []).append(d)
+        name = (d.get("metadata") or {}).get("name", "")
+        if not (DNS1123.fullmatch(name or "") and len(name) <= 63):
+            bad(f"{d.get('kind')}/{name}: name is not a DNS-1123 label")
+        if kust.get("namespace") and d.get("kind") != "Namespace" and \
+                (d.get("metadata") or {}).get("namespace") != kust["namespace"]:
+            bad(f"{d.get('kind')}/{name}: not in namespace {kust['namespace']}")
 
-configmaps = {(c.get("metadata") or {}).get("name"): c for c in by_kind.get("ConfigMap", [])}
-ROLE = {"specsplit-draft": ("draft", "specsplit.DraftService"),
-        "specsplit-target": ("target", "specsplit.TargetService")}
-deployments = by_kind.get("Deployment", [])
-checked_confs = {}
-if not deployments:
-    bad("no Deployment in the rendered manifests")
-for dep in deployments:
-    dname = dep["metadata"]["name"]
-    spec = dep.get("spec") or {}
-    pod = (spec.get("template") or {}).get("spec") or {}
-    tlabels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
-    sel = (spec.get("selector") or {}).get("matchLabels") or {}
-    problems = []
-    if not sel or any(tlabels.get(k) != v for k, v in sel.items()):
-        problems.append("selector.matchLabels do not match the pod template labels")
-    volumes = {v.get("name"): v for v in pod.get("volumes") or []}
-    for v in volumes.values():
-        cm = (v.get("configMap") or {}).get("name")
-        if cm and cm not in configmaps:
-            problems.append(f"volume {v['name']} references missing ConfigMap {cm}")
-    roles_seen = 0
-    for c in pod.get("containers") or []:
-        cmd = (c.get("command") or [""])[0]
-        role = ROLE.get(os.path.basename(cmd))
-        if not role:
-            continue
-        roles_seen += 1
-        section, svc = role
-        cname = c.get("name")
-        ports = {p.get("containerPort") for p in c.get("ports") or []}
-        for pn in (p.get("name") for p in c.get("ports") or []):
-            if pn and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", pn) or (pn and len(pn) > 15):
-                problems.append(f"{cname}: port name {pn!r} is not a valid IANA service name")
-        for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            probe = c.get(probe_kind)
-            if not probe:
-                problems.append(f"{cname}: no {probe_kind}")
+    configmaps = {(c.get("metadata") or {}).get("name"): c for c in by_kind.get("ConfigMap", [])}
+    ROLE = {"specsplit-draft": ("draft", "specsplit.DraftService"),
+            "specsplit-target": ("target", "specsplit.TargetService")}
+    deployments = by_kind.get("Deployment", [])
+    checked_confs = {}
+    if not deployments:
+        bad("no Deployment in the rendered manifests")
+    for dep in deployments:
+        dname = dep["metadata"]["name"]
+        spec = dep.get("spec") or {}
+        pod = (spec.get("template") or {}).get("spec") or {}
+        tlabels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+        sel = (spec.get("selector") or {}).get("matchLabels") or {}
+        problems = []
+        if not sel or any(tlabels.get(k) != v for k, v in sel.items()):
+            problems.append("selector.matchLabels do not match the pod template labels")
+        volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+        for v in volumes.values():
+            cm = (v.get("configMap") or {}).get("name")
+            if cm and cm not in configmaps:
+                problems.append(f"volume {v['name']} references missing ConfigMap {cm}")
+        roles_seen = 0
+        for c in pod.get("containers") or []:
+            cmd = (c.get("command") or [""])[0]
+            role = ROLE.get(os.path.basename(cmd))
+            if not role:
                 continue
-            g = probe.get("grpc")
-            if not g:
-                problems.append(f"{cname}: {probe_kind} is not a gRPC probe")
-                continue
-            if g.get("port") not in ports:
-                problems.append(f"{cname}: {probe_kind} port {g.get('port')} is not a container port")
-            if g.get("service", "") not in ("", svc):
-                problems.append(f"{cname}: {probe_kind} asks for service {g.get('service')!r}, "
-                                f"the worker serves {svc!r}")
-        if (c.get("readinessProbe") or {}).get("grpc", {}).get("service") != svc:
-            problems.append(f"{cname}: readinessProbe should ask for service {svc}")
-        # --config must point into a mounted ConfigMap that has the file; its TOML must parse
-        # and listen on the container port.
-        args = c.get("args") or []
-        conf_path = None
-        for i, a in enumerate(args):
-            if a == "--config" and i + 1 < len(args):
-                conf_path = args[i + 1]
-            elif a.startswith("--config="):
-                conf_path = a.split("=", 1)[1]
-        if not conf_path:
-            problems.append(f"{cname}: no --config argument")
+            roles_seen += 1
+            section, svc = role
+            cname = c.get("name")
+            ports = {p.get("containerPort") for p in c.get("ports") or []}
+            for pn in (p.get("name") for p in c.get("ports") or []):
+                if pn and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", pn) or (pn and len(pn) > 15):
+                    problems.append(f"{cname}: port name {pn!r} is not a valid IANA service name")
+            for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c.get(probe_kind)
+                if not probe:
+                    problems.append(f"{cname}: no {probe_kind}")
+                    continue
+                g = probe.get("grpc")
+                if not g:
+                    problems.append(f"{cname}: {probe_kind} is not a gRPC probe")
+                    continue
+                if g.get("port") not in ports:
+                    problems.append(f"{cname}: {probe_kind} port {g.get('port')} is not a container port")
+                if g.get("service", "") not in ("", svc):
+                    problems.append(f"{cname}: {probe_kind} asks for service {g.get('service')!r}, "
+                                    f"the worker serves {svc!r}")
+            if (c.get("readinessProbe") or {}).get("grpc", {}).get("service") != svc:
+                problems.append(f"{cname}: readinessProbe should ask for service {svc}")
+            # --config must point into a mounted ConfigMap that has the file; its TOML must parse
+            # and listen on the container port.
+            args = c.get("args") or []
+            conf_path = None
+            for i, a in enumerate(args):
+                if a == "--config" and i + 1 < len(args):
+                    conf_path = args[i + 1]
+                elif a.startswith("--config="):
+                    conf_path = a.split("=", 1)[1]
+            if not conf_path:
+                problems.append(f"{cname}: no --config argument")
+            else:
+                found = False
+                for m in c.get("volumeMounts") or []:
+                    mp = m.get("mountPath", "").rstrip("/")
+                    if os.path.dirname(conf_path) == mp:
+                        cmname = (volumes.get(m.get("name")) or {}).get("configMap", {}).get("name")
+                        cmap = configmaps.get(cmname)
+                        key = os.path.basename(conf_path)
+                        if cmap and key in (cmap.get("data") or {}):
+                            found = True
+                            if (cmname, key) not in checked_confs:
+                                checked_confs[(cmname, key)] = check_toml(
+                                    cmap["data"][key], f"ConfigMap/{cmname} {key}")
+                            conf = checked_confs[(cmname, key)]
+                            listen = ((conf or {}).get(section) or {}).get("listen")
+                            if listen and int(listen.rsplit(":", 1)[1]) not in ports:
+                                problems.append(f"{cname}: [{section}] listen {listen} is not a "
+                                                f"container port {sorted(ports)}")
+                if not found:
+                    problems.append(f"{cname}: --config {conf_path} is not a key of a mounted ConfigMap")
+            limits = ((c.get("resources") or {}).get("limits") or {})
+            if section == "target" and "nvidia.com/gpu" not in limits:
+                problems.append(f"{cname}: the target has no nvidia.com/gpu limit")
+            pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command") or []
+            pre_sleep = int(pre[1]) if len(pre) == 2 and pre[0] == "sleep" and pre[1].isdigit() else 0
+            grace = pod.get("terminationGracePeriodSeconds", 30)
+            if grace < 30 + pre_sleep:
+                problems.append(f"terminationGracePeriodSeconds {grace} < 30 s drain + {pre_sleep} s preStop")
+        if roles_seen == 0:
+            problems.append("no container runs specsplit-draft or specsplit-target")
+        for p in problems:
+            bad(f"Deployment/{dname}: {p}")
+        if not problems:
+            ok(f"Deployment/{dname}: selectors, probes, config mount, ports and grace period consistent")
+
+    for svc_obj in by_kind.get("Service", []):
+        sname = svc_obj["metadata"]["name"]
+        spec = svc_obj.get("spec") or {}
+        sel = spec.get("selector") or {}
+        problems = []
+        matches = [d for d in deployments
+                   if sel and all((((d.get("spec") or {}).get("template") or {}).get("metadata") or {})
+                                  .get("labels", {}).get(k) == v for k, v in sel.items())]
+        if len(matches) != 1:
+            problems.append(f"selector {sel} matches {len(matches)} Deployments (expected 1)")
         else:
-            found = False
-            for m in c.get("volumeMounts") or []:
-                mp = m.get("mountPath", "").rstrip("/")
-                if os.path.dirname(conf_path) == mp:
-                    cmname = (volumes.get(m.get("name")) or {}).get("configMap", {}).get("name")
-                    cmap = configmaps.get(cmname)
-                    key = os.path.basename(conf_path)
-                    if cmap and key in (cmap.get("data") or {}):
-                        found = True
-                        if (cmname, key) not in checked_confs:
-                            checked_confs[(cmname, key)] = check_toml(
-                                cmap["data"][key], f"ConfigMap/{cmname} {key}")
-                        conf = checked_confs[(cmname, key)]
-                        listen = ((conf or {}).get(section) or {}).get("listen")
-                        if listen and int(listen.rsplit(":", 1)[1]) not in ports:
-                            problems.append(f"{cname}: [{section}] listen {listen} is not a "
-                                            f"container port {sorted(ports)}")
-            if not found:
-                problems.append(f"{cname}: --config {conf_path} is not a key of a mounted ConfigMap")
-        limits = ((c.get("resources") or {}).get("limits") or {})
-        if section == "target" and "nvidia.com/gpu" not in limits:
-            problems.append(f"{cname}: the target has no nvidia.com/gpu limit")
-        pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command") or []
-        pre_sleep = int(pre[1]) if len(pre) == 2 and pre[0] == "sleep" and pre[1].isdigit() else 0
-        grace = pod.get("terminationGracePeriodSeconds", 30)
-        if grace < 30 + pre_sleep:
-            problems.append(f"terminationGracePeriodSeconds {grace} < 30 s drain + {pre_sleep} s preStop")
-    if roles_seen == 0:
-        problems.append("no container runs specsplit-draft or specsplit-target")
-    for p in problems:
-        bad(f"Deployment/{dname}: {p}")
-    if not problems:
-        ok(f"Deployment/{dname}: selectors, probes, config mount, ports and grace period consistent")
+            containers = matches[0]["spec"]["template"]["spec"].get("containers") or []
+            cports = [p for c in containers for p in c.get("ports") or []]
+            for p in spec.get("ports") or []:
+                tp = p.get("targetPort", p.get("port"))
+                if not any(tp in (cp.get("name"), cp.get("containerPort")) for cp in cports):
+                    problems.append(f"port {p.get('name')}: targetPort {tp} is no container port")
+            cmds = [os.path.basename((c.get("command") or [""])[0]) for c in containers]
+            if "specsplit-target" in cmds and spec.get("sessionAffinity") != "ClientIP":
+                problems.append("target Service needs sessionAffinity: ClientIP")
+        for p in problems:
+            bad(f"Service/{sname}: {p}")
+        if not problems:
+            ok(f"Service/{sname}: selects one Deployment, target ports exist")
 
-for svc_obj in by_kind.get("Service", []):
-    sname = svc_obj["metadata"]["name"]
-    spec = svc_obj.get("spec") or {}
-    sel = spec.get("selector") or {}
+
+
+# ---- Container image: provides what the manifests run ----
+def image_check():
+    dockerfile = os.path.join(repo, "deploy", "container", "Dockerfile")
+    if not os.path.exists(dockerfile):
+        bad(f"missing {rel(dockerfile)}")
+        return
+    with open(dockerfile, encoding="utf-8") as f:
+        text = f.read()
+    provided = set(re.findall(r"target/release/([A-Za-z0-9_.-]+)", text))
+    provided |= set(re.findall(r"/usr/local/bin/([A-Za-z0-9_.-]+)\s*$", text, re.M))
     problems = []
-    matches = [d for d in deployments
-               if sel and all((((d.get("spec") or {}).get("template") or {}).get("metadata") or {})
-                              .get("labels", {}).get(k) == v for k, v in sel.items())]
-    if len(matches) != 1:
-        problems.append(f"selector {sel} matches {len(matches)} Deployments (expected 1)")
-    else:
-        containers = matches[0]["spec"]["template"]["spec"].get("containers") or []
-        cports = [p for c in containers for p in c.get("ports") or []]
-        for p in spec.get("ports") or []:
-            tp = p.get("targetPort", p.get("port"))
-            if not any(tp in (cp.get("name"), cp.get("containerPort")) for cp in cports):
-                problems.append(f"port {p.get('name')}: targetPort {tp} is no container port")
-        cmds = [os.path.basename((c.get("command") or [""])[0]) for c in containers]
-        if "specsplit-target" in cmds and spec.get("sessionAffinity") != "ClientIP":
-            problems.append("target Service needs sessionAffinity: ClientIP")
+    for src in re.findall(r"^COPY\s+(?:--chmod=\S+\s+)?(?!--from)(\S+)\s+\S+\s*$", text, re.M):
+        if not os.path.exists(os.path.join(repo, src)):
+            problems.append(f"COPY source {src} does not exist")
+    for d in final:
+        pod = ((d.get("spec") or {}).get("template") or {}).get("spec") or {}
+        for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+            cmd = (c.get("command") or [""])[0]
+            if cmd.startswith("/usr/local/bin/") and os.path.basename(cmd) not in provided:
+                problems.append(f"{d['metadata']['name']}/{c.get('name')} runs {cmd}, which the "
+                                "image does not install")
     for p in problems:
-        bad(f"Service/{sname}: {p}")
+        bad(f"{rel(dockerfile)}: {p}")
     if not problems:
-        ok(f"Service/{sname}: selects one Deployment, target ports exist")
+        ok(f"{rel(dockerfile)}: installs every command the manifests run; COPY sources exist")
+
+
+try:
+    image_check()
+except Exception as e:
+    bad(f"image checks stopped: {type(e).__name__}: {e}")
+
+try:
+    consistency()
+except Exception as e:  # malformed input that the schema step already reported
+    bad(f"consistency checks stopped: {type(e).__name__}: {e}")
 PY
 py_rc=$?
 set -e

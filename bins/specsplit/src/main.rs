@@ -383,23 +383,18 @@ async fn run(
         .encode(&text_in, !s.chat_template)
         .context("tokenizing the prompt")?;
     let orch = Orchestrator::connect(draft_addr, target_addr).await?;
-    let mut printed = String::new();
-    let mut all: Vec<u32> = Vec::new();
+    let mut decoder = tokenizer.stream_decoder(true);
+    let mut ends_with_newline = true;
     let mut stdout = std::io::stdout();
     let on_tokens = |toks: &[u32]| {
         if json {
             return;
         }
-        all.extend_from_slice(toks);
-        let eos = orch.eos_token_ids();
-        let visible: Vec<u32> = all.iter().copied().filter(|t| !eos.contains(t)).collect();
-        if let Ok(text) = tokenizer.decode(&visible, true) {
-            // Print only complete characters: hold back a trailing replacement character.
-            let stable = text.trim_end_matches('\u{FFFD}');
-            if stable.len() > printed.len() && stable.starts_with(printed.as_str()) {
-                let _ = stdout.write_all(stable[printed.len()..].as_bytes());
+        if let Ok(text) = decoder.push(tokenizer, toks) {
+            if !text.is_empty() {
+                ends_with_newline = text.ends_with('\n');
+                let _ = stdout.write_all(text.as_bytes());
                 let _ = stdout.flush();
-                printed = stable.to_string();
             }
         }
     };
@@ -420,7 +415,9 @@ async fn run(
         });
         println!("{}", serde_json::to_string(&obj)?);
     } else {
-        if !printed.ends_with('\n') {
+        let rest = decoder.finish(tokenizer).unwrap_or_default();
+        print!("{rest}");
+        if !(ends_with_newline && rest.is_empty()) && !rest.ends_with('\n') {
             println!();
         }
         let st = &gen.stats;

@@ -284,10 +284,11 @@ impl SessionCache {
             let dst = base + first_moved;
             let device = self.k[0].device().clone();
             if let Some(start) = single_run(moved) {
-                // One contiguous run: narrow + copy per tensor, no index upload. `copy` (not
-                // `contiguous`) so the source never shares the destination's storage.
+                // One contiguous run: narrow + copy per tensor, no index upload.
+                // `force_contiguous` always copies just the view, so the source never shares
+                // the destination's storage.
                 for t in self.k.iter().chain(self.v.iter()) {
-                    let src = t.narrow(2, start, moved.len())?.copy()?;
+                    let src = t.narrow(2, start, moved.len())?.force_contiguous()?;
                     t.slice_set(&src, 2, dst)?;
                 }
             } else {

@@ -35,7 +35,11 @@ impl TreeMask {
             paths.push(i);
         }
         path_start.push(paths.len());
-        TreeMask { depths: tree.depths().to_vec(), path_start, paths }
+        TreeMask {
+            depths: tree.depths().to_vec(),
+            path_start,
+            paths,
+        }
     }
 
     /// Number of tree nodes (mask rows).
@@ -68,7 +72,11 @@ impl TreeMask {
     }
 
     /// Position ids as a `u32` tensor of shape `(N,)` on `device`.
-    pub fn positions_tensor(&self, prefix_len: usize, device: &Device) -> candle_core::Result<Tensor> {
+    pub fn positions_tensor(
+        &self,
+        prefix_len: usize,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
         let pos = self.positions(prefix_len);
         let n = pos.len();
         Tensor::from_vec(pos, n, device)
@@ -89,7 +97,12 @@ impl TreeMask {
 
     /// The additive mask of shape `(N, prefix_len + N)` in `dtype` on `device`: only the tree
     /// block is uploaded; the prefix columns are zeros created on the device.
-    pub fn to_tensor(&self, prefix_len: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    pub fn to_tensor(
+        &self,
+        prefix_len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
         let n = self.len();
         let block = Tensor::from_vec(self.block_data(), (n, n), device)?.to_dtype(dtype)?;
         if prefix_len == 0 {
@@ -102,7 +115,12 @@ impl TreeMask {
 
 /// Causal prefill mask of shape `(n_new, prefix_len + n_new)`: new token `r` sees the prefix,
 /// the new tokens before it and itself (additive form in `dtype`).
-pub fn causal_mask(n_new: usize, prefix_len: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+pub fn causal_mask(
+    n_new: usize,
+    prefix_len: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     let cols = prefix_len + n_new;
     let mut data = vec![0.0f32; n_new * cols];
     for r in 0..n_new {

@@ -60,7 +60,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -72,13 +77,15 @@ impl SamplingParams {
 
     /// Whether decoding is greedy (temperature not strictly positive).
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0)
+        self.temperature.partial_cmp(&0.0) != Some(Ordering::Greater)
     }
 
     /// Checks temperature (finite, >= 0) and top-p (in `[0, 1]`).
     pub fn validate(&self) -> Result<(), SamplingError> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(SamplingError::InvalidTemperature { value: self.temperature });
+            return Err(SamplingError::InvalidTemperature {
+                value: self.temperature,
+            });
         }
         if !(0.0..=1.0).contains(&self.top_p) {
             return Err(SamplingError::InvalidTopP { value: self.top_p });
@@ -88,10 +95,15 @@ impl SamplingParams {
 
     /// Converts and validates wire parameters.
     pub fn from_proto(p: &specsplit_proto::SamplingParams) -> Result<Self, SamplingError> {
-        let top_k = usize::try_from(p.top_k)
-            .map_err(|_| SamplingError::InvalidTopK { value: i64::from(p.top_k) })?;
-        let params =
-            SamplingParams { temperature: p.temperature, top_k, top_p: p.top_p, seed: p.seed };
+        let top_k = usize::try_from(p.top_k).map_err(|_| SamplingError::InvalidTopK {
+            value: i64::from(p.top_k),
+        })?;
+        let params = SamplingParams {
+            temperature: p.temperature,
+            top_k,
+            top_p: p.top_p,
+            seed: p.seed,
+        };
         params.validate()?;
         Ok(params)
     }
@@ -125,6 +137,11 @@ impl From<&SamplingParams> for specsplit_proto::SamplingParams {
     }
 }
 
+/// Whether `x` is strictly positive (false for NaN).
+pub(crate) fn is_positive(x: f64) -> bool {
+    x > 0.0
+}
+
 /// Ordering key of a logit: NaN ranks below everything.
 fn logit_key(x: f32) -> f32 {
     if x.is_nan() {
@@ -136,7 +153,9 @@ fn logit_key(x: f32) -> f32 {
 
 /// Descending by value, ties broken by lower token id.
 fn desc_then_id<T: PartialOrd>(va: T, vb: T, a: u32, b: u32) -> Ordering {
-    vb.partial_cmp(&va).unwrap_or(Ordering::Equal).then(a.cmp(&b))
+    vb.partial_cmp(&va)
+        .unwrap_or(Ordering::Equal)
+        .then(a.cmp(&b))
 }
 
 /// Index of the largest logit; ties go to the lowest id, NaN ranks lowest, empty gives 0.
@@ -160,7 +179,12 @@ pub fn top_w(logits: &[f32], w: usize) -> Vec<u32> {
         return Vec::new();
     }
     let cmp = |a: &u32, b: &u32| {
-        desc_then_id(logit_key(logits[*a as usize]), logit_key(logits[*b as usize]), *a, *b)
+        desc_then_id(
+            logit_key(logits[*a as usize]),
+            logit_key(logits[*b as usize]),
+            *a,
+            *b,
+        )
     };
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     if w < idx.len() {
@@ -200,10 +224,17 @@ pub fn warp(logits: &[f32], params: &SamplingParams) -> Distribution {
         return Distribution::Dense(Vec::new());
     }
     if params.is_greedy() {
-        return Distribution::Sparse { ids: vec![argmax(logits)], probs: vec![1.0] };
+        return Distribution::Sparse {
+            ids: vec![argmax(logits)],
+            probs: vec![1.0],
+        };
     }
     let p = softmax_f64(logits, f64::from(params.temperature));
-    let k = if params.top_k > 0 && params.top_k < v { params.top_k } else { v };
+    let k = if params.top_k > 0 && params.top_k < v {
+        params.top_k
+    } else {
+        v
+    };
     let top_p = params.top_p_active();
     if k == v && !top_p {
         return Distribution::Dense(p.iter().map(|&x| x as f32).collect());
@@ -213,28 +244,55 @@ pub fn warp(logits: &[f32], params: &SamplingParams) -> Distribution {
     if k < v {
         idx.select_nth_unstable_by(k - 1, cmp);
         idx.truncate(k);
-    }
-    idx.sort_unstable_by(cmp);
-    if top_p {
-        let kept: f64 = idx.iter().map(|&i| p[i as usize]).sum();
-        let threshold = f64::from(params.top_p) * kept;
-        let mut cum = 0.0f64;
-        let mut keep = idx.len();
-        for (j, &i) in idx.iter().enumerate() {
-            cum += p[i as usize];
-            if cum >= threshold {
-                keep = j + 1;
-                break;
-            }
+        idx.sort_unstable_by(cmp);
+        if top_p {
+            let kept: f64 = idx.iter().map(|&i| p[i as usize]).sum();
+            let threshold = f64::from(params.top_p) * kept;
+            let keep = nucleus_len(&idx, &p, threshold).unwrap_or(idx.len());
+            idx.truncate(keep);
         }
-        idx.truncate(keep);
+    } else {
+        // Top-p alone: sort only a growing head of the ranking until it holds the nucleus.
+        // The comparator is a total order, so the head is exactly a prefix of the full sort.
+        let threshold = f64::from(params.top_p) * p.iter().sum::<f64>();
+        let mut m = v.min(256);
+        idx = loop {
+            if m < v {
+                idx.select_nth_unstable_by(m - 1, cmp);
+            }
+            let mut head = idx[..m].to_vec();
+            head.sort_unstable_by(cmp);
+            match nucleus_len(&head, &p, threshold) {
+                Some(keep) => {
+                    head.truncate(keep);
+                    break head;
+                }
+                None if m == v => break head,
+                None => m = m.saturating_mul(4).min(v),
+            }
+        };
     }
     let total: f64 = idx.iter().map(|&i| p[i as usize]).sum();
     if idx.len() == v {
         return Distribution::Dense(p.iter().map(|&x| (x / total) as f32).collect());
     }
-    let probs = idx.iter().map(|&i| (p[i as usize] / total) as f32).collect();
+    let probs = idx
+        .iter()
+        .map(|&i| (p[i as usize] / total) as f32)
+        .collect();
     Distribution::Sparse { ids: idx, probs }
+}
+
+/// Length of the shortest prefix of `sorted` whose mass reaches `threshold`, if any.
+fn nucleus_len(sorted: &[u32], p: &[f64], threshold: f64) -> Option<usize> {
+    let mut cum = 0.0f64;
+    for (j, &i) in sorted.iter().enumerate() {
+        cum += p[i as usize];
+        if cum >= threshold {
+            return Some(j + 1);
+        }
+    }
+    None
 }
 
 /// Numerically stable softmax of `logits / temperature`, in f64, with the edge cases of
@@ -244,7 +302,10 @@ fn softmax_f64(logits: &[f32], temperature: f64) -> Vec<f64> {
     let n_pos_inf = logits.iter().filter(|&&x| x == f32::INFINITY).count();
     if n_pos_inf > 0 {
         let share = 1.0 / n_pos_inf as f64;
-        return logits.iter().map(|&x| if x == f32::INFINITY { share } else { 0.0 }).collect();
+        return logits
+            .iter()
+            .map(|&x| if x == f32::INFINITY { share } else { 0.0 })
+            .collect();
     }
     let scaled = |x: f32| -> f64 {
         if x.is_finite() {
@@ -253,7 +314,10 @@ fn softmax_f64(logits: &[f32], temperature: f64) -> Vec<f64> {
             f64::NEG_INFINITY
         }
     };
-    let m = logits.iter().map(|&x| scaled(x)).fold(f64::NEG_INFINITY, f64::max);
+    let m = logits
+        .iter()
+        .map(|&x| scaled(x))
+        .fold(f64::NEG_INFINITY, f64::max);
     if !m.is_finite() {
         return vec![1.0 / v as f64; v];
     }
@@ -269,7 +333,7 @@ fn softmax_f64(logits: &[f32], temperature: f64) -> Vec<f64> {
 /// entry is never drawn; when the total is not positive, returns `None`.
 pub(crate) fn draw_index<R: Rng + ?Sized>(weights: &[f64], rng: &mut R) -> Option<usize> {
     let total: f64 = weights.iter().sum();
-    if !(total > 0.0) || !total.is_finite() {
+    if !is_positive(total) || !total.is_finite() {
         return None;
     }
     let u = rng.random::<f64>() * total;
@@ -297,20 +361,59 @@ fn entry_token(dist: &Distribution, j: usize) -> u32 {
 
 /// Non-negative f64 weights of a distribution's stored entries (invalid entries weigh 0).
 fn entry_weights(dist: &Distribution) -> Vec<f64> {
-    dist.iter()
-        .map(|(_, p)| if p.is_finite() && p > 0.0 { f64::from(p) } else { 0.0 })
+    let probs = match dist {
+        Distribution::Dense(p) => p,
+        Distribution::Sparse { probs, .. } => probs,
+    };
+    probs
+        .iter()
+        .map(|&p| {
+            if p.is_finite() && p > 0.0 {
+                f64::from(p)
+            } else {
+                0.0
+            }
+        })
         .collect()
 }
 
 /// Draws one token from `dist` (normalised by its total; one uniform f64 from `rng`).
 /// A distribution without positive mass yields its first stored id (or 0).
 pub fn sample<R: Rng + ?Sized>(dist: &Distribution, rng: &mut R) -> u32 {
-    let weights = entry_weights(dist);
-    match draw_index(&weights, rng) {
-        Some(j) => entry_token(dist, j),
-        None if dist.num_entries() > 0 => entry_token(dist, 0),
-        None => 0,
+    let probs = match dist {
+        Distribution::Dense(p) => p,
+        Distribution::Sparse { probs, .. } => probs,
+    };
+    let weight = |p: f32| {
+        if p.is_finite() && p > 0.0 {
+            f64::from(p)
+        } else {
+            0.0
+        }
+    };
+    let total: f64 = probs.iter().map(|&p| weight(p)).sum();
+    if !is_positive(total) || !total.is_finite() {
+        return if dist.num_entries() > 0 {
+            entry_token(dist, 0)
+        } else {
+            0
+        };
     }
+    // Same arithmetic as `draw_index`, without materialising the weights.
+    let u = rng.random::<f64>() * total;
+    let mut cum = 0.0f64;
+    let mut last_positive = 0;
+    for (j, &p) in probs.iter().enumerate() {
+        let w = weight(p);
+        if w > 0.0 {
+            cum += w;
+            last_positive = j;
+            if cum > u {
+                return entry_token(dist, j);
+            }
+        }
+    }
+    entry_token(dist, last_positive)
 }
 
 /// Draws up to `k` distinct tokens sequentially, each from `dist` restricted to the tokens not
@@ -341,7 +444,12 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     fn sampled(t: f32, k: usize, p: f32) -> SamplingParams {
-        SamplingParams { temperature: t, top_k: k, top_p: p, seed: 1 }
+        SamplingParams {
+            temperature: t,
+            top_k: k,
+            top_p: p,
+            seed: 1,
+        }
     }
 
     #[test]
@@ -356,7 +464,9 @@ mod tests {
     #[test]
     fn warp_dense_when_untruncated_and_sums_to_one() {
         let d = warp(&[0.0, 1.0, 2.0], &sampled(1.0, 0, 1.0));
-        let Distribution::Dense(p) = &d else { panic!("expected dense") };
+        let Distribution::Dense(p) = &d else {
+            panic!("expected dense")
+        };
         assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(p[2] > p[1] && p[1] > p[0]);
     }
@@ -364,28 +474,44 @@ mod tests {
     #[test]
     fn warp_top_k_ties_and_top_p() {
         let d = warp(&[1.0, 2.0, 2.0, 0.0], &sampled(1.0, 2, 1.0));
-        let Distribution::Sparse { ids, probs } = &d else { panic!("expected sparse") };
+        let Distribution::Sparse { ids, probs } = &d else {
+            panic!("expected sparse")
+        };
         assert_eq!(ids, &vec![1, 2]);
         assert!((probs[0] - 0.5).abs() < 1e-6);
         // p ~ [0.0871, 0.2369, 0.6439, 0.0321]: top-p 0.7 keeps {2, 1}.
         let d = warp(&[1.0, 2.0, 3.0, 0.0], &sampled(1.0, 0, 0.7));
-        let Distribution::Sparse { ids, .. } = &d else { panic!("expected sparse") };
+        let Distribution::Sparse { ids, .. } = &d else {
+            panic!("expected sparse")
+        };
         assert_eq!(ids, &vec![2, 1]);
         // top-p is measured on the top-k renormalised mass: top-2 {2: .731, 1: .269}.
         let d = warp(&[1.0, 2.0, 3.0, 0.0], &sampled(1.0, 2, 0.72));
-        assert_eq!(d, Distribution::Sparse { ids: vec![2], probs: vec![1.0] });
+        assert_eq!(
+            d,
+            Distribution::Sparse {
+                ids: vec![2],
+                probs: vec![1.0]
+            }
+        );
     }
 
     #[test]
     fn warp_edge_cases_never_panic() {
-        assert_eq!(warp(&[], &sampled(1.0, 0, 1.0)), Distribution::Dense(vec![]));
+        assert_eq!(
+            warp(&[], &sampled(1.0, 0, 1.0)),
+            Distribution::Dense(vec![])
+        );
         let d = warp(&[f32::NEG_INFINITY; 4], &sampled(1.0, 0, 1.0));
         assert_eq!(d, Distribution::Dense(vec![0.25; 4]));
         let d = warp(&[0.0, f32::INFINITY, 1.0], &sampled(0.5, 0, 1.0));
         assert_eq!(d.prob(1), 1.0);
         let d = warp(&[1e30, -1e30, 0.0], &sampled(1e-30, 0, 1.0));
         assert_eq!(d.prob(0), 1.0);
-        assert_eq!(try_warp(&[0.0, f32::NAN], &sampled(1.0, 0, 1.0)), Err(SamplingError::NanLogit { index: 1 }));
+        assert_eq!(
+            try_warp(&[0.0, f32::NAN], &sampled(1.0, 0, 1.0)),
+            Err(SamplingError::NanLogit { index: 1 })
+        );
         assert_eq!(warp(&[0.0, 5.0], &SamplingParams::greedy()).prob(1), 1.0);
     }
 
@@ -399,11 +525,26 @@ mod tests {
                 seed: 0,
             })
         };
-        assert!(matches!(bad(-1.0, 0, 1.0), Err(SamplingError::InvalidTemperature { .. })));
-        assert!(matches!(bad(f32::NAN, 0, 1.0), Err(SamplingError::InvalidTemperature { .. })));
-        assert!(matches!(bad(1.0, -2, 1.0), Err(SamplingError::InvalidTopK { .. })));
-        assert!(matches!(bad(1.0, 0, 1.5), Err(SamplingError::InvalidTopP { .. })));
-        assert!(matches!(bad(1.0, 0, f32::NAN), Err(SamplingError::InvalidTopP { .. })));
+        assert!(matches!(
+            bad(-1.0, 0, 1.0),
+            Err(SamplingError::InvalidTemperature { .. })
+        ));
+        assert!(matches!(
+            bad(f32::NAN, 0, 1.0),
+            Err(SamplingError::InvalidTemperature { .. })
+        ));
+        assert!(matches!(
+            bad(1.0, -2, 1.0),
+            Err(SamplingError::InvalidTopK { .. })
+        ));
+        assert!(matches!(
+            bad(1.0, 0, 1.5),
+            Err(SamplingError::InvalidTopP { .. })
+        ));
+        assert!(matches!(
+            bad(1.0, 0, f32::NAN),
+            Err(SamplingError::InvalidTopP { .. })
+        ));
         let p = sampled(0.7, 5, 0.9);
         assert_eq!(SamplingParams::from_proto(&p.to_proto()), Ok(p));
         assert!(SamplingParams::default().is_greedy());
@@ -412,7 +553,10 @@ mod tests {
     #[test]
     fn without_replacement_draws_distinct_tokens_until_support_ends() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
-        let d = Distribution::Sparse { ids: vec![7, 2, 9], probs: vec![0.5, 0.5, 0.0] };
+        let d = Distribution::Sparse {
+            ids: vec![7, 2, 9],
+            probs: vec![0.5, 0.5, 0.0],
+        };
         for _ in 0..100 {
             let mut s = sample_without_replacement(&d, 5, &mut rng);
             s.sort_unstable();

@@ -47,7 +47,9 @@ pub enum DistributionError {
         probs: usize,
     },
     /// Dense encoding whose length is not the vocabulary size.
-    #[error("dense distribution has {len} probabilities but the vocabulary has {vocab_size} tokens")]
+    #[error(
+        "dense distribution has {len} probabilities but the vocabulary has {vocab_size} tokens"
+    )]
     DenseLength {
         /// Number of probabilities.
         len: usize,
@@ -140,7 +142,10 @@ impl Distribution {
                     return Err(DistributionError::Empty);
                 }
                 if p.len() != vocab_size {
-                    return Err(DistributionError::DenseLength { len: p.len(), vocab_size });
+                    return Err(DistributionError::DenseLength {
+                        len: p.len(),
+                        vocab_size,
+                    });
                 }
                 p
             }
@@ -201,7 +206,10 @@ impl Distribution {
                     }
                 }
             }
-            Distribution::Sparse { ids, probs: proto.probs.clone() }
+            Distribution::Sparse {
+                ids,
+                probs: proto.probs.clone(),
+            }
         };
         dist.validate(vocab_size)?;
         Ok(dist)
@@ -210,7 +218,10 @@ impl Distribution {
     /// Converts to the wire form (dense: empty `token_ids`).
     pub fn to_proto(&self) -> DraftDistribution {
         match self {
-            Distribution::Dense(p) => DraftDistribution { token_ids: Vec::new(), probs: p.clone() },
+            Distribution::Dense(p) => DraftDistribution {
+                token_ids: Vec::new(),
+                probs: p.clone(),
+            },
             Distribution::Sparse { ids, probs } => DraftDistribution {
                 token_ids: ids.iter().map(|&t| id_to_wire(t)).collect(),
                 probs: probs.clone(),
@@ -245,7 +256,11 @@ pub struct TreeLimits {
 impl TreeLimits {
     /// Builds limits from their three fields.
     pub fn new(max_nodes: usize, max_depth: usize, vocab_size: usize) -> Self {
-        TreeLimits { max_nodes, max_depth, vocab_size }
+        TreeLimits {
+            max_nodes,
+            max_depth,
+            vocab_size,
+        }
     }
 }
 
@@ -400,7 +415,11 @@ impl TokenTree {
     pub fn chain(tokens: &[u32]) -> Self {
         let mut tree = Self::new();
         for (i, &t) in tokens.iter().enumerate() {
-            let pushed = if i == 0 { tree.push_root(t, 0.0) } else { tree.push_child(i - 1, t, 0.0) };
+            let pushed = if i == 0 {
+                tree.push_root(t, 0.0)
+            } else {
+                tree.push_child(i - 1, t, 0.0)
+            };
             debug_assert!(pushed.is_ok(), "a chain is breadth-first by construction");
         }
         tree
@@ -410,7 +429,10 @@ impl TokenTree {
     pub fn push_root(&mut self, token: u32, log_prob: f32) -> Result<usize, TreeError> {
         if self.len() > self.num_roots {
             let last_parent = self.parents.last().copied().flatten().unwrap_or(0);
-            return Err(TreeError::NotBreadthFirst { parent: None, last_parent });
+            return Err(TreeError::NotBreadthFirst {
+                parent: None,
+                last_parent,
+            });
         }
         self.num_roots += 1;
         Ok(self.push_node(token, log_prob, None, 0))
@@ -430,7 +452,10 @@ impl TokenTree {
         }
         if let Some(Some(last_parent)) = self.parents.last().copied() {
             if parent < last_parent {
-                return Err(TreeError::NotBreadthFirst { parent: Some(parent), last_parent });
+                return Err(TreeError::NotBreadthFirst {
+                    parent: Some(parent),
+                    last_parent,
+                });
             }
         }
         let index = self.push_node(token, log_prob, Some(parent), self.depths[parent] + 1);
@@ -442,7 +467,13 @@ impl TokenTree {
     }
 
     /// Appends a node without any check (callers enforce breadth-first order).
-    fn push_node(&mut self, token: u32, log_prob: f32, parent: Option<usize>, depth: usize) -> usize {
+    fn push_node(
+        &mut self,
+        token: u32,
+        log_prob: f32,
+        parent: Option<usize>,
+        depth: usize,
+    ) -> usize {
         let index = self.tokens.len();
         self.tokens.push(token);
         self.parents.push(parent);
@@ -462,7 +493,11 @@ impl TokenTree {
     }
 
     /// Sets the draft distribution the children of `node` were (or will be) drawn from.
-    pub fn set_child_distribution(&mut self, node: usize, dist: Distribution) -> Result<(), TreeError> {
+    pub fn set_child_distribution(
+        &mut self,
+        node: usize,
+        dist: Distribution,
+    ) -> Result<(), TreeError> {
         let len = self.len();
         let slot = self
             .child_distributions
@@ -473,7 +508,12 @@ impl TokenTree {
     }
 
     /// Sets the informational top-k lists of `node` (draft's likeliest next tokens).
-    pub fn set_top_k(&mut self, node: usize, ids: Vec<u32>, probs: Vec<f32>) -> Result<(), TreeError> {
+    pub fn set_top_k(
+        &mut self,
+        node: usize,
+        ids: Vec<u32>,
+        probs: Vec<f32>,
+    ) -> Result<(), TreeError> {
         let len = self.len();
         if node >= len {
             return Err(TreeError::NodeOutOfRange { node, len });
@@ -568,7 +608,10 @@ impl TokenTree {
 
     /// Tokens of the path from a root down to node `i`, inclusive (panics if `i >= len()`).
     pub fn path_tokens(&self, i: usize) -> Vec<u32> {
-        self.path_to(i).into_iter().map(|j| self.tokens[j]).collect()
+        self.path_to(i)
+            .into_iter()
+            .map(|j| self.tokens[j])
+            .collect()
     }
 
     /// Draft distribution the roots were drawn from.
@@ -598,10 +641,16 @@ impl TokenTree {
             return Err(TreeError::Empty);
         }
         if self.len() > limits.max_nodes {
-            return Err(TreeError::TooManyNodes { count: self.len(), max: limits.max_nodes });
+            return Err(TreeError::TooManyNodes {
+                count: self.len(),
+                max: limits.max_nodes,
+            });
         }
         if self.max_depth() + 1 > limits.max_depth {
-            return Err(TreeError::TooDeep { depth: self.max_depth() + 1, max: limits.max_depth });
+            return Err(TreeError::TooDeep {
+                depth: self.max_depth() + 1,
+                max: limits.max_depth,
+            });
         }
         if let Some(d) = &self.root_distribution {
             d.validate(limits.vocab_size)
@@ -619,7 +668,10 @@ impl TokenTree {
             )?;
             if let Some(d) = &self.child_distributions[i] {
                 d.validate(limits.vocab_size)
-                    .map_err(|reason| TreeError::BadDistribution { node: Some(i), reason })?;
+                    .map_err(|reason| TreeError::BadDistribution {
+                        node: Some(i),
+                        reason,
+                    })?;
             }
         }
         Ok(())
@@ -642,7 +694,11 @@ impl TokenTree {
     }
 
     /// Checks one group of siblings against the distribution they were drawn from.
-    fn check_sibling_group(&self, parent: Option<usize>, group: Range<usize>) -> Result<(), TreeError> {
+    fn check_sibling_group(
+        &self,
+        parent: Option<usize>,
+        group: Range<usize>,
+    ) -> Result<(), TreeError> {
         let dist = match parent {
             None => self.root_distribution.as_ref(),
             Some(p) => self.child_distributions[p].as_ref(),
@@ -651,12 +707,19 @@ impl TokenTree {
         for node in group.clone() {
             let token = self.tokens[node];
             if dist.prob(token).partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
-                return Err(TreeError::DrawnTokenHasZeroDraftProb { node, token, parent });
+                return Err(TreeError::DrawnTokenHasZeroDraftProb {
+                    node,
+                    token,
+                    parent,
+                });
             }
-            if self.siblings_without_replacement
-                && self.tokens[group.start..node].contains(&token)
+            if self.siblings_without_replacement && self.tokens[group.start..node].contains(&token)
             {
-                return Err(TreeError::DuplicateSibling { node, token, parent });
+                return Err(TreeError::DuplicateSibling {
+                    node,
+                    token,
+                    parent,
+                });
             }
         }
         Ok(())
@@ -674,7 +737,10 @@ impl TokenTree {
             return Err(TreeError::Empty);
         }
         if roots.len() > limits.max_nodes {
-            return Err(TreeError::TooManyNodes { count: roots.len(), max: limits.max_nodes });
+            return Err(TreeError::TooManyNodes {
+                count: roots.len(),
+                max: limits.max_nodes,
+            });
         }
         if limits.max_depth == 0 {
             return Err(TreeError::TooDeep { depth: 1, max: 0 });
@@ -705,8 +771,12 @@ impl TokenTree {
                 Some(p) => tree.push_child(p, token, node.log_prob)?,
             };
             if let Some(d) = &node.child_distribution {
-                let dist = Distribution::from_proto(d, limits.vocab_size)
-                    .map_err(|reason| TreeError::BadDistribution { node: Some(pushed), reason })?;
+                let dist = Distribution::from_proto(d, limits.vocab_size).map_err(|reason| {
+                    TreeError::BadDistribution {
+                        node: Some(pushed),
+                        reason,
+                    }
+                })?;
                 tree.child_distributions[pushed] = Some(dist);
             }
             tree.top_k_ids[pushed] = node.top_k_token_ids.iter().map(|&t| t as u32).collect();
@@ -714,11 +784,17 @@ impl TokenTree {
             if !node.children.is_empty() {
                 let child_depth = tree.depths[pushed] + 1;
                 if child_depth + 1 > limits.max_depth {
-                    return Err(TreeError::TooDeep { depth: child_depth + 1, max: limits.max_depth });
+                    return Err(TreeError::TooDeep {
+                        depth: child_depth + 1,
+                        max: limits.max_depth,
+                    });
                 }
                 let count = tree.len() + queue.len() + node.children.len();
                 if count > limits.max_nodes {
-                    return Err(TreeError::TooManyNodes { count, max: limits.max_nodes });
+                    return Err(TreeError::TooManyNodes {
+                        count,
+                        max: limits.max_nodes,
+                    });
                 }
                 queue.extend(node.children.iter().map(|c| (c, Some(pushed))));
             }
@@ -737,7 +813,9 @@ impl TokenTree {
                 children: Vec::new(),
                 top_k_token_ids: self.top_k_ids[i].iter().map(|&t| id_to_wire(t)).collect(),
                 top_k_probs: self.top_k_probs[i].clone(),
-                child_distribution: self.child_distributions[i].as_ref().map(Distribution::to_proto),
+                child_distribution: self.child_distributions[i]
+                    .as_ref()
+                    .map(Distribution::to_proto),
             }));
         }
         // Children always have larger indices than their parent: fill parents from the back.
@@ -749,14 +827,21 @@ impl TokenTree {
             }
         }
         let roots = self.roots().filter_map(|r| built[r].take()).collect();
-        (roots, self.root_distribution.as_ref().map(Distribution::to_proto))
+        (
+            roots,
+            self.root_distribution.as_ref().map(Distribution::to_proto),
+        )
     }
 }
 
 /// Checks a node token id against the vocabulary.
 fn check_token(node: usize, token: i64, vocab_size: usize) -> Result<(), TreeError> {
     if token < 0 || token as u64 >= vocab_size as u64 {
-        return Err(TreeError::TokenOutOfVocab { node, token, vocab_size });
+        return Err(TreeError::TokenOutOfVocab {
+            node,
+            token,
+            vocab_size,
+        });
     }
     Ok(())
 }
@@ -789,14 +874,26 @@ fn check_top_k(
             reason: format!("token id {t} is outside the vocabulary 0..{vocab_size}"),
         });
     }
-    if let Some(p) = probs.iter().find(|p| !(0.0..=1.0 + SUM_TOLERANCE as f32).contains(*p)) {
-        return Err(TreeError::BadTopK { node, reason: format!("probability {p} is not in [0, 1]") });
+    if let Some(p) = probs
+        .iter()
+        .find(|p| !(0.0..=1.0 + SUM_TOLERANCE as f32).contains(*p))
+    {
+        return Err(TreeError::BadTopK {
+            node,
+            reason: format!("probability {p} is not in [0, 1]"),
+        });
     }
     Ok(())
 }
 
 impl fmt::Display for TokenTree {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "TokenTree({} nodes, {} roots, tokens {:?})", self.len(), self.num_roots, self.tokens)
+        write!(
+            f,
+            "TokenTree({} nodes, {} roots, tokens {:?})",
+            self.len(),
+            self.num_roots,
+            self.tokens
+        )
     }
 }

@@ -14,7 +14,7 @@
 
 use rand::Rng;
 
-use crate::sampling::{argmax, draw_index, try_warp, SamplingError, SamplingParams};
+use crate::sampling::{argmax, draw_index, is_positive, try_warp, SamplingError, SamplingParams};
 use crate::tree::{Distribution, DistributionError, TokenTree, TreeError};
 
 /// Outcome of verifying one tree.
@@ -49,7 +49,9 @@ impl Verdict {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum VerifyError {
     /// `target_next` does not have one entry per node plus one.
-    #[error("expected {expected} target tokens (one per tree node plus one for the prefix), got {got}")]
+    #[error(
+        "expected {expected} target tokens (one per tree node plus one for the prefix), got {got}"
+    )]
     WrongTargetLength {
         /// Nodes + 1.
         expected: usize,
@@ -93,7 +95,10 @@ pub enum VerifyError {
 pub fn verify_greedy(tree: &TokenTree, target_next: &[u32]) -> Result<Verdict, VerifyError> {
     let expected = tree.len() + 1;
     if target_next.len() != expected {
-        return Err(VerifyError::WrongTargetLength { expected, got: target_next.len() });
+        return Err(VerifyError::WrongTargetLength {
+            expected,
+            got: target_next.len(),
+        });
     }
     Ok(greedy_walk(tree, |row| target_next[row]))
 }
@@ -120,7 +125,12 @@ fn greedy_walk(tree: &TokenTree, mut target_at: impl FnMut(usize) -> u32) -> Ver
 fn finish(tree: &TokenTree, accepted_nodes: Vec<usize>, next_token: u32) -> Verdict {
     let bonus = accepted_nodes.last().is_some_and(|&c| tree.is_leaf(c));
     let accepted_tokens = accepted_nodes.iter().map(|&c| tree.token(c)).collect();
-    Verdict { accepted_nodes, accepted_tokens, next_token, bonus }
+    Verdict {
+        accepted_nodes,
+        accepted_tokens,
+        next_token,
+        bonus,
+    }
 }
 
 /// Lossless stochastic verification. `target_logits` holds `tree.len() + 1` rows of
@@ -187,14 +197,21 @@ pub fn verify_stochastic<R: Rng + ?Sized>(
                 Some(c) => tree.child_distribution(c),
             }
             .ok_or(TreeError::MissingDistribution { node: parent })?;
-            load_draft(&mut q, dist)
-                .map_err(|reason| TreeError::BadDistribution { node: parent, reason })?;
+            load_draft(&mut q, dist).map_err(|reason| TreeError::BadDistribution {
+                node: parent,
+                reason,
+            })?;
             for c in candidates {
                 let token = tree.token(c);
                 let x = token as usize;
                 let (px, qx) = (p[x], q[x]);
-                if !(qx > 0.0) {
-                    return Err(TreeError::DrawnTokenHasZeroDraftProb { node: c, token, parent }.into());
+                if !is_positive(qx) {
+                    return Err(TreeError::DrawnTokenHasZeroDraftProb {
+                        node: c,
+                        token,
+                        parent,
+                    }
+                    .into());
                 }
                 // Accept with probability min(1, p(x)/q(x)).
                 let u: f64 = rng.random();
@@ -232,10 +249,19 @@ pub fn verify_stochastic<R: Rng + ?Sized>(
 
 /// Writes a warped target distribution into a dense f64 buffer.
 fn load_dense(buf: &mut [f64], dist: &Distribution) {
-    buf.fill(0.0);
-    for (t, pr) in dist.iter() {
-        if let Some(slot) = buf.get_mut(t as usize) {
-            *slot = f64::from(pr);
+    match dist {
+        Distribution::Dense(pr) if pr.len() == buf.len() => {
+            for (b, &x) in buf.iter_mut().zip(pr) {
+                *b = f64::from(x);
+            }
+        }
+        _ => {
+            buf.fill(0.0);
+            for (t, pr) in dist.iter() {
+                if let Some(slot) = buf.get_mut(t as usize) {
+                    *slot = f64::from(pr);
+                }
+            }
         }
     }
 }
@@ -244,24 +270,49 @@ fn load_dense(buf: &mut [f64], dist: &Distribution) {
 /// fits the vocabulary and is a usable distribution.
 fn load_draft(buf: &mut [f64], dist: &Distribution) -> Result<(), DistributionError> {
     let vocab_size = buf.len();
-    if let Distribution::Dense(pr) = dist {
-        if pr.len() != vocab_size {
-            return Err(DistributionError::DenseLength { len: pr.len(), vocab_size });
+    let bad = |value: f32| !value.is_finite() || value < 0.0;
+    match dist {
+        Distribution::Dense(pr) => {
+            if pr.len() != vocab_size {
+                return Err(DistributionError::DenseLength {
+                    len: pr.len(),
+                    vocab_size,
+                });
+            }
+            if let Some(index) = pr.iter().position(|&x| bad(x)) {
+                return Err(DistributionError::InvalidProbability {
+                    index,
+                    value: pr[index],
+                });
+            }
+            for (b, &x) in buf.iter_mut().zip(pr) {
+                *b = f64::from(x);
+            }
         }
-    }
-    buf.fill(0.0);
-    for (index, (t, pr)) in dist.iter().enumerate() {
-        if !pr.is_finite() || pr < 0.0 {
-            return Err(DistributionError::InvalidProbability { index, value: pr });
+        Distribution::Sparse { ids, probs } => {
+            if ids.len() != probs.len() {
+                return Err(DistributionError::LengthMismatch {
+                    ids: ids.len(),
+                    probs: probs.len(),
+                });
+            }
+            buf.fill(0.0);
+            for (index, (&t, &value)) in ids.iter().zip(probs).enumerate() {
+                if bad(value) {
+                    return Err(DistributionError::InvalidProbability { index, value });
+                }
+                let slot = buf
+                    .get_mut(t as usize)
+                    .ok_or(DistributionError::TokenOutOfVocab {
+                        token: i64::from(t),
+                        vocab_size,
+                    })?;
+                *slot = f64::from(value);
+            }
         }
-        let slot = buf.get_mut(t as usize).ok_or(DistributionError::TokenOutOfVocab {
-            token: i64::from(t),
-            vocab_size,
-        })?;
-        *slot = f64::from(pr);
     }
     let total: f64 = buf.iter().sum();
-    if !(total > 0.0) {
+    if !is_positive(total) {
         return Err(DistributionError::BadSum { sum: total });
     }
     for v in buf.iter_mut() {

@@ -9,7 +9,7 @@ use specsplit_core::mask::{causal_mask, TreeMask};
 use specsplit_core::tree::TokenTree;
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Every mask cell, the tensor form and the positions agree with explicit ancestor sets.
     #[test]

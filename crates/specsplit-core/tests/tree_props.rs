@@ -54,7 +54,12 @@ fn arb_valid_node() -> impl Strategy<Value = TokenNode> {
 
 /// A random valid tree with distributions and top-k information on some nodes.
 fn arb_tree_with_dists() -> impl Strategy<Value = TokenTree> {
-    (arb_shape(40), any::<bool>(), prop::option::of(arb_dist()), prop::collection::vec(prop::option::of(arb_dist()), 40))
+    (
+        arb_shape(40),
+        any::<bool>(),
+        prop::option::of(arb_dist()),
+        prop::collection::vec(prop::option::of(arb_dist()), 40),
+    )
         .prop_map(|((roots, extra), wr, root_d, dists)| {
             let mut t = build_tree(roots, &extra, V, wr).tree;
             t.set_siblings_without_replacement(wr);
@@ -66,7 +71,8 @@ fn arb_tree_with_dists() -> impl Strategy<Value = TokenTree> {
                     t.set_child_distribution(i, d).unwrap();
                 }
                 if i % 3 == 0 {
-                    t.set_top_k(i, vec![i as u32 % V, 3], vec![0.5, 0.25]).unwrap();
+                    t.set_top_k(i, vec![i as u32 % V, 3], vec![0.5, 0.25])
+                        .unwrap();
                 }
             }
             t
@@ -99,7 +105,7 @@ fn sampled_tree((roots, extra): (usize, Vec<(u16, u32)>), wr: bool) -> TokenTree
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Structural invariants: BFS order, parent < child, contiguous ordered children, depths, paths.
     #[test]
@@ -156,7 +162,8 @@ proptest! {
         let max = cut.index(t.len());
         let lim = TreeLimits { max_nodes: max, ..limits() };
         let (nested, _) = t.to_proto();
-        prop_assert!(matches!(TokenTree::from_proto(&nested, None, false, &lim), Err(TreeError::TooManyNodes { max: m, .. }) if m == max));
+        let err = TokenTree::from_proto(&nested, None, false, &lim);
+        prop_assert!(matches!(err, Err(TreeError::TooManyNodes { max: m, .. }) if m == max), "{:?}", err);
         prop_assert_eq!(t.validate(&lim), Err(TreeError::TooManyNodes { count: t.len(), max }));
     }
 
@@ -194,7 +201,7 @@ proptest! {
         let (mut nested, _) = t.to_proto();
         node_mut(&mut nested, &t, i).log_prob = bad;
         let err = TokenTree::from_proto(&nested, None, false, &limits()).unwrap_err();
-        prop_assert!(matches!(err, TreeError::BadLogProb { node, .. } if node == i));
+        prop_assert!(matches!(err, TreeError::BadLogProb { node, .. } if node == i), "{:?}", err);
     }
 
     /// Malformed informational top-k lists: BadTopK.
@@ -210,7 +217,7 @@ proptest! {
             _ => { n.top_k_token_ids = vec![1]; n.top_k_probs = vec![f32::NAN]; }
         }
         let err = TokenTree::from_proto(&nested, None, false, &limits()).unwrap_err();
-        prop_assert!(matches!(err, TreeError::BadTopK { node, .. } if node == i));
+        prop_assert!(matches!(err, TreeError::BadTopK { node, .. } if node == i), "{:?}", err);
     }
 
     /// Every kind of malformed distribution, at the roots or at a node: BadDistribution.
@@ -274,14 +281,13 @@ proptest! {
         let mut w = vec![1.0f32; V as usize];
         w[tok as usize] = 0.0;
         let parent = t.parent(i);
-        // Make every sibling of i with the same token also share the zero, then find the first.
+        // Zero the token's probability in the distribution its sibling group was drawn from.
         match parent {
             None => t.set_root_distribution(make_dist(&w, None)),
             Some(p) => t.set_child_distribution(p, make_dist(&w, None)).unwrap(),
         }
         let group = match parent { None => t.roots(), Some(p) => t.children(p) };
         let first = group.clone().find(|&j| t.token(j) == tok).unwrap();
-        // Only the first affected group is reported if an earlier group is fine.
         let err = t.require_distributions().unwrap_err();
         prop_assert_eq!(err, TreeError::DrawnTokenHasZeroDraftProb { node: first, token: tok, parent });
     }
@@ -309,7 +315,10 @@ proptest! {
 /// Empty forests: Empty.
 #[test]
 fn rejects_empty() {
-    assert_eq!(TokenTree::from_proto(&[], None, false, &limits()), Err(TreeError::Empty));
+    assert_eq!(
+        TokenTree::from_proto(&[], None, false, &limits()),
+        Err(TreeError::Empty)
+    );
     assert_eq!(TokenTree::new().validate(&limits()), Err(TreeError::Empty));
 }
 
@@ -319,17 +328,39 @@ fn builder_rejects_out_of_order() {
     let mut t = TokenTree::new();
     t.push_root(1, 0.0).unwrap();
     t.push_root(2, 0.0).unwrap();
-    assert_eq!(t.push_child(5, 3, 0.0), Err(TreeError::ParentOutOfRange { parent: 5, len: 2 }));
+    assert_eq!(
+        t.push_child(5, 3, 0.0),
+        Err(TreeError::ParentOutOfRange { parent: 5, len: 2 })
+    );
     t.push_child(1, 3, 0.0).unwrap();
-    assert_eq!(t.push_child(0, 4, 0.0), Err(TreeError::NotBreadthFirst { parent: Some(0), last_parent: 1 }));
-    assert_eq!(t.push_root(9, 0.0), Err(TreeError::NotBreadthFirst { parent: None, last_parent: 1 }));
+    assert_eq!(
+        t.push_child(0, 4, 0.0),
+        Err(TreeError::NotBreadthFirst {
+            parent: Some(0),
+            last_parent: 1
+        })
+    );
+    assert_eq!(
+        t.push_root(9, 0.0),
+        Err(TreeError::NotBreadthFirst {
+            parent: None,
+            last_parent: 1
+        })
+    );
     t.push_child(2, 4, 0.0).unwrap();
-    assert_eq!(t.set_child_distribution(9, Distribution::Dense(vec![1.0])), Err(TreeError::NodeOutOfRange { node: 9, len: 4 }));
+    assert_eq!(
+        t.set_child_distribution(9, Distribution::Dense(vec![1.0])),
+        Err(TreeError::NodeOutOfRange { node: 9, len: 4 })
+    );
     assert!(t.set_top_k(4, vec![], vec![]).is_err());
     assert_eq!(t.tokens(), &[1, 2, 3, 4]);
     assert_eq!(t.children(1), 2..3);
     assert_eq!(t.children(2), 3..4);
-    let msg = TreeError::NotBreadthFirst { parent: Some(0), last_parent: 1 }.to_string();
+    let msg = TreeError::NotBreadthFirst {
+        parent: Some(0),
+        last_parent: 1,
+    }
+    .to_string();
     assert!(msg.contains("a child of node 0"), "{msg}");
 }
 
@@ -337,20 +368,48 @@ fn builder_rejects_out_of_order() {
 /// with generous limits the deep chain converts both ways.
 #[test]
 fn hostile_sizes_do_not_blow_up() {
-    let wide: Vec<TokenNode> = (0..200_000).map(|i| TokenNode { token_id: i % 7, ..Default::default() }).collect();
+    let wide: Vec<TokenNode> = (0..200_000)
+        .map(|i| TokenNode {
+            token_id: i % 7,
+            ..Default::default()
+        })
+        .collect();
     let lim = TreeLimits::new(256, 16, V as usize);
-    assert!(matches!(TokenTree::from_proto(&wide, None, false, &lim), Err(TreeError::TooManyNodes { count: 200_000, max: 256 })));
-    let one = vec![TokenNode { token_id: 1, children: wide, ..Default::default() }];
-    assert!(matches!(TokenTree::from_proto(&one, None, false, &lim), Err(TreeError::TooManyNodes { max: 256, .. })));
+    assert!(matches!(
+        TokenTree::from_proto(&wide, None, false, &lim),
+        Err(TreeError::TooManyNodes {
+            count: 200_000,
+            max: 256
+        })
+    ));
+    let one = vec![TokenNode {
+        token_id: 1,
+        children: wide,
+        ..Default::default()
+    }];
+    assert!(matches!(
+        TokenTree::from_proto(&one, None, false, &lim),
+        Err(TreeError::TooManyNodes { max: 256, .. })
+    ));
     drop_deep(one);
 
     let depth = 20_000;
-    let mut chain = TokenNode { token_id: 2, ..Default::default() };
+    let mut chain = TokenNode {
+        token_id: 2,
+        ..Default::default()
+    };
     for _ in 1..depth {
-        chain = TokenNode { token_id: 3, children: vec![chain], ..Default::default() };
+        chain = TokenNode {
+            token_id: 3,
+            children: vec![chain],
+            ..Default::default()
+        };
     }
     let roots = vec![chain];
-    assert_eq!(TokenTree::from_proto(&roots, None, false, &lim), Err(TreeError::TooDeep { depth: 17, max: 16 }));
+    assert_eq!(
+        TokenTree::from_proto(&roots, None, false, &lim),
+        Err(TreeError::TooDeep { depth: 17, max: 16 })
+    );
     let big = TreeLimits::new(depth, depth, V as usize);
     let t = TokenTree::from_proto(&roots, None, false, &big).unwrap();
     assert_eq!(t.len(), depth);
@@ -362,7 +421,10 @@ fn hostile_sizes_do_not_blow_up() {
 
 /// Arbitrary nested wire node: any ids, any floats (NaN included), any distributions.
 fn arb_wild_node() -> impl Strategy<Value = TokenNode> {
-    let dist = (prop::collection::vec(any::<i32>(), 0..4), prop::collection::vec(any::<f32>(), 0..5))
+    let dist = (
+        prop::collection::vec(any::<i32>(), 0..4),
+        prop::collection::vec(any::<f32>(), 0..5),
+    )
         .prop_map(|(token_ids, probs)| DraftDistribution { token_ids, probs });
     let leaf = (
         prop_oneof![any::<i32>(), -2i32..50],
@@ -371,14 +433,16 @@ fn arb_wild_node() -> impl Strategy<Value = TokenNode> {
         prop::collection::vec(any::<f32>(), 0..3),
         prop::option::of(dist),
     )
-        .prop_map(|(token_id, log_prob, top_k_token_ids, top_k_probs, child_distribution)| TokenNode {
-            token_id,
-            log_prob,
-            children: vec![],
-            top_k_token_ids,
-            top_k_probs,
-            child_distribution,
-        });
+        .prop_map(
+            |(token_id, log_prob, top_k_token_ids, top_k_probs, child_distribution)| TokenNode {
+                token_id,
+                log_prob,
+                children: vec![],
+                top_k_token_ids,
+                top_k_probs,
+                child_distribution,
+            },
+        );
     leaf.prop_recursive(8, 128, 6, |inner| {
         (inner.clone(), prop::collection::vec(inner, 0..6)).prop_map(|(mut n, kids)| {
             n.children = kids;
@@ -388,7 +452,7 @@ fn arb_wild_node() -> impl Strategy<Value = TokenNode> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(1024))]
 
     /// from_proto never panics; whatever it accepts validates, round-trips and is sampled-checkable.
     #[test]

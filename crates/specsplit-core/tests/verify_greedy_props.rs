@@ -27,7 +27,12 @@ fn brute_force(parents: &[Option<usize>], tokens: &[u32], target_next: &[u32]) -
     }
     let next_token = target_next[best.last().map_or(0, |&l| l + 1)];
     let bonus = best.last().is_some_and(|&l| !parents.contains(&Some(l)));
-    Verdict { accepted_tokens: best.iter().map(|&i| tokens[i]).collect(), accepted_nodes: best, next_token, bonus }
+    Verdict {
+        accepted_tokens: best.iter().map(|&i| tokens[i]).collect(),
+        accepted_nodes: best,
+        next_token,
+        bonus,
+    }
 }
 
 /// The target as a deterministic function from context to next token.
@@ -36,7 +41,7 @@ fn target_greedy(ctx: &[u32], vocab: u32) -> u32 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(1024))]
 
     /// The verdict equals the brute-force longest accepted path, next token and bonus flag.
     #[test]
@@ -114,11 +119,26 @@ fn tree_tokens(tree: &TokenTree, nodes: &[usize]) -> Vec<u32> {
 #[test]
 fn greedy_rejects_wrong_length() {
     let t = TokenTree::chain(&[1, 2]);
-    assert_eq!(verify_greedy(&t, &[1, 2]), Err(VerifyError::WrongTargetLength { expected: 3, got: 2 }));
+    assert_eq!(
+        verify_greedy(&t, &[1, 2]),
+        Err(VerifyError::WrongTargetLength {
+            expected: 3,
+            got: 2
+        })
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
-    assert!(matches!(verify_stochastic(&t, &[0.0; 5], 2, &p, &mut rng), Err(VerifyError::WrongLogitsLength { rows: 3, .. })));
-    assert_eq!(verify_stochastic(&t, &[], 0, &p, &mut rng), Err(VerifyError::ZeroVocab));
+    let p = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::default()
+    };
+    assert!(matches!(
+        verify_stochastic(&t, &[0.0; 5], 2, &p, &mut rng),
+        Err(VerifyError::WrongLogitsLength { rows: 3, .. })
+    ));
+    assert_eq!(
+        verify_stochastic(&t, &[], 0, &p, &mut rng),
+        Err(VerifyError::ZeroVocab)
+    );
 }
 
 /// Full acceptance gives a bonus token; an empty tree yields the target's first token.
@@ -126,9 +146,20 @@ fn greedy_rejects_wrong_length() {
 fn greedy_bonus_and_empty_tree() {
     let t = TokenTree::chain(&[4, 5, 6]);
     let v = verify_greedy(&t, &[4, 5, 6, 9]).unwrap();
-    assert_eq!(v, Verdict { accepted_nodes: vec![0, 1, 2], accepted_tokens: vec![4, 5, 6], next_token: 9, bonus: true });
+    assert_eq!(
+        v,
+        Verdict {
+            accepted_nodes: vec![0, 1, 2],
+            accepted_tokens: vec![4, 5, 6],
+            next_token: 9,
+            bonus: true
+        }
+    );
     let v = verify_greedy(&t, &[4, 7, 6, 9]).unwrap();
-    assert_eq!((v.accepted_tokens.clone(), v.next_token, v.bonus), (vec![4], 7, false));
+    assert_eq!(
+        (v.accepted_tokens.clone(), v.next_token, v.bonus),
+        (vec![4], 7, false)
+    );
     let v = verify_greedy(&TokenTree::new(), &[3]).unwrap();
     assert_eq!((v.num_accepted(), v.next_token, v.bonus), (0, 3, false));
 }

@@ -26,8 +26,15 @@ const SCALE: f32 = 2.0;
 
 /// ln Γ(a) for a positive multiple of 1/2 (exact recurrence down to Γ(1) = 1 or Γ(1/2) = √π).
 fn ln_gamma_half_integer(a: f64) -> f64 {
-    assert!(a > 0.0 && (a * 2.0).fract() == 0.0, "a = {a} must be a positive multiple of 1/2");
-    let mut acc = if a.fract() == 0.0 { 0.0 } else { 0.5 * std::f64::consts::PI.ln() };
+    assert!(
+        a > 0.0 && (a * 2.0).fract() == 0.0,
+        "a = {a} must be a positive multiple of 1/2"
+    );
+    let mut acc = if a.fract() == 0.0 {
+        0.0
+    } else {
+        0.5 * std::f64::consts::PI.ln()
+    };
     let mut z = if a.fract() == 0.0 { 1.0 } else { 0.5 };
     while z < a {
         acc += z.ln();
@@ -94,7 +101,10 @@ fn chi_square(observed: &[u64], expected_prob: &[f64], label: &str) -> (f64, usi
     let mut cells: Vec<(f64, f64)> = Vec::new();
     for (o, &p) in observed.iter().zip(expected_prob) {
         if p == 0.0 {
-            assert_eq!(*o, 0, "{label}: emitted a sequence the target can never produce");
+            assert_eq!(
+                *o, 0,
+                "{label}: emitted a sequence the target can never produce"
+            );
             continue;
         }
         cells.push((p / total_p * n as f64, *o as f64));
@@ -127,9 +137,18 @@ fn chi_square(observed: &[u64], expected_prob: &[f64], label: &str) -> (f64, usi
 #[test]
 fn chi_square_p_values_match_tables() {
     // Critical values of the chi-square distribution (standard tables).
-    for (df, x, p) in [(1, 3.841_459, 0.05), (2, 9.210_340, 0.01), (10, 23.209_251, 0.01), (100, 149.449_252, 0.001), (215, 215.0, 0.4873)] {
+    for (df, x, p) in [
+        (1, 3.841_459, 0.05),
+        (2, 9.210_340, 0.01),
+        (10, 23.209_251, 0.01),
+        (100, 149.449_252, 0.001),
+        (215, 215.0, 0.4873),
+    ] {
         let got = gamma_q(df as f64 / 2.0, x / 2.0);
-        assert!((got - p).abs() < 2e-3 * p.max(0.01) + 1e-4, "df {df} x {x}: {got} vs {p}");
+        assert!(
+            (got - p).abs() < 2e-3 * p.max(0.01) + 1e-4,
+            "df {df} x {x}: {got} vs {p}"
+        );
     }
     assert!((gamma_q(1.0, 2.0) - (-2.0f64).exp()).abs() < 1e-12);
 }
@@ -159,7 +178,12 @@ struct Case {
 }
 
 fn params(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
-    SamplingParams { temperature, top_k, top_p, seed: 0 }
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        seed: 0,
+    }
 }
 
 fn draw_siblings(d: &Distribution, k: usize, wr: bool, rng: &mut ChaCha8Rng) -> Vec<u32> {
@@ -207,12 +231,24 @@ fn target_rows(tree: &TokenTree) -> Vec<f32> {
 /// A verifier under test: emits accepted tokens followed by the next token.
 type Verifier = fn(&TokenTree, &[f32], &SamplingParams, &mut ChaCha8Rng) -> Vec<u32>;
 
-fn correct_verifier(tree: &TokenTree, rows: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Vec<u32> {
-    verify_stochastic(tree, rows, V, p, rng).unwrap().emitted_tokens()
+fn correct_verifier(
+    tree: &TokenTree,
+    rows: &[f32],
+    p: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> Vec<u32> {
+    verify_stochastic(tree, rows, V, p, rng)
+        .unwrap()
+        .emitted_tokens()
 }
 
 /// WRONG: on rejection keeps sampling from p instead of the residual max(0, p − q).
-fn no_residual_verifier(tree: &TokenTree, _rows: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Vec<u32> {
+fn no_residual_verifier(
+    tree: &TokenTree,
+    _rows: &[f32],
+    p: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> Vec<u32> {
     let mut out = Vec::new();
     let mut candidates = tree.roots();
     let mut q = tree.root_distribution().unwrap().clone();
@@ -242,8 +278,77 @@ fn no_residual_verifier(tree: &TokenTree, _rows: &[f32], p: &SamplingParams, rng
     }
 }
 
+/// WRONG: recursive rejection sampling that removes the rejected token from q *before*
+/// computing the residual (the residual must use the q the token was drawn from).
+fn late_residual_verifier(
+    tree: &TokenTree,
+    _rows: &[f32],
+    p: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut candidates = tree.roots();
+    let mut dist = tree.root_distribution().cloned();
+    loop {
+        let mut pv: Vec<f64> = (0..V)
+            .map(|t| f64::from(target_dist(&out, p).prob(t as u32)))
+            .collect();
+        let mut qv: Vec<f64> = (0..V)
+            .map(|t| dist.as_ref().map_or(0.0, |d| f64::from(d.prob(t as u32))))
+            .collect();
+        let mut accepted = None;
+        for c in candidates.clone() {
+            let x = tree.token(c) as usize;
+            if rng.random::<f64>() * qv[x] < pv[x] {
+                accepted = Some(c);
+                break;
+            }
+            qv[x] = 0.0;
+            let qs: f64 = qv.iter().sum();
+            qv.iter_mut().for_each(|v| *v /= qs);
+            let r: Vec<f64> = pv.iter().zip(&qv).map(|(a, b)| (a - b).max(0.0)).collect();
+            let rs: f64 = r.iter().sum();
+            if rs > 0.0 {
+                pv = r.iter().map(|v| v / rs).collect();
+            }
+        }
+        match accepted {
+            Some(c) => {
+                out.push(tree.token(c));
+                candidates = tree.children(c);
+                dist = tree.child_distribution(c).cloned();
+            }
+            None => {
+                let d = Distribution::Dense(pv.iter().map(|&v| v as f32).collect());
+                out.push(sample(&d, rng));
+                return out;
+            }
+        }
+    }
+}
+
+/// WRONG: siblings drafted without replacement but verified with the with-replacement rule
+/// (q is not updated after a rejection).
+fn mismatched_rule_verifier(
+    tree: &TokenTree,
+    rows: &[f32],
+    p: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> Vec<u32> {
+    let mut t = tree.clone();
+    t.set_siblings_without_replacement(!tree.siblings_without_replacement());
+    verify_stochastic(&t, rows, V, p, rng)
+        .unwrap()
+        .emitted_tokens()
+}
+
 /// WRONG: accepts every node independently with min(1, p/q), keeps the longest accepted path.
-fn independent_verifier(tree: &TokenTree, _rows: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Vec<u32> {
+fn independent_verifier(
+    tree: &TokenTree,
+    _rows: &[f32],
+    p: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> Vec<u32> {
     let mut ok = vec![false; tree.len()];
     let mut best: Option<usize> = None;
     for i in 0..tree.len() {
@@ -285,59 +390,263 @@ fn run_case(case: &Case, verifier: Verifier, seed: u64) -> (f64, f64) {
             let t = sample(&target_dist(&emitted, &case.params), &mut rng);
             emitted.push(t);
         }
-        let cell = emitted[..POSITIONS].iter().fold(0usize, |acc, &t| acc * V + t as usize);
+        let cell = emitted[..POSITIONS]
+            .iter()
+            .fold(0usize, |acc, &t| acc * V + t as usize);
         observed[cell] += 1;
     }
     // Exact target joint: p(x1) p(x2 | x1) p(x3 | x1 x2).
     let mut expected = vec![0.0f64; cells];
     for (cell, e) in expected.iter_mut().enumerate() {
-        let toks: Vec<u32> = (0..POSITIONS).rev().map(|k| ((cell / V.pow(k as u32)) % V) as u32).collect();
-        *e = (0..POSITIONS).map(|k| f64::from(target_dist(&toks[..k], &case.params).prob(toks[k]))).product();
+        let toks: Vec<u32> = (0..POSITIONS)
+            .rev()
+            .map(|k| ((cell / V.pow(k as u32)) % V) as u32)
+            .collect();
+        *e = (0..POSITIONS)
+            .map(|k| f64::from(target_dist(&toks[..k], &case.params).prob(toks[k])))
+            .product();
     }
     let (stat, df, pv) = chi_square(&observed, &expected, case.name);
     let mean_accepted = accepted_total as f64 / DRAWS as f64;
-    eprintln!("{}: chi2 = {stat:.1}, df = {df}, p = {pv:.4}, mean accepted = {mean_accepted:.3}", case.name);
+    eprintln!(
+        "{}: chi2 = {stat:.1}, df = {df}, p = {pv:.4}, mean accepted = {mean_accepted:.3}",
+        case.name
+    );
     (pv, mean_accepted)
 }
 
 fn assert_exact(case: Case, seed: u64) {
     let (pv, mean_accepted) = run_case(&case, correct_verifier, seed);
-    assert!(pv >= ALPHA, "{}: p-value {pv} < {ALPHA}: emitted tokens do not follow the target", case.name);
-    assert!(mean_accepted > 0.3, "{}: suspiciously few acceptances ({mean_accepted})", case.name);
+    assert!(
+        pv >= ALPHA,
+        "{}: p-value {pv} < {ALPHA}: emitted tokens do not follow the target",
+        case.name
+    );
+    assert!(
+        mean_accepted > 0.3,
+        "{}: suspiciously few acceptances ({mean_accepted})",
+        case.name
+    );
 }
 
 #[test]
 fn exact_chain_depth_3() {
-    assert_exact(Case { name: "chain", widths: &[1, 1, 1], without_replacement: false, params: params(1.0, 0, 1.0) }, 1);
+    assert_exact(
+        Case {
+            name: "chain",
+            widths: &[1, 1, 1],
+            without_replacement: false,
+            params: params(1.0, 0, 1.0),
+        },
+        1,
+    );
 }
 
 #[test]
 fn exact_tree_with_replacement() {
-    assert_exact(Case { name: "tree/with-replacement", widths: &[3, 2, 1], without_replacement: false, params: params(1.0, 0, 1.0) }, 2);
+    assert_exact(
+        Case {
+            name: "tree/with-replacement",
+            widths: &[3, 2, 1],
+            without_replacement: false,
+            params: params(1.0, 0, 1.0),
+        },
+        2,
+    );
 }
 
 #[test]
 fn exact_tree_without_replacement() {
-    assert_exact(Case { name: "tree/without-replacement", widths: &[3, 2, 1], without_replacement: true, params: params(1.0, 0, 1.0) }, 3);
+    assert_exact(
+        Case {
+            name: "tree/without-replacement",
+            widths: &[3, 2, 1],
+            without_replacement: true,
+            params: params(1.0, 0, 1.0),
+        },
+        3,
+    );
 }
 
 #[test]
 fn exact_temperature_and_top_k() {
     // Three roots drawn without replacement from a top-3 draft exhaust its support.
-    assert_exact(Case { name: "tree/T=0.7,top-k=3", widths: &[3, 2, 1], without_replacement: true, params: params(0.7, 3, 1.0) }, 4);
+    assert_exact(
+        Case {
+            name: "tree/T=0.7,top-k=3",
+            widths: &[3, 2, 1],
+            without_replacement: true,
+            params: params(0.7, 3, 1.0),
+        },
+        4,
+    );
 }
 
 #[test]
 fn exact_top_p() {
-    assert_exact(Case { name: "tree/T=1.3,top-p=0.8", widths: &[2, 2, 1], without_replacement: false, params: params(1.3, 0, 0.8) }, 5);
+    assert_exact(
+        Case {
+            name: "tree/T=1.3,top-p=0.8",
+            widths: &[2, 2, 1],
+            without_replacement: false,
+            params: params(1.3, 0, 0.8),
+        },
+        5,
+    );
+}
+
+/// Runs a deliberately wrong verifier and asserts the chi-square test rejects it.
+fn assert_detected(case: Case, verifier: Verifier, seed: u64) {
+    let (pv, _) = run_case(&case, verifier, seed);
+    assert!(
+        pv < ALPHA,
+        "{}: the chi-square test missed a wrong verifier (p = {pv})",
+        case.name
+    );
 }
 
 #[test]
-fn wrong_verifiers_fail_the_test() {
-    let chain = Case { name: "WRONG no-residual/chain", widths: &[1, 1, 1], without_replacement: false, params: params(1.0, 0, 1.0) };
-    let (pv, _) = run_case(&chain, no_residual_verifier, 6);
-    assert!(pv < ALPHA, "the chi-square test missed a verifier without residual (p = {pv})");
-    let tree = Case { name: "WRONG independent/tree", widths: &[3, 2, 1], without_replacement: false, params: params(1.0, 0, 1.0) };
-    let (pv, _) = run_case(&tree, independent_verifier, 7);
-    assert!(pv < ALPHA, "the chi-square test missed an independent-acceptance verifier (p = {pv})");
+fn power_detects_missing_residual() {
+    let case = Case {
+        name: "WRONG no residual (chain)",
+        widths: &[1, 1, 1],
+        without_replacement: false,
+        params: params(1.0, 0, 1.0),
+    };
+    assert_detected(case, no_residual_verifier, 6);
+}
+
+#[test]
+fn power_detects_independent_acceptance() {
+    let case = Case {
+        name: "WRONG independent acceptance (tree)",
+        widths: &[3, 2, 1],
+        without_replacement: false,
+        params: params(1.0, 0, 1.0),
+    };
+    assert_detected(case, independent_verifier, 7);
+}
+
+#[test]
+fn power_detects_sibling_rule_mismatch() {
+    let case = Case {
+        name: "WRONG with-replacement rule on distinct siblings",
+        widths: &[3, 2, 1],
+        without_replacement: true,
+        params: params(1.0, 0, 1.0),
+    };
+    assert_detected(case, mismatched_rule_verifier, 8);
+}
+
+#[test]
+fn power_detects_residual_with_updated_q() {
+    let case = Case {
+        name: "WRONG residual after removing x from q",
+        widths: &[3, 2, 1],
+        without_replacement: true,
+        params: params(1.0, 0, 1.0),
+    };
+    assert_detected(case, late_residual_verifier, 9);
+}
+
+/// When the draft distribution equals the target's, every drafted token is accepted.
+#[test]
+fn identical_draft_is_always_accepted() {
+    let params = params(0.9, 4, 0.95);
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    for _ in 0..2_000 {
+        let mut tree = TokenTree::new();
+        let mut ctx: Vec<u32> = Vec::new();
+        for d in 0..4 {
+            let q = target_dist(&ctx, &params);
+            let t = sample(&q, &mut rng);
+            if d == 0 {
+                tree.push_root(t, 0.0).unwrap();
+                tree.set_root_distribution(q);
+            } else {
+                tree.push_child(d - 1, t, 0.0).unwrap();
+                tree.set_child_distribution(d - 1, q).unwrap();
+            }
+            ctx.push(t);
+        }
+        let v = verify_stochastic(&tree, &target_rows(&tree), V, &params, &mut rng).unwrap();
+        assert_eq!(v.accepted_tokens, ctx);
+        assert!(v.bonus);
+        assert!(target_dist(&ctx, &params).prob(v.next_token) > 0.0);
+    }
+}
+
+/// Unusable inputs are typed errors, never panics.
+#[test]
+fn stochastic_rejects_unusable_inputs() {
+    use specsplit_core::sampling::SamplingError;
+    use specsplit_core::tree::TreeError;
+    use specsplit_core::verify::VerifyError;
+    let p = params(1.0, 0, 1.0);
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let mut tree = TokenTree::chain(&[1, 2]);
+    let rows = vec![0.0f32; 3 * V];
+    assert_eq!(
+        verify_stochastic(&tree, &rows, V, &p, &mut rng),
+        Err(VerifyError::Tree(TreeError::MissingDistribution {
+            node: None
+        }))
+    );
+    tree.set_root_distribution(Distribution::Dense(vec![1.0 / V as f32; V]));
+    assert_eq!(
+        verify_stochastic(&tree, &rows, V, &p, &mut rng),
+        Err(VerifyError::Tree(TreeError::MissingDistribution {
+            node: Some(0)
+        }))
+    );
+    tree.set_child_distribution(
+        0,
+        Distribution::Sparse {
+            ids: vec![3],
+            probs: vec![1.0],
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        verify_stochastic(&tree, &rows, V, &p, &mut rng),
+        Err(VerifyError::Tree(TreeError::DrawnTokenHasZeroDraftProb {
+            node: 1,
+            token: 2,
+            parent: Some(0)
+        }))
+    ));
+    tree.set_child_distribution(
+        0,
+        Distribution::Sparse {
+            ids: vec![2],
+            probs: vec![1.0],
+        },
+    )
+    .unwrap();
+    assert!(verify_stochastic(&tree, &rows, V, &p, &mut rng).is_ok());
+    let mut nan_rows = rows.clone();
+    nan_rows[2] = f32::NAN;
+    assert_eq!(
+        verify_stochastic(&tree, &nan_rows, V, &p, &mut rng),
+        Err(VerifyError::BadLogits {
+            row: 0,
+            source: SamplingError::NanLogit { index: 2 }
+        })
+    );
+    let bad = SamplingParams {
+        temperature: -1.0,
+        ..p
+    };
+    assert!(matches!(
+        verify_stochastic(&tree, &rows, V, &bad, &mut rng),
+        Err(VerifyError::InvalidParams(_))
+    ));
+    let big = TokenTree::chain(&[V as u32]);
+    assert!(matches!(
+        verify_stochastic(&big, &rows[..2 * V], V, &p, &mut rng),
+        Err(VerifyError::Tree(TreeError::TokenOutOfVocab {
+            node: 0,
+            ..
+        }))
+    ));
 }

@@ -32,4 +32,7 @@ pub enum ModelError {
     /// A forward-pass argument is inconsistent (shapes, cache capacity, row indices).
     #[error("invalid forward input: {0}")]
     Input(String),
+    /// The session KV cache rejected an operation (capacity, shape).
+    #[error("KV cache: {0}")]
+    Cache(#[from] specsplit_core::cache::CacheError),
 }

@@ -3,12 +3,11 @@
 //! models; chat prompt formatting; and [`StreamDecoder`], an incremental detokenizer that only
 //! ever emits complete UTF-8 text.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
 use tokenizers::decoders::byte_level::ByteLevel;
-use tokenizers::models::bpe::BPE;
+use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -68,8 +67,7 @@ fn tok_err(context: &str, e: impl std::fmt::Display) -> ModelError {
 /// The GPT-2 byte-to-character table of byte-level BPE: printable Latin-1 bytes map to
 /// themselves, every other byte to the next free code point from U+0100 upwards.
 fn byte_to_char_table() -> [char; 256] {
-    let printable =
-        |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..=255u8 {
@@ -298,7 +296,7 @@ impl TextTokenizer {
             None => Vec::new(),
         };
 
-        let mut vocab = HashMap::with_capacity(tokens.len());
+        let mut vocab = Vocab::with_capacity(tokens.len());
         let mut added = Vec::new();
         for (id, (tok, &ty)) in tokens.iter().zip(&types).enumerate() {
             if matches!(
@@ -388,7 +386,7 @@ impl TextTokenizer {
                 "a byte-level tokenizer needs vocab_size >= 257, got {vocab_size}"
             )));
         }
-        let vocab: HashMap<String, u32> = byte_to_char_table()
+        let vocab: Vocab = byte_to_char_table()
             .iter()
             .enumerate()
             .map(|(b, c)| (c.to_string(), b as u32))
@@ -543,7 +541,11 @@ fn regex_then_byte_level(regex: &str) -> Result<PreTokenizerWrapper, ModelError>
         false,
     )
     .map_err(|e| tok_err("split regex", e))?;
-    Ok(Sequence::new(vec![split.into(), ByteLevel::new(false, false, false).into()]).into())
+    Ok(Sequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, false, false).into(),
+    ])
+    .into())
 }
 
 /// Incremental detokenizer: feed accepted token ids, get back only complete text.
@@ -574,7 +576,10 @@ impl StreamDecoder {
     /// Adds one id; returns the newly completed text, if any.
     pub fn step(&mut self, tok: &TextTokenizer, id: u32) -> Result<Option<String>, ModelError> {
         self.ids.push(id);
-        let prev = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let prev = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
         let now = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         if now.len() > prev.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&prev) {
             let text = now[prev.len()..].to_string();
@@ -604,7 +609,10 @@ impl StreamDecoder {
     /// Returns whatever text is still held back (an incomplete character decodes as U+FFFD)
     /// and resets the decoder.
     pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String, ModelError> {
-        let prev = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let prev = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
         let now = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         let skip = self.skip_special;
         *self = Self::new(skip);

@@ -1,1 +1,654 @@
-//! transformer (in progress)
+//! A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) whose forward pass takes explicit
+//! position ids, an additive attention mask (causal or tree) and a session KV cache, and returns
+//! logits only for the requested rows.
+//!
+//! Attention never materialises repeated K/V heads: the query heads that share a KV head are
+//! folded into the row dimension (`(1, kv_heads, n_rep * n, head_dim)`) and multiplied directly
+//! against the cache's strided views, which both candle's CPU gemm and cuBLAS accept without a
+//! copy (the inner dimension of the K/V views is contiguous). Nothing in the forward pass reads
+//! values back to the host.
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
+use crate::ModelError;
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Module, Tensor};
+use specsplit_core::cache::{CacheSpec, SessionCache};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// A projection `y = x W^T (+ b)` with dense or GGUF-quantized weights.
+#[derive(Debug, Clone)]
+enum Linear {
+    Dense { w: Tensor, b: Option<Tensor> },
+    Quant { w: QMatMul, b: Option<Tensor> },
+}
+
+impl Linear {
+    /// `x`: `(n, in)` → `(n, out)`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (y, b) = match self {
+            Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
+            Self::Quant { w, b } => (w.forward(x)?, b),
+        };
+        match b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// The token embedding: a dense matrix or a quantized one (rows dequantized on lookup).
+#[derive(Debug, Clone)]
+enum Embedding {
+    Dense(Tensor),
+    Quant(Arc<QTensor>),
+}
+
+impl Embedding {
+    fn forward(&self, tokens: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Dense(e) => e.index_select(tokens, 0),
+            Self::Quant(q) => q.embedding(tokens)?.to_dtype(dtype),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A Llama-family transformer with tree-capable forward over a [`SessionCache`].
+pub struct Transformer {
+    config: ModelConfig,
+    device: Device,
+    dtype: DType,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// Rotary tables `(max_position_embeddings, head_dim / 2)` in the model dtype.
+    cos: Tensor,
+    sin: Tensor,
+    /// llama.cpp's llama-arch GGUFs store Q/K rows permuted for interleaved-pair rotary; applying
+    /// the interleaved rotary to them is exactly the half-split rotary on the original weights.
+    rope_interleaved: bool,
+    /// Causal `(n, n)` triangles (0 / -inf) by `n`, built once per size.
+    causal: Mutex<HashMap<usize, Tensor>>,
+}
+
+impl std::fmt::Debug for Transformer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transformer")
+            .field("config", &self.config)
+            .field("device", &self.device.location())
+            .field("dtype", &self.dtype)
+            .field("quantized", &matches!(self.lm_head, Linear::Quant { .. }))
+            .finish()
+    }
+}
+
+/// Inverse rotary frequencies (`head_dim / 2` of them), computed in f32 like the reference
+/// implementations, with optional Llama 3.1 scaling and per-frequency divisors (GGUF
+/// `rope_freqs.weight`).
+fn inv_freqs(config: &ModelConfig, freq_factors: Option<&[f32]>) -> Vec<f32> {
+    let d = config.head_dim;
+    let theta = config.rope_theta as f32;
+    let mut freqs: Vec<f32> = (0..d)
+        .step_by(2)
+        .map(|i| 1f32 / theta.powf(i as f32 / d as f32))
+        .collect();
+    if let Some(RopeScaling {
+        factor,
+        low_freq_factor,
+        high_freq_factor,
+        original_max_position_embeddings,
+    }) = config.rope_scaling
+    {
+        let (factor, low, high) = (
+            factor as f32,
+            low_freq_factor as f32,
+            high_freq_factor as f32,
+        );
+        let orig = original_max_position_embeddings as f32;
+        let low_freq_wavelen = orig / low;
+        let high_freq_wavelen = orig / high;
+        for f in freqs.iter_mut() {
+            let wavelen = 2. * std::f32::consts::PI / *f;
+            *f = if wavelen < high_freq_wavelen {
+                *f
+            } else if wavelen > low_freq_wavelen {
+                *f / factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                (1. - smooth) * *f / factor + smooth * *f
+            };
+        }
+    }
+    if let Some(ff) = freq_factors {
+        for (f, k) in freqs.iter_mut().zip(ff) {
+            *f /= *k;
+        }
+    }
+    freqs
+}
+
+/// `(cos, sin)` tables of shape `(max_pos, head_dim / 2)`.
+fn rotary_tables(
+    config: &ModelConfig,
+    freq_factors: Option<&[f32]>,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor), ModelError> {
+    let freqs = inv_freqs(config, freq_factors);
+    let max_pos = config.max_position_embeddings;
+    let half = freqs.len();
+    let mut cos = Vec::with_capacity(max_pos * half);
+    let mut sin = Vec::with_capacity(max_pos * half);
+    for p in 0..max_pos {
+        for &f in &freqs {
+            let a = p as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    let cos = Tensor::from_vec(cos, (max_pos, half), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (max_pos, half), device)?.to_dtype(dtype)?;
+    Ok((cos, sin))
+}
+
+/// Where dense weights come from while building a model.
+enum DenseSource<'a> {
+    Mmap(&'a MmapedSafetensors, HashSet<String>),
+    Map(&'a HashMap<String, Tensor>),
+}
+
+impl DenseSource<'_> {
+    fn get(
+        &self,
+        name: &str,
+        dims: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let t = match self {
+            Self::Mmap(st, names) => {
+                if !names.contains(name) {
+                    return Ok(None);
+                }
+                st.load(name, device)?
+            }
+            Self::Map(m) => match m.get(name) {
+                None => return Ok(None),
+                Some(t) => t.to_device(device)?,
+            },
+        };
+        if t.dims() != dims {
+            return Err(ModelError::Weights(format!(
+                "tensor {name} has shape {:?}, expected {dims:?}",
+                t.dims()
+            )));
+        }
+        Ok(Some(t.to_dtype(dtype)?))
+    }
+
+    fn req(
+        &self,
+        name: &str,
+        dims: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor, ModelError> {
+        self.get(name, dims, dtype, device)?
+            .ok_or_else(|| ModelError::Weights(format!("missing tensor {name}")))
+    }
+}
+
+fn check_dtype(dtype: DType, device: &Device) -> Result<(), ModelError> {
+    match dtype {
+        DType::F32 | DType::F16 => Ok(()),
+        DType::BF16 if !device.is_cpu() => Ok(()),
+        DType::BF16 => Err(ModelError::Unsupported(
+            "bf16 weights on CPU (candle's CPU matmul lacks bf16); use f32 or f16".into(),
+        )),
+        other => Err(ModelError::Unsupported(format!(
+            "model dtype {other:?} (use f32, f16 or bf16)"
+        ))),
+    }
+}
+
+impl Transformer {
+    /// Loads Hugging Face safetensors weights (memory-mapped; one file or all shards, see
+    /// [`crate::weights::safetensors_files`]) converted to `dtype` on `device`.
+    pub fn from_safetensors(
+        config: ModelConfig,
+        files: &[PathBuf],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        if files.is_empty() {
+            return Err(ModelError::NotFound("no safetensors files given".into()));
+        }
+        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+            return Err(ModelError::NotFound(format!(
+                "safetensors file {} does not exist",
+                missing.display()
+            )));
+        }
+        // SAFETY: the files are memory-mapped read-only; like every mmap-based loader we rely on
+        // them not being modified while the model is being built (tensors are copied out).
+        let st = unsafe { MmapedSafetensors::multi(files) }
+            .map_err(|e| ModelError::Weights(format!("reading safetensors: {e}")))?;
+        let names = st.tensors().into_iter().map(|(n, _)| n).collect();
+        Self::from_dense(config, &DenseSource::Mmap(&st, names), dtype, device)
+    }
+
+    /// A model with seeded random weights (see [`crate::weights::random_tensors`]).
+    pub fn random(
+        config: ModelConfig,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        check_dtype(dtype, device)?;
+        let tensors = random_tensors(&config, seed, dtype, device)?;
+        Self::from_tensors(config, &tensors, dtype, device)
+    }
+
+    /// Builds a model from Hugging Face named tensors already in memory.
+    pub fn from_tensors(
+        config: ModelConfig,
+        tensors: &HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        Self::from_dense(config, &DenseSource::Map(tensors), dtype, device)
+    }
+
+    fn from_dense(
+        config: ModelConfig,
+        src: &DenseSource<'_>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        check_dtype(dtype, device)?;
+        let c = &config;
+        let (d, ffn) = (c.hidden_size, c.intermediate_size);
+        let q_out = c.num_attention_heads * c.head_dim;
+        let kv_out = c.num_key_value_heads * c.head_dim;
+        let get = |name: &str, dims: &[usize]| src.req(name, dims, dtype, device);
+        let lin =
+            |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear, ModelError> {
+                let w = get(&format!("{name}.weight"), &[out, inp])?;
+                let b = if bias {
+                    Some(get(&format!("{name}.bias"), &[out])?)
+                } else {
+                    None
+                };
+                Ok(Linear::Dense { w, b })
+            };
+        let embed = get(hf_names::EMBED, &[c.vocab_size, d])?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let l = |s: &str| hf_names::layer(i, s);
+            let bias = c.attention_bias;
+            layers.push(Layer {
+                attn_norm: get(&l("input_layernorm.weight"), &[d])?,
+                q: lin(l("self_attn.q_proj"), q_out, d, bias)?,
+                k: lin(l("self_attn.k_proj"), kv_out, d, bias)?,
+                v: lin(l("self_attn.v_proj"), kv_out, d, bias)?,
+                o: lin(l("self_attn.o_proj"), d, q_out, false)?,
+                mlp_norm: get(&l("post_attention_layernorm.weight"), &[d])?,
+                gate: lin(l("mlp.gate_proj"), ffn, d, false)?,
+                up: lin(l("mlp.up_proj"), ffn, d, false)?,
+                down: lin(l("mlp.down_proj"), d, ffn, false)?,
+            });
+        }
+        let norm = get(hf_names::NORM, &[d])?;
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            src.get(hf_names::LM_HEAD, &[c.vocab_size, d], dtype, device)?
+                .unwrap_or_else(|| embed.clone())
+        };
+        let (cos, sin) = rotary_tables(c, None, dtype, device)?;
+        Ok(Self {
+            device: device.clone(),
+            dtype,
+            embed: Embedding::Dense(embed),
+            layers,
+            norm,
+            lm_head: Linear::Dense {
+                w: lm_head,
+                b: None,
+            },
+            cos,
+            sin,
+            rope_interleaved: false,
+            causal: Mutex::new(HashMap::new()),
+            config,
+        })
+    }
+
+    /// Loads a GGUF model (`llama` or `qwen2` architecture); the configuration comes from the GGUF
+    /// metadata, projections stay quantized (candle `QMatMul`), activations are f32.
+    pub fn from_gguf(path: &Path, device: &Device) -> Result<Self, ModelError> {
+        let content = read_gguf(path)?;
+        let config = gguf_config(&content)?;
+        let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_gguf_content(config, &content, &mut file, device)
+    }
+
+    fn from_gguf_content<R: std::io::Read + std::io::Seek>(
+        config: ModelConfig,
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let c = &config;
+        let dtype = DType::F32;
+        let (d, ffn) = (c.hidden_size, c.intermediate_size);
+        let q_out = c.num_attention_heads * c.head_dim;
+        let kv_out = c.num_key_value_heads * c.head_dim;
+        let mut qt = |name: &str, dims: &[usize]| -> Result<QTensor, ModelError> {
+            let t = ct
+                .tensor(reader, name, device)
+                .map_err(|e| ModelError::Weights(format!("GGUF tensor {name}: {e}")))?;
+            if t.shape().dims() != dims {
+                return Err(ModelError::Weights(format!(
+                    "GGUF tensor {name} has shape {:?}, expected {dims:?}",
+                    t.shape().dims()
+                )));
+            }
+            Ok(t)
+        };
+        let embed = Arc::new(qt("token_embd.weight", &[c.vocab_size, d])?);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let mut dense = |s: &str, dims: &[usize]| -> Result<Tensor, ModelError> {
+                Ok(qt(&format!("blk.{i}.{s}"), dims)?.dequantize(device)?)
+            };
+            let attn_norm = dense("attn_norm.weight", &[d])?;
+            let mlp_norm = dense("ffn_norm.weight", &[d])?;
+            let (bq, bk, bv) = if c.attention_bias {
+                (
+                    Some(dense("attn_q.bias", &[q_out])?),
+                    Some(dense("attn_k.bias", &[kv_out])?),
+                    Some(dense("attn_v.bias", &[kv_out])?),
+                )
+            } else {
+                (None, None, None)
+            };
+            let mut lin = |s: &str, out: usize, inp: usize, b: Option<Tensor>| {
+                let w = QMatMul::from_qtensor(qt(&format!("blk.{i}.{s}.weight"), &[out, inp])?)?;
+                Ok::<_, ModelError>(Linear::Quant { w, b })
+            };
+            layers.push(Layer {
+                attn_norm,
+                q: lin("attn_q", q_out, d, bq)?,
+                k: lin("attn_k", kv_out, d, bk)?,
+                v: lin("attn_v", kv_out, d, bv)?,
+                o: lin("attn_output", d, q_out, None)?,
+                mlp_norm,
+                gate: lin("ffn_gate", ffn, d, None)?,
+                up: lin("ffn_up", ffn, d, None)?,
+                down: lin("ffn_down", d, ffn, None)?,
+            });
+        }
+        let norm = qt("output_norm.weight", &[d])?.dequantize(device)?;
+        let lm_head = if c.tie_word_embeddings {
+            QMatMul::from_arc(embed.clone())?
+        } else {
+            QMatMul::from_qtensor(qt("output.weight", &[c.vocab_size, d])?)?
+        };
+        let freq_factors = if ct.tensor_infos.contains_key("rope_freqs.weight") {
+            let f = qt("rope_freqs.weight", &[c.head_dim / 2])?;
+            Some(f.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        let (cos, sin) = rotary_tables(c, freq_factors.as_deref(), dtype, device)?;
+        let embed = match QMatMul::from_arc(embed.clone())? {
+            // F32/F16/BF16 GGUF embeddings are plain matrices.
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => Embedding::Dense(t.to_dtype(dtype)?),
+            QMatMul::QTensor(q) => Embedding::Quant(q),
+        };
+        Ok(Self {
+            device: device.clone(),
+            dtype,
+            embed,
+            layers,
+            norm,
+            lm_head: Linear::Quant {
+                w: lm_head,
+                b: None,
+            },
+            cos,
+            sin,
+            rope_interleaved: config.architecture == "llama",
+            causal: Mutex::new(HashMap::new()),
+            config,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The activation (and KV cache) dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The KV cache shape this model needs for `capacity` entries.
+    pub fn cache_spec(&self, capacity: usize) -> CacheSpec {
+        CacheSpec {
+            num_layers: self.config.num_hidden_layers,
+            num_kv_heads: self.config.num_key_value_heads,
+            head_dim: self.config.head_dim,
+            capacity,
+        }
+    }
+
+    /// Allocates a session KV cache for this model holding up to `capacity` entries.
+    pub fn new_cache(&self, capacity: usize) -> Result<SessionCache, ModelError> {
+        Ok(SessionCache::new(
+            self.cache_spec(capacity),
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
+    /// The causal mask over `n` new tokens after `past` cached ones: `(n, past + n)`.
+    fn causal_mask(&self, n: usize, past: usize) -> Result<Tensor, ModelError> {
+        let tri = {
+            let mut masks = self.causal.lock().unwrap_or_else(|e| e.into_inner());
+            match masks.get(&n) {
+                Some(t) => t.clone(),
+                None => {
+                    let data: Vec<f32> = (0..n)
+                        .flat_map(|i| {
+                            (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })
+                        })
+                        .collect();
+                    let t = Tensor::from_vec(data, (n, n), &self.device)?.to_dtype(self.dtype)?;
+                    masks.insert(n, t.clone());
+                    t
+                }
+            }
+        };
+        if past == 0 {
+            return Ok(tri);
+        }
+        let zeros = Tensor::zeros((n, past), self.dtype, &self.device)?;
+        Ok(Tensor::cat(&[&zeros, &tri], 1)?)
+    }
+
+    /// Runs `n` new tokens through the model.
+    ///
+    /// - `tokens`: u32 `(n,)`; `positions`: u32 `(n,)` rotary position ids (any order, any values
+    ///   below `max_position_embeddings`);
+    /// - `mask`: additive `(n, cache.len() + n)` in the model dtype (0 = visible, -inf = hidden),
+    ///   or `None` for causal attention over the new tokens with the whole cached prefix visible;
+    /// - appends the tokens' K/V to `cache` (its length grows by `n`);
+    /// - returns f32 logits `(rows.len(), vocab)` for the row indices `rows` (u32, in `0..n`).
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut SessionCache,
+        rows: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let n = tokens.dims1().map_err(|_| {
+            ModelError::Input(format!("tokens must be 1-D, got {:?}", tokens.dims()))
+        })?;
+        if n == 0 {
+            return Err(ModelError::Input("no tokens given".into()));
+        }
+        if positions.dims() != [n] {
+            return Err(ModelError::Input(format!(
+                "positions have shape {:?}, expected ({n},)",
+                positions.dims()
+            )));
+        }
+        if rows.rank() != 1 {
+            return Err(ModelError::Input(format!(
+                "rows must be 1-D, got {:?}",
+                rows.dims()
+            )));
+        }
+        for (what, t) in [("tokens", tokens), ("positions", positions), ("rows", rows)] {
+            if t.dtype() != DType::U32 {
+                return Err(ModelError::Input(format!(
+                    "{what} must be u32, got {:?}",
+                    t.dtype()
+                )));
+            }
+        }
+        let spec = cache.spec();
+        if *spec != self.cache_spec(spec.capacity) || cache.dtype() != self.dtype {
+            return Err(ModelError::Input(format!(
+                "cache {spec:?} ({:?}) does not fit this model ({:?}, {:?}); create it with \
+                 Transformer::new_cache",
+                cache.dtype(),
+                self.cache_spec(spec.capacity),
+                self.dtype
+            )));
+        }
+        let past = cache.len();
+        let total = past + n;
+        if total > cache.capacity() {
+            return Err(specsplit_core::cache::CacheError::CapacityExceeded {
+                needed: total,
+                capacity: cache.capacity(),
+            }
+            .into());
+        }
+        let mask = match mask {
+            Some(m) => {
+                if m.dims() != [n, total] {
+                    return Err(ModelError::Input(format!(
+                        "mask has shape {:?}, expected ({n}, {total}) = (new tokens, cached + new)",
+                        m.dims()
+                    )));
+                }
+                Some(m.to_dtype(self.dtype)?)
+            }
+            None if n == 1 => None,
+            None => Some(self.causal_mask(n, past)?),
+        };
+        let cos = self.cos.index_select(positions, 0)?;
+        let sin = self.sin.index_select(positions, 0)?;
+        let eps = c.rms_norm_eps as f32;
+        let mut x = self.embed.forward(tokens, self.dtype)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let a = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
+            x = (x + a)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, eps)?;
+            let g = candle_nn::ops::silu(&layer.gate.forward(&h)?)?;
+            let m = layer.down.forward(&(g * layer.up.forward(&h)?)?)?;
+            x = (x + m)?;
+        }
+        cache.advance(n)?;
+        let x = x.index_select(rows, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        index: usize,
+        layer: &Layer,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut SessionCache,
+    ) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let n = h.dim(0)?;
+        let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let rep = heads / kv;
+        let q = layer.q.forward(h)?;
+        let k = layer.k.forward(h)?;
+        let v = layer.v.forward(h)?;
+        let q = q
+            .reshape((1, n, heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = k.reshape((1, n, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let v = v.reshape((1, n, kv, hd))?.transpose(1, 2)?;
+        let (q, k) = if self.rope_interleaved {
+            (
+                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
+            )
+        } else {
+            (
+                candle_nn::rotary_emb::rope(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope(&k, cos, sin)?,
+            )
+        };
+        let (k_all, v_all) = cache.append(index, &k, &v)?;
+        let total = k_all.dim(2)?;
+        // Fold the query heads sharing a KV head into rows: (1, kv, rep * n, hd).
+        let q = (q * (1.0 / (hd as f64).sqrt()))?.reshape((1, kv, rep * n, hd))?;
+        let att = q.matmul(&k_all.t()?)?;
+        let att = match mask {
+            Some(m) => att.reshape((1, heads, n, total))?.broadcast_add(m)?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.reshape((1, kv, rep * n, total))?.matmul(&v_all)?;
+        let y = y
+            .reshape((1, heads, n, hd))?
+            .transpose(1, 2)?
+            .reshape((n, heads * hd))?;
+        Ok(layer.o.forward(&y)?)
+    }
+}

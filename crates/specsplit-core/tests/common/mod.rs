@@ -16,13 +16,21 @@ pub struct GenTree {
 
 /// Raw material of a random forest: number of roots and (parent choice, token) per extra node.
 pub fn arb_shape(max_extra: usize) -> impl Strategy<Value = (usize, Vec<(u16, u32)>)> {
-    (1usize..=4, prop::collection::vec((any::<u16>(), any::<u32>()), 0..max_extra))
+    (
+        1usize..=4,
+        prop::collection::vec((any::<u16>(), any::<u32>()), 0..max_extra),
+    )
 }
 
 /// Builds a breadth-first forest: each extra node picks a parent at or after the previous
 /// node's parent (any forest in BFS order arises this way). With `distinct_siblings`, tokens
 /// are bumped to differ from earlier siblings (nodes that cannot be made distinct are skipped).
-pub fn build_tree(n_roots: usize, extra: &[(u16, u32)], vocab: u32, distinct_siblings: bool) -> GenTree {
+pub fn build_tree(
+    n_roots: usize,
+    extra: &[(u16, u32)],
+    vocab: u32,
+    distinct_siblings: bool,
+) -> GenTree {
     let mut tree = TokenTree::new();
     let mut parents = Vec::new();
     let mut sibling_tokens: Vec<Vec<u32>> = Vec::new(); // per parent (+1 slot for roots at end)
@@ -31,7 +39,9 @@ pub fn build_tree(n_roots: usize, extra: &[(u16, u32)], vocab: u32, distinct_sib
         if !distinct_siblings {
             return Some(t % vocab);
         }
-        (0..vocab).map(|k| (t % vocab + k) % vocab).find(|c| !taken.contains(c))
+        (0..vocab)
+            .map(|k| (t % vocab + k) % vocab)
+            .find(|c| !taken.contains(c))
     };
     for r in 0..n_roots {
         let raw = extra.get(r).map_or(r as u32, |e| e.1.rotate_left(7));
@@ -46,7 +56,9 @@ pub fn build_tree(n_roots: usize, extra: &[(u16, u32)], vocab: u32, distinct_sib
     for &(c, t) in extra {
         let len = tree.len();
         let parent = last_parent + (c as usize) % (len - last_parent);
-        let Some(tok) = pick(&sibling_tokens[parent], t) else { continue };
+        let Some(tok) = pick(&sibling_tokens[parent], t) else {
+            continue;
+        };
         let idx = tree.push_child(parent, tok, -0.25).unwrap();
         assert_eq!(idx, len);
         sibling_tokens[parent].push(tok);
