@@ -50,11 +50,45 @@ pub struct DraftStats {
     pub cache_hit: bool,
 }
 
+/// A synthetic proposer for benchmarks: the first child at every expansion is the target's
+/// own next token (looked up in reference continuations) with probability `beta`, and a wrong
+/// token otherwise, while the draft model's forward passes are still paid for. Its results
+/// measure the system's efficiency apart from draft quality and must be labelled synthetic.
+#[derive(Debug, Clone)]
+pub struct SyntheticOracle {
+    references: Vec<Vec<u32>>,
+    beta: f64,
+}
+
+impl SyntheticOracle {
+    /// An oracle over full reference sequences (prompt + target-only continuation).
+    pub fn new(references: Vec<Vec<u32>>, beta: f64) -> Self {
+        Self {
+            references,
+            beta: beta.clamp(0.0, 1.0),
+        }
+    }
+
+    /// The per-token acceptance it simulates.
+    pub fn beta(&self) -> f64 {
+        self.beta
+    }
+
+    /// The reference's next token after `context`, if a reference continues it.
+    pub fn next(&self, context: &[u32]) -> Option<u32> {
+        self.references
+            .iter()
+            .find(|r| r.len() > context.len() && r.starts_with(context))
+            .map(|r| r[context.len()])
+    }
+}
+
 /// Drafts token trees with a small model.
 pub struct DraftEngine {
     model: Arc<Transformer>,
     eos: Vec<u32>,
     max_context: usize,
+    synthetic: Option<SyntheticOracle>,
 }
 
 impl DraftEngine {
@@ -64,7 +98,19 @@ impl DraftEngine {
             model,
             eos,
             max_context,
+            synthetic: None,
         }
+    }
+
+    /// This engine with a synthetic proposer (benchmarks only).
+    pub fn with_synthetic(mut self, oracle: SyntheticOracle) -> Self {
+        self.synthetic = Some(oracle);
+        self
+    }
+
+    /// The synthetic proposer, if any.
+    pub fn synthetic(&self) -> Option<&SyntheticOracle> {
+        self.synthetic.as_ref()
     }
 
     /// The model.
@@ -181,7 +227,30 @@ impl DraftEngine {
         for (depth, &width) in p.widths.iter().enumerate() {
             let level_start = tree.len();
             for (row, parent) in rows.iter().zip(&parents) {
-                let (children, dist) = self.choose(row, width, greedy, &p.sampling, &mut s.rng);
+                let (mut children, dist) =
+                    self.choose(row, width, greedy, &p.sampling, &mut s.rng);
+                if let Some(o) = &self.synthetic {
+                    let mut ctx = s.tokens.clone();
+                    if let Some(par) = parent {
+                        ctx.extend(tree.path_tokens(*par));
+                    }
+                    if let (Some(right), Some(&(old, _))) = (o.next(&ctx), children.first()) {
+                        let vocab = row.len() as u32;
+                        let new = if rand::Rng::random_bool(&mut s.rng, o.beta) {
+                            right
+                        } else {
+                            (right + 1) % vocab
+                        };
+                        // Keep siblings distinct: a sibling that already held `new` takes
+                        // the displaced token.
+                        for c in children.iter_mut().skip(1) {
+                            if c.0 == new {
+                                c.0 = old;
+                            }
+                        }
+                        children[0].0 = new;
+                    }
+                }
                 for (tok, lp) in children {
                     match parent {
                         None => tree.push_root(tok, lp),
