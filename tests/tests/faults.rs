@@ -153,13 +153,15 @@ async fn bad_requests_get_the_right_status_codes() {
         draft_tree: tree,
         ..Default::default()
     };
-    let code = |r: Result<tonic::Response<_>, tonic::Status>| match r {
-        Ok(_) => Code::Ok,
-        Err(s) => {
-            assert!(!s.message().is_empty());
-            s.code()
+    fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Code {
+        match r {
+            Ok(_) => Code::Ok,
+            Err(s) => {
+                assert!(!s.message().is_empty());
+                s.code()
+            }
         }
-    };
+    }
     // Out-of-range and negative token ids, in the prompt and in the tree.
     assert_eq!(code(t.verify_drafts(verify(vec![1, 2, 100_000], vec![])).await), Code::InvalidArgument);
     assert_eq!(code(t.verify_drafts(verify(vec![1, -2], vec![])).await), Code::InvalidArgument);

@@ -350,7 +350,7 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
                 s.tokenizer.clone()
             };
             let tok = tokio::task::spawn_blocking(move || {
-                specsplit_models::loader::load_tokenizer(&tok_spec)
+                specsplit_models::source::resolve(&tok_spec).and_then(|r| specsplit_models::loader::load_tokenizer(&r))
             })
             .await?
             .context("loading the tokenizer (set --tokenizer to the target's model)")?;

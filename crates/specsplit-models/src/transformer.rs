@@ -636,15 +636,35 @@ impl Transformer {
         };
         let (k_all, v_all) = cache.append(index, &k, &v)?;
         let total = k_all.dim(2)?;
-        // Fold the query heads sharing a KV head into rows: (1, kv, rep * n, hd).
-        let q = (q * (1.0 / (hd as f64).sqrt()))?.reshape((1, kv, rep * n, hd))?;
-        let att = q.matmul(&k_all.t()?)?;
-        let att = match mask {
-            Some(m) => att.reshape((1, heads, n, total))?.broadcast_add(m)?,
-            None => att,
+        let scale = 1.0 / (hd as f64).sqrt();
+        let k_t = k_all.t()?;
+        let y = if n == 1 && rep > 1 && self.device.is_cpu() {
+            // Single-token decode on CPU: one m = 1 product per group member, which is exactly the
+            // per-head computation of the reference implementations (candle's CPU gemm rounds an
+            // m = 1 product differently from an m = rep one). Still no copy of the prefix.
+            let q = q.reshape((1, kv, rep, hd))?;
+            let mut ys = Vec::with_capacity(rep);
+            for r in 0..rep {
+                let att = (q.narrow(2, r, 1)?.matmul(&k_t)? * scale)?;
+                let att = match mask {
+                    Some(m) => att.broadcast_add(m)?,
+                    None => att,
+                };
+                let att = candle_nn::ops::softmax_last_dim(&att)?;
+                ys.push(att.matmul(&v_all)?);
+            }
+            Tensor::cat(&ys, 2)?
+        } else {
+            // Fold the query heads sharing a KV head into rows: (1, kv, rep * n, hd).
+            let q = q.reshape((1, kv, rep * n, hd))?;
+            let att = (q.matmul(&k_t)? * scale)?;
+            let att = match mask {
+                Some(m) => att.reshape((1, heads, n, total))?.broadcast_add(m)?,
+                None => att,
+            };
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            att.reshape((1, kv, rep * n, total))?.matmul(&v_all)?
         };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.reshape((1, kv, rep * n, total))?.matmul(&v_all)?;
         let y = y
             .reshape((1, heads, n, hd))?
             .transpose(1, 2)?

@@ -1,0 +1,482 @@
+//! `e2e`: target and draft workers in-process on loopback, the orchestrator over real gRPC,
+//! target-only vs speculative (chains of each depth, tree shapes, both pipelines) over a prompt
+//! set; optionally with a synthetic drafter of fixed per-token acceptance β.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
+use specsplit_models::tokenizer::ChatFormat;
+use specsplit_models::transformer::Transformer;
+use specsplit_orchestrator::{GenerateConfig, Generation, Mode, Orchestrator, Pipeline};
+use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
+use specsplit_workers::launch::{parse_device, parse_dtype};
+use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo};
+use specsplit_workers::session::SessionLimits;
+use specsplit_workers::target::TargetEngine;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::util;
+
+/// Settings of the `e2e` subcommand (lists already resolved against `--quick`).
+#[derive(Debug, Clone)]
+pub struct E2eSettings {
+    /// Target model spec.
+    pub target: String,
+    /// Draft model spec.
+    pub draft: String,
+    /// Target device.
+    pub device_target: String,
+    /// Draft device.
+    pub device_draft: String,
+    /// Dtype of both models ("" = device default).
+    pub dtype: String,
+    /// Text prompts, one per line (real tokenizers only); None = the built-in set.
+    pub prompts_file: Option<PathBuf>,
+    /// How many prompts to use.
+    pub num_prompts: usize,
+    /// Length of the pseudo-random prompts of random-weight models.
+    pub prompt_len: usize,
+    /// New tokens per generation.
+    pub max_tokens: usize,
+    /// Chain depths.
+    pub depths: Vec<usize>,
+    /// Tree shapes (widths per depth).
+    pub trees: Vec<Vec<usize>>,
+    /// Pipelines run for each shape.
+    pub pipelines: Vec<Pipeline>,
+    /// Synthetic acceptance rates; empty = the real draft model only.
+    pub betas: Vec<f64>,
+    /// With betas, also run the real draft model.
+    pub real_too: bool,
+    /// Drop the EOS ids so every generation runs `max_tokens` (default for random models).
+    pub ignore_eos: bool,
+    /// Seed of the pseudo-random prompts.
+    pub seed: u64,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Base name of the output files.
+    pub name: String,
+}
+
+/// Built-in prompts for real tokenizers.
+const PROMPTS: [&str; 8] = [
+    "Write a Python function that returns the n-th Fibonacci number using memoization.",
+    "Implement binary search over a sorted list of integers in Rust and explain its complexity.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Explain the difference between a process and a thread, with a short C example.",
+    "Write a JavaScript function that debounces another function by a given delay.",
+    "Implement a stack-based evaluator for arithmetic expressions in reverse Polish notation in Python.",
+    "Write a bash script that finds the five largest files under a directory.",
+    "Write a Go HTTP handler that returns the current time as JSON.",
+];
+
+/// A server running on a loopback port until stopped.
+struct Server {
+    addr: String,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    }
+}
+
+type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Binds 127.0.0.1:0 and runs `serve` on it with a shutdown signal.
+async fn spawn_server<F, Fut, E>(what: &'static str, serve: F) -> Result<Server>
+where
+    F: FnOnce(TcpListener, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Display,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?.to_string();
+    let (tx, rx) = oneshot::channel::<()>();
+    let fut = serve(
+        listener,
+        Box::pin(async move {
+            let _ = rx.await;
+        }),
+    );
+    let task = tokio::spawn(async move {
+        if let Err(e) = fut.await {
+            eprintln!("{what} worker failed: {e}");
+        }
+    });
+    Ok(Server {
+        addr,
+        stop: tx,
+        task,
+    })
+}
+
+/// Worker sizing shared by both sides.
+struct Sizing {
+    max_context: usize,
+    max_tree_nodes: usize,
+}
+
+fn info(name: String, m: &Transformer, eos: &[u32], device: &str, z: &Sizing) -> WorkerInfo {
+    WorkerInfo {
+        model_name: name,
+        vocab_size: m.config().vocab_size,
+        eos_token_ids: eos.to_vec(),
+        max_context: z.max_context,
+        max_tree_nodes: z.max_tree_nodes,
+        max_prompt_len: z.max_context,
+        device: device.to_string(),
+    }
+}
+
+fn limits() -> SessionLimits {
+    SessionLimits {
+        max_sessions: 8,
+        memory_budget_bytes: usize::MAX / 2,
+        ttl: Duration::from_secs(600),
+    }
+}
+
+async fn load(spec: String, device: String, dtype: String) -> Result<LoadedModel> {
+    tokio::task::spawn_blocking(move || -> Result<LoadedModel> {
+        let opts = LoadOptions {
+            device: parse_device(&device)?,
+            dtype: parse_dtype(&dtype)?,
+        };
+        load_model(&spec, &opts).with_context(|| format!("loading {spec}"))
+    })
+    .await?
+}
+
+/// The prompt token sequences.
+fn prompts(s: &E2eSettings, tok: &LoadedModel, random: bool, eos: &[u32]) -> Result<Vec<Vec<u32>>> {
+    let n = s.num_prompts.max(1);
+    if random {
+        let vocab = tok.model.config().vocab_size;
+        return Ok((0..n)
+            .map(|i| util::random_ids(s.seed.wrapping_add(i as u64), s.prompt_len, vocab, eos))
+            .collect());
+    }
+    let texts: Vec<String> = match &s.prompts_file {
+        Some(p) => std::fs::read_to_string(p)
+            .with_context(|| format!("reading {}", p.display()))?
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect(),
+        None => PROMPTS.iter().map(|p| p.to_string()).collect(),
+    };
+    if texts.is_empty() {
+        bail!("no prompts");
+    }
+    let t = &tok.tokenizer;
+    let chat = !matches!(t.chat_format(), ChatFormat::Plain);
+    texts
+        .iter()
+        .cycle()
+        .take(n)
+        .map(|text| {
+            let text = if chat {
+                t.apply_chat_template(text)
+            } else {
+                text.clone()
+            };
+            Ok(t.encode(&text, !chat)?)
+        })
+        .collect()
+}
+
+/// One speculative configuration.
+struct SpecRun {
+    kind: &'static str,
+    pipeline: Pipeline,
+    widths: Vec<usize>,
+}
+
+fn pipeline_name(p: Pipeline) -> &'static str {
+    match p {
+        Pipeline::Sequential => "sequential",
+        Pipeline::Overlapped => "overlapped",
+    }
+}
+
+async fn generate_all(
+    o: &Orchestrator,
+    prompts: &[Vec<u32>],
+    cfg: &GenerateConfig,
+) -> Result<Vec<Generation>> {
+    let mut out = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        out.push(o.generate(p, cfg, |_| {}).await?);
+    }
+    Ok(out)
+}
+
+/// Aggregates the generations of one configuration into a result row.
+fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Value {
+    let tokens: usize = gens.iter().map(|g| g.stats.tokens).sum();
+    let elapsed: f64 = gens.iter().map(|g| g.stats.elapsed_s).sum();
+    let rounds: Vec<_> = gens.iter().flat_map(|g| &g.rounds).collect();
+    let spec: Vec<_> = rounds.iter().filter(|r| r.drafted > 0).collect();
+    let drafted: usize = spec.iter().map(|r| r.drafted).sum();
+    let accepted: usize = spec.iter().map(|r| r.accepted).sum();
+    let attempts = rounds.iter().filter(|r| r.overlap_hit.is_some()).count();
+    let hits = rounds.iter().filter(|r| r.overlap_hit == Some(true)).count();
+    let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
+    let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    let mean = |f: &dyn Fn(&Generation) -> f64| {
+        ratio(gens.iter().map(f).sum::<f64>(), gens.len() as f64)
+    };
+    let pairs: Vec<(usize, usize)> = rounds.iter().map(|r| (r.drafted, r.accepted)).collect();
+    let identical = gens
+        .iter()
+        .zip(reference)
+        .filter(|(g, r)| g.token_ids == r.token_ids)
+        .count();
+    json!({
+        "generations": gens.len(),
+        "tokens": tokens,
+        "elapsed_s": elapsed,
+        "tok_per_s": ratio(tokens as f64, elapsed),
+        "ttft_ms": mean(&|g| g.stats.ttft_ms),
+        "tpot_ms": mean(&|g| g.stats.tpot_ms),
+        "rounds": rounds.len(),
+        "acceptance_rate": ratio(accepted as f64, drafted as f64),
+        "mean_accepted_len": if spec.is_empty() { 1.0 } else { 1.0 + accepted as f64 / spec.len() as f64 },
+        "per_position_acceptance": util::per_position_acceptance(&pairs, depth),
+        "overlap_hit_rate": ratio(hits as f64, attempts as f64),
+        "overlap_attempts": attempts,
+        "network_share": ratio((verify - server).max(0.0), verify),
+        "mean_draft_ms": ratio(rounds.iter().map(|r| r.draft_ms).sum(), rounds.len() as f64),
+        "mean_verify_ms": ratio(verify, rounds.len() as f64),
+        "mean_verify_server_ms": ratio(server, rounds.len() as f64),
+        "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
+    })
+}
+
+fn merge(mut a: Value, b: Value) -> Value {
+    if let (Some(a), Value::Object(b)) = (a.as_object_mut(), b) {
+        a.extend(b);
+    }
+    a
+}
+
+/// Runs the end-to-end benchmark and writes its report.
+pub async fn run(s: &E2eSettings) -> Result<()> {
+    let random = s.target.starts_with("random:") && s.draft.starts_with("random:");
+    eprintln!("loading target {} and draft {} ...", s.target, s.draft);
+    let target = load(s.target.clone(), s.device_target.clone(), s.dtype.clone()).await?;
+    let draft = load(s.draft.clone(), s.device_draft.clone(), s.dtype.clone()).await?;
+    let eos: Vec<u32> = if s.ignore_eos {
+        Vec::new()
+    } else {
+        let mut e = target.tokenizer.eos_token_ids().to_vec();
+        e.extend(draft.tokenizer.eos_token_ids());
+        e
+    };
+    let prompts = prompts(s, &target, random, target.tokenizer.eos_token_ids())?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let max_nodes = s
+        .trees
+        .iter()
+        .map(|w| tree_size(w))
+        .chain(s.depths.iter().copied())
+        .max()
+        .unwrap_or(1);
+    let z = Sizing {
+        max_context: longest + s.max_tokens + max_nodes + 16,
+        max_tree_nodes: max_nodes + 8,
+    };
+    eprintln!(
+        "{} prompts of up to {longest} tokens, {} new tokens each",
+        prompts.len(),
+        s.max_tokens
+    );
+
+    let target_model = Arc::new(target.model);
+    let draft_model = Arc::new(draft.model);
+    let t_info = info(target.name.clone(), &target_model, &eos, &s.device_target, &z);
+    let t_worker = TargetWorker::new(
+        Arc::new(TargetEngine::new(target_model.clone(), z.max_context)),
+        limits(),
+        t_info,
+    );
+    let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
+    let start_draft = |engine: DraftEngine, label: String| {
+        let d_info = info(label, &draft_model, &eos, &s.device_draft, &z);
+        let w = DraftWorker::new(Arc::new(engine), limits(), d_info);
+        spawn_server("draft", move |l, sd| serve_draft(w, l, sd))
+    };
+
+    let base_cfg = GenerateConfig {
+        max_tokens: s.max_tokens,
+        temperature: 0.0,
+        seed: 1,
+        ..GenerateConfig::default()
+    };
+    let meta_models = json!({"target": target.name, "draft": draft.name});
+
+    // Target-only baseline; its outputs are the reference continuations.
+    let ar_orch = Orchestrator::connect(None, &t_server.addr).await?;
+    let ar_cfg = GenerateConfig {
+        mode: Mode::Ar,
+        ..base_cfg.clone()
+    };
+    let warm = GenerateConfig {
+        max_tokens: s.max_tokens.min(8),
+        ..ar_cfg.clone()
+    };
+    generate_all(&ar_orch, &prompts[..1], &warm).await?;
+    eprintln!("target-only ...");
+    let ar = generate_all(&ar_orch, &prompts, &ar_cfg).await?;
+    let ar_row = merge(
+        json!({
+            "label": "target-only", "kind": "ar", "mode": "ar", "pipeline": "none",
+            "widths": "", "depth": 0, "tree_nodes": 0, "synthetic": false, "beta": null,
+            "drafter": "none",
+        }),
+        aggregate(&ar, 0, &ar),
+    );
+    let ar_tps = ar_row["tok_per_s"].as_f64().unwrap_or(0.0);
+    eprintln!("  {ar_tps:.1} tok/s");
+    let mut rows = vec![merge(ar_row, meta_models.clone())];
+
+    let mut runs: Vec<SpecRun> = Vec::new();
+    for &pipeline in &s.pipelines {
+        for &d in &s.depths {
+            runs.push(SpecRun {
+                kind: "chain",
+                pipeline,
+                widths: vec![1; d],
+            });
+        }
+        for w in &s.trees {
+            runs.push(SpecRun {
+                kind: "tree",
+                pipeline,
+                widths: w.clone(),
+            });
+        }
+    }
+
+    // Drafters: the real draft model and/or synthetic ones.
+    let mut drafters: Vec<Option<f64>> = Vec::new();
+    if s.betas.is_empty() || s.real_too {
+        drafters.push(None);
+    }
+    drafters.extend(s.betas.iter().map(|&b| Some(b)));
+    let references: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&ar)
+        .map(|(p, g)| p.iter().chain(&g.token_ids).copied().collect())
+        .collect();
+    let mut summary = Vec::new();
+    for beta in drafters {
+        let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context);
+        let label = match beta {
+            None => draft.name.clone(),
+            Some(b) => {
+                engine = engine.with_synthetic(SyntheticOracle::new(references.clone(), b));
+                format!("{} (synthetic β={b})", draft.name)
+            }
+        };
+        let d_server = start_draft(engine, label.clone()).await?;
+        let orch = Orchestrator::connect(Some(&d_server.addr), &t_server.addr).await?;
+        if let Some(r) = runs.first() {
+            let warm = GenerateConfig {
+                max_tokens: s.max_tokens.min(8),
+                widths: r.widths.clone(),
+                ..base_cfg.clone()
+            };
+            generate_all(&orch, &prompts[..1], &warm).await?;
+        }
+        let drafter = if beta.is_some() { "synthetic" } else { "real" };
+        let mut best: Vec<(Pipeline, usize, f64)> = Vec::new();
+        for r in &runs {
+            let cfg = GenerateConfig {
+                mode: Mode::Spec,
+                pipeline: r.pipeline,
+                widths: r.widths.clone(),
+                ..base_cfg.clone()
+            };
+            let gens = generate_all(&orch, &prompts, &cfg).await?;
+            let depth = r.widths.len();
+            let agg = aggregate(&gens, depth, &ar);
+            let tps = agg["tok_per_s"].as_f64().unwrap_or(0.0);
+            let speedup = if ar_tps > 0.0 { tps / ar_tps } else { 0.0 };
+            let widths = util::widths_label(&r.widths);
+            eprintln!(
+                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}, same {:.2}",
+                beta.map(|b| format!(" β={b}")).unwrap_or_default(),
+                r.kind,
+                pipeline_name(r.pipeline),
+                agg["acceptance_rate"].as_f64().unwrap_or(0.0),
+                agg["mean_accepted_len"].as_f64().unwrap_or(0.0),
+                agg["identical_to_target_only"].as_f64().unwrap_or(0.0),
+            );
+            if r.kind == "chain" {
+                match best.iter_mut().find(|b| b.0 == r.pipeline) {
+                    Some(b) if b.2 >= tps => {}
+                    Some(b) => *b = (r.pipeline, depth, tps),
+                    None => best.push((r.pipeline, depth, tps)),
+                }
+            }
+            let row = json!({
+                "label": format!("{}-{}-{widths}", r.kind, pipeline_name(r.pipeline)),
+                "kind": r.kind, "mode": "spec", "pipeline": pipeline_name(r.pipeline),
+                "widths": widths, "depth": depth, "tree_nodes": tree_size(&r.widths),
+                "synthetic": beta.is_some(), "beta": beta, "drafter": drafter,
+                "speedup": speedup, "target_only_tok_per_s": ar_tps,
+            });
+            rows.push(merge(merge(row, agg), meta_models.clone()));
+        }
+        for (pipeline, depth, tps) in best {
+            eprintln!(
+                "best chain depth ({drafter}{}, {}): {depth} at {tps:.1} tok/s",
+                beta.map(|b| format!(" β={b}")).unwrap_or_default(),
+                pipeline_name(pipeline)
+            );
+            summary.push(json!({
+                "drafter": drafter, "synthetic": beta.is_some(), "beta": beta,
+                "pipeline": pipeline_name(pipeline), "best_depth": depth, "tok_per_s": tps,
+                "speedup": if ar_tps > 0.0 { tps / ar_tps } else { 0.0 },
+            }));
+        }
+        d_server.stop().await;
+    }
+    t_server.stop().await;
+
+    let doc = json!({
+        "meta": {
+            "kind": "e2e",
+            "target": target.name, "target_spec": s.target,
+            "draft": draft.name, "draft_spec": s.draft,
+            "device_target": s.device_target, "device_draft": s.device_draft,
+            "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
+            "prompts": prompts.len(), "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+            "random_prompts": random,
+            "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos,
+            "synthetic": !s.betas.is_empty(), "betas": s.betas,
+            "transport": "gRPC over loopback, workers in-process",
+            "greedy": true,
+            "target_only_tok_per_s": ar_tps,
+        },
+        "best_depth": summary,
+        "rows": rows,
+    });
+    let (j, c) = crate::report::write(&s.out, &s.name, &doc)?;
+    eprintln!("wrote {} and {}", j.display(), c.display());
+    Ok(())
+}

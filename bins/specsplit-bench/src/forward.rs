@@ -1,0 +1,294 @@
+//! `forward`: latency of one target forward pass over a cached prefix (decode, chain
+//! verification, tree verification) per context length, and the decode memory roofline.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+use specsplit_core::cache::SessionCache;
+use specsplit_core::mask::TreeMask;
+use specsplit_core::tree::TokenTree;
+use specsplit_models::loader::{load_model, LoadOptions};
+use specsplit_models::transformer::Transformer;
+use specsplit_workers::launch::{parse_device, parse_dtype};
+
+use crate::util::{self, SplitMix};
+
+/// Settings of the `forward` subcommand (lists already resolved against `--quick`).
+#[derive(Debug, Clone)]
+pub struct ForwardSettings {
+    /// Model spec.
+    pub model: String,
+    /// Device (`cpu`, `cuda:N`).
+    pub device: String,
+    /// Dtype (`f32`, `f16`, `bf16`, "" = device default).
+    pub dtype: String,
+    /// Prefix lengths.
+    pub contexts: Vec<usize>,
+    /// Chain lengths verified.
+    pub chains: Vec<usize>,
+    /// Tree sizes verified.
+    pub trees: Vec<usize>,
+    /// Timed iterations per measurement.
+    pub iters: usize,
+    /// Untimed iterations before them.
+    pub warmup: usize,
+    /// Size of the bandwidth-test buffer, MiB.
+    pub bw_mib: usize,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Base name of the output files.
+    pub name: String,
+}
+
+/// Prefill chunk: long prefixes are written in pieces to bound the attention scratch.
+const PREFILL_CHUNK: usize = 512;
+
+fn dtype_bytes(d: DType) -> u64 {
+    d.size_in_bytes() as u64
+}
+
+/// Times `f` `iters` times after `warmup` untimed calls; `f` must synchronise the device.
+fn time_ms(iters: usize, warmup: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut ms = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        f()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(ms)
+}
+
+/// Device copy bandwidth in bytes/s (read + write counted, as for a D2D memcpy), measured by
+/// cloning a `mib` MiB buffer with `Tensor::copy` (a real device-to-device copy).
+fn copy_bandwidth(dev: &Device, mib: usize, iters: usize) -> Result<(f64, util::Summary)> {
+    let bytes = mib.max(1) << 20;
+    let src = Tensor::zeros(bytes / 4, DType::F32, dev)?;
+    // Materialise the source before timing.
+    let _ = src.copy()?;
+    dev.synchronize()?;
+    let ms = time_ms(iters.max(3), 2, || {
+        let c = src.copy()?;
+        dev.synchronize()?;
+        drop(c);
+        Ok(())
+    })?;
+    let s = util::summarize(&ms);
+    Ok((2.0 * bytes as f64 / (s.median / 1e3), s))
+}
+
+fn u32s(v: &[u32], dev: &Device) -> Result<Tensor> {
+    Ok(Tensor::new(v, dev)?)
+}
+
+/// Prefills `ids` into an emptied `cache`, in chunks; returns the wall time in ms.
+fn prefill(m: &Transformer, cache: &mut SessionCache, ids: &[u32]) -> Result<f64> {
+    let dev = m.device();
+    cache.truncate(0)?;
+    let t = Instant::now();
+    for (c, chunk) in ids.chunks(PREFILL_CHUNK).enumerate() {
+        let start = c * PREFILL_CHUNK;
+        let pos: Vec<u32> = (start as u32..(start + chunk.len()) as u32).collect();
+        let rows = u32s(&[chunk.len() as u32 - 1], dev)?;
+        m.forward(&u32s(chunk, dev)?, &u32s(&pos, dev)?, None, cache, &rows)?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// One verification-style forward of `tree` after `len` cached tokens (mask built and uploaded
+/// inside, as the target engine does each round), all rows' logits, then rollback.
+fn verify_once(m: &Transformer, cache: &mut SessionCache, len: usize, tree: &TokenTree) -> Result<()> {
+    let dev = m.device();
+    let mask = TreeMask::new(tree);
+    let mask_t = mask.to_tensor(len, m.dtype(), dev)?;
+    let pos = u32s(&mask.positions(len), dev)?;
+    let rows: Vec<u32> = (0..tree.len() as u32).collect();
+    m.forward(
+        &u32s(tree.tokens(), dev)?,
+        &pos,
+        Some(&mask_t),
+        cache,
+        &u32s(&rows, dev)?,
+    )?;
+    cache.truncate(len)?;
+    dev.synchronize()?;
+    Ok(())
+}
+
+/// Runs the forward benchmark and writes its report.
+pub fn run(s: &ForwardSettings) -> Result<()> {
+    let device = parse_device(&s.device)?;
+    let opts = LoadOptions {
+        device: device.clone(),
+        dtype: parse_dtype(&s.dtype)?,
+    };
+    eprintln!("loading {} on {} ...", s.model, s.device);
+    let loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
+    let m = &loaded.model;
+    let cfg = m.config().clone();
+    let dsize = dtype_bytes(m.dtype());
+    let pb = util::param_bytes(&cfg, dsize);
+    let max_new = s
+        .chains
+        .iter()
+        .chain(&s.trees)
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mut contexts: Vec<usize> = Vec::new();
+    for &l in &s.contexts {
+        if l == 0 || l + max_new > cfg.max_position_embeddings {
+            eprintln!(
+                "skipping context {l}: must be in 1..={}",
+                cfg.max_position_embeddings - max_new
+            );
+        } else {
+            contexts.push(l);
+        }
+    }
+    if contexts.is_empty() {
+        bail!("no usable context length");
+    }
+    let max_ctx = *contexts.iter().max().unwrap_or(&1);
+
+    eprintln!("measuring copy bandwidth over {} MiB ...", s.bw_mib);
+    let (bw, bw_ms) = copy_bandwidth(&device, s.bw_mib, s.iters)?;
+    eprintln!("  {:.1} GB/s (median {:.3} ms)", bw / 1e9, bw_ms.median);
+
+    let mut cache = m.new_cache(max_ctx + max_new)?;
+    let mut rng = SplitMix::new(0x5eed);
+    let prefix = util::random_ids(1, max_ctx, cfg.vocab_size, &[]);
+    let mut rows: Vec<Value> = Vec::new();
+    let base = json!({
+        "model": loaded.name,
+        "spec": s.model,
+        "device": s.device,
+        "dtype": format!("{:?}", m.dtype()).to_lowercase(),
+    });
+    let row = |extra: Value| -> Value {
+        let mut r = base.clone();
+        if let (Some(r), Some(e)) = (r.as_object_mut(), extra.as_object()) {
+            r.extend(e.clone());
+        }
+        r
+    };
+    let mut roofline_summary = Vec::new();
+    for &l in &contexts {
+        let prefill_ms = prefill(m, &mut cache, &prefix[..l])?;
+        eprintln!("context {l}: prefill {prefill_ms:.1} ms");
+        rows.push(row(json!({
+            "context": l, "kind": "prefill", "tokens": l, "depth": 0,
+            "median_ms": prefill_ms, "p10_ms": prefill_ms, "p90_ms": prefill_ms,
+            "mean_ms": prefill_ms, "iters": 1,
+            "tok_per_s": l as f64 / (prefill_ms / 1e3),
+        })));
+
+        // (a) decode one token.
+        let tok = rng.token(cfg.vocab_size, &[]);
+        let dev = device.clone();
+        let ms = time_ms(s.iters, s.warmup, || {
+            m.forward(
+                &u32s(&[tok], &dev)?,
+                &u32s(&[l as u32], &dev)?,
+                None,
+                &mut cache,
+                &u32s(&[0], &dev)?,
+            )?;
+            cache.truncate(l)?;
+            dev.synchronize()?;
+            Ok(())
+        })?;
+        let sm = util::summarize(&ms);
+        let tok_s = 1e3 / sm.median;
+        let roof_w = util::roofline_tok_s(bw, pb.streamed_bytes);
+        let roof_kv = util::roofline_tok_s(bw, pb.streamed_bytes + util::kv_bytes(&cfg, l, dsize));
+        eprintln!(
+            "  decode {:.3} ms = {tok_s:.1} tok/s; roofline {roof_kv:.1} tok/s ({:.1}%)",
+            sm.median,
+            100.0 * tok_s / roof_kv
+        );
+        rows.push(row(json!({
+            "context": l, "kind": "decode", "tokens": 1, "depth": 1,
+            "median_ms": sm.median, "p10_ms": sm.p10, "p90_ms": sm.p90, "mean_ms": sm.mean,
+            "iters": ms.len(), "tok_per_s": tok_s,
+            "roofline_tok_s": roof_kv, "roofline_weights_only_tok_s": roof_w,
+            "roofline_pct": 100.0 * tok_s / roof_kv,
+        })));
+        roofline_summary.push(json!({
+            "context": l, "decode_tok_s": tok_s, "roofline_tok_s": roof_kv,
+            "roofline_pct": 100.0 * tok_s / roof_kv,
+        }));
+
+        // (b) chains and (c) trees.
+        let mut shapes: Vec<(&str, TokenTree)> = Vec::new();
+        for &k in &s.chains {
+            let ids: Vec<u32> = (0..k).map(|_| rng.token(cfg.vocab_size, &[])).collect();
+            shapes.push(("chain", TokenTree::chain(&ids)));
+        }
+        for &n in &s.trees {
+            shapes.push((
+                "tree",
+                util::balanced_tree(n, |_| rng.token(cfg.vocab_size, &[])),
+            ));
+        }
+        for (kind, tree) in &shapes {
+            if tree.is_empty() {
+                continue;
+            }
+            let ms = time_ms(s.iters, s.warmup, || verify_once(m, &mut cache, l, tree))?;
+            let sm = util::summarize(&ms);
+            eprintln!(
+                "  {kind} {:>3} (depth {}): {:.3} ms (p10 {:.3}, p90 {:.3})",
+                tree.len(),
+                tree.max_depth() + 1,
+                sm.median,
+                sm.p10,
+                sm.p90
+            );
+            rows.push(row(json!({
+                "context": l, "kind": kind, "tokens": tree.len(), "depth": tree.max_depth() + 1,
+                "median_ms": sm.median, "p10_ms": sm.p10, "p90_ms": sm.p90, "mean_ms": sm.mean,
+                "iters": ms.len(), "tok_per_s": tree.len() as f64 / (sm.median / 1e3),
+            })));
+        }
+    }
+    let doc = json!({
+        "meta": {
+            "kind": "forward",
+            "model": loaded.name,
+            "spec": s.model,
+            "device": s.device,
+            "dtype": format!("{:?}", m.dtype()).to_lowercase(),
+            "config": {
+                "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
+                "tied_embeddings": cfg.tie_word_embeddings,
+            },
+            "params": pb.params,
+            "param_bytes": pb.total_bytes,
+            "decode_streamed_bytes": pb.streamed_bytes,
+            "param_bytes_note": "dense estimate from the configuration (not valid for GGUF-quantized weights)",
+            "copy_bandwidth_gb_s": bw / 1e9,
+            "copy_bandwidth_mib": s.bw_mib,
+            "copy_ms": bw_ms,
+            "bandwidth_method": "Tensor::copy of an f32 buffer, median; bytes read + written",
+            "iters": s.iters,
+            "warmup": s.warmup,
+            "timing": "median/p10/p90 wall ms of one forward incl. input upload and tree-mask build, then O(1) cache.truncate and device.synchronize()",
+            "tree_shape": "balanced: 4 roots, 4 children each, then 2 per node, filled level by level to exactly N nodes",
+        },
+        "roofline": roofline_summary,
+        "rows": rows,
+    });
+    let (j, c) = crate::report::write(&s.out, &s.name, &doc)?;
+    eprintln!("wrote {} and {}", j.display(), c.display());
+    Ok(())
+}

@@ -1,0 +1,243 @@
+//! specsplit-bench: the benchmark harness.
+//!
+//! - `forward`: forward-pass latency over a cached prefix (decode, chain and tree verification)
+//!   per context length, and decode tok/s against the memory roofline;
+//! - `e2e`: target-only vs speculative decoding end to end over loopback gRPC, with an optional
+//!   synthetic drafter of fixed acceptance β;
+//! - `plot`: PNG plots from the JSON reports.
+//!
+//! Every subcommand writes `<out>/<name>.json` and `<out>/<name>.csv`.
+
+mod e2e;
+mod forward;
+mod plot;
+mod report;
+mod util;
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use specsplit_orchestrator::Pipeline;
+
+/// Benchmark harness for SpecSplit.
+#[derive(Parser, Debug)]
+#[command(name = "specsplit-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Forward-pass latency (decode, chain and tree verification) and the memory roofline.
+    Forward(ForwardArgs),
+    /// End-to-end target-only vs speculative decoding over loopback gRPC.
+    E2e(E2eArgs),
+    /// PNG plots from the JSON reports in a directory.
+    Plot(PlotArgs),
+}
+
+#[derive(Args, Debug)]
+struct ForwardArgs {
+    /// Model spec: `random:qwen2.5-7b[:seed]`, an alias, a directory or a .gguf file.
+    #[arg(long)]
+    model: String,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Dtype: f32, f16 or bf16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long, default_value = "")]
+    dtype: String,
+    /// Prefix lengths [default: 128,512,1024,2048,4096; quick: 128,512].
+    #[arg(long, value_delimiter = ',')]
+    contexts: Option<Vec<usize>>,
+    /// Chain lengths verified [default: 1,2,4,8,16,32,64; quick: 1,4,16].
+    #[arg(long, value_delimiter = ',')]
+    chains: Option<Vec<usize>>,
+    /// Tree sizes verified [default: 16,32,64; quick: 16,64].
+    #[arg(long, value_delimiter = ',')]
+    trees: Option<Vec<usize>>,
+    /// Timed iterations per measurement [default: 20; quick: 5].
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Warm-up iterations per measurement [default: 5; quick: 2].
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// Bandwidth-test buffer in MiB [default: 1024 on CUDA, 256 on CPU; quick: 64].
+    #[arg(long)]
+    bw_mib: Option<usize>,
+    /// Small preset that finishes quickly.
+    #[arg(long)]
+    quick: bool,
+    /// Output directory.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Base name of the output files.
+    #[arg(long, default_value = "forward")]
+    name: String,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum PipelineArg {
+    Sequential,
+    Overlapped,
+}
+
+#[derive(Args, Debug)]
+struct E2eArgs {
+    /// Target model spec.
+    #[arg(long)]
+    target: String,
+    /// Draft model spec (same vocabulary as the target).
+    #[arg(long)]
+    draft: String,
+    /// Target device.
+    #[arg(long, default_value = "cpu")]
+    device_target: String,
+    /// Draft device.
+    #[arg(long, default_value = "cpu")]
+    device_draft: String,
+    /// Dtype of both models (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long, default_value = "")]
+    dtype: String,
+    /// Text prompts, one per line (real models; random models use pseudo-random ids).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Number of prompts [default: 8; quick: 2].
+    #[arg(long)]
+    num_prompts: Option<usize>,
+    /// Prompt length of random-weight models, in tokens [default: 128; quick: 32].
+    #[arg(long)]
+    prompt_len: Option<usize>,
+    /// New tokens per generation [default: 128; quick: 32].
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Chain depths [default: 1,2,4,6,8,12; quick: 2,4].
+    #[arg(long, value_delimiter = ',')]
+    depths: Option<Vec<usize>>,
+    /// Tree shapes, `;`-separated widths per depth [default: "4,2,1,1;2,2,2,1"; quick: "2,2,1"].
+    #[arg(long)]
+    trees: Option<String>,
+    /// Pipelines [default: sequential,overlapped].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pipelines: Option<Vec<PipelineArg>>,
+    /// Synthetic drafter acceptance rate(s) β, e.g. 0.8 or 0.6,0.8,0.9: the draft model's
+    /// forwards are paid for but its proposals follow the target-only reference with
+    /// probability β. Results are labelled synthetic.
+    #[arg(long, value_delimiter = ',')]
+    synthetic_beta: Vec<f64>,
+    /// With --synthetic-beta, also run the real draft model.
+    #[arg(long)]
+    real_too: bool,
+    /// Ignore EOS so every generation runs max-tokens (always on for random models).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Seed of the pseudo-random prompts.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Small preset that finishes quickly.
+    #[arg(long)]
+    quick: bool,
+    /// Output directory.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Base name of the output files [default: e2e, or e2e-synthetic with --synthetic-beta].
+    #[arg(long)]
+    name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct PlotArgs {
+    /// Directory with the JSON reports.
+    #[arg(long, default_value = "bench-out")]
+    input: PathBuf,
+    /// Directory for the PNG files.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// TrueType font for labels (default: DejaVu/Liberation from the system; none = no text).
+    #[arg(long)]
+    font: Option<PathBuf>,
+}
+
+fn pick<T: Clone>(given: Option<T>, quick: bool, q: T, full: T) -> T {
+    given.unwrap_or(if quick { q } else { full })
+}
+
+fn forward(a: ForwardArgs) -> Result<()> {
+    let q = a.quick;
+    let cuda = a.device.starts_with("cuda");
+    let s = forward::ForwardSettings {
+        contexts: pick(a.contexts, q, vec![128, 512], vec![128, 512, 1024, 2048, 4096]),
+        chains: pick(a.chains, q, vec![1, 4, 16], vec![1, 2, 4, 8, 16, 32, 64]),
+        trees: pick(a.trees, q, vec![16, 64], vec![16, 32, 64]),
+        iters: pick(a.iters, q, 5, 20),
+        warmup: pick(a.warmup, q, 2, 5),
+        bw_mib: pick(a.bw_mib, q, 64, if cuda { 1024 } else { 256 }),
+        model: a.model,
+        device: a.device,
+        dtype: a.dtype,
+        out: a.out,
+        name: a.name,
+    };
+    forward::run(&s)
+}
+
+fn e2e(a: E2eArgs) -> Result<()> {
+    let q = a.quick;
+    if a.synthetic_beta.iter().any(|b| !(0.0..=1.0).contains(b)) {
+        bail!("--synthetic-beta values must lie in [0, 1]");
+    }
+    let random = a.target.starts_with("random:") && a.draft.starts_with("random:");
+    let trees = pick(a.trees, q, "2,2,1".into(), "4,2,1,1;2,2,2,1".into());
+    let name = a.name.unwrap_or_else(|| {
+        if a.synthetic_beta.is_empty() {
+            "e2e".into()
+        } else {
+            "e2e-synthetic".into()
+        }
+    });
+    let s = e2e::E2eSettings {
+        num_prompts: pick(a.num_prompts, q, 2, 8),
+        prompt_len: pick(a.prompt_len, q, 32, 128),
+        max_tokens: pick(a.max_tokens, q, 32, 128),
+        depths: pick(a.depths, q, vec![2, 4], vec![1, 2, 4, 6, 8, 12]),
+        trees: util::parse_trees(&trees)?,
+        pipelines: a
+            .pipelines
+            .unwrap_or_else(|| vec![PipelineArg::Sequential, PipelineArg::Overlapped])
+            .into_iter()
+            .map(|p| match p {
+                PipelineArg::Sequential => Pipeline::Sequential,
+                PipelineArg::Overlapped => Pipeline::Overlapped,
+            })
+            .collect(),
+        betas: a.synthetic_beta,
+        real_too: a.real_too,
+        ignore_eos: a.ignore_eos || random,
+        seed: a.seed,
+        target: a.target,
+        draft: a.draft,
+        device_target: a.device_target,
+        device_draft: a.device_draft,
+        dtype: a.dtype,
+        prompts_file: a.prompts,
+        out: a.out,
+        name,
+    };
+    if s.depths.contains(&0) {
+        bail!("--depths must be positive");
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(e2e::run(&s))
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Forward(a) => forward(a),
+        Command::E2e(a) => e2e(a),
+        Command::Plot(a) => plot::run(&a.input, &a.out, a.font.as_deref()),
+    }
+}

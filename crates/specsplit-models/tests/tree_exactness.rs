@@ -1,0 +1,186 @@
+//! Tree attention is exact: every node of a random tree verified in one forward pass over a cached
+//! prefix gets the logits of a plain causal forward of prefix + its root-to-node path; after a
+//! rollback (`truncate`) or a compaction to an accepted path, decoding continues exactly as a
+//! fresh forward of the kept sequence.
+
+mod reference_support;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use reference_support::*;
+use specsplit_models::config::ModelConfig;
+use specsplit_models::transformer::Transformer;
+
+/// Fresh causal forward of `tokens` from an empty cache; logits of the last `last` rows.
+fn fresh(model: &Transformer, tokens: &[u32], last: usize) -> Tensor {
+    let dev = model.device();
+    let n = tokens.len();
+    let mut cache = model.new_cache(n).unwrap();
+    let rows: Vec<u32> = ((n - last) as u32..n as u32).collect();
+    model
+        .forward(
+            &u32s(tokens, dev),
+            &span(0, n, dev),
+            None,
+            &mut cache,
+            &u32s(&rows, dev),
+        )
+        .unwrap()
+}
+
+struct Stats {
+    max_diff: f32,
+    compared: usize,
+}
+
+impl Stats {
+    fn check(&mut self, what: &str, got: &Tensor, want: &Tensor, tol: f32) {
+        let d = max_abs_diff(got, want);
+        assert_eq!(
+            argmax_rows(got),
+            argmax_rows(want),
+            "{what}: argmax differs (max abs diff {d})"
+        );
+        assert!(d <= tol, "{what}: max abs diff {d} > {tol}");
+        self.max_diff = self.max_diff.max(d);
+        self.compared += 1;
+    }
+}
+
+/// Runs the whole scenario for one tree; returns the largest logit difference seen.
+fn check_tree(model: &Transformer, seed: u64, prefix_len: usize, nodes: usize, tol: f32) -> Stats {
+    let dev = model.device().clone();
+    let vocab = model.config().vocab_size;
+    let mut rng = Lcg(seed);
+    let prefix = rng.tokens(prefix_len, vocab);
+    let parent = random_tree(nodes, 5, seed);
+    let tree_tokens = rng.tokens(nodes, vocab);
+    let node_paths = paths(&parent);
+    assert!(
+        node_paths.iter().map(Vec::len).max().unwrap() >= 5,
+        "depth >= 4"
+    );
+    let path_tokens = |i: usize| -> Vec<u32> {
+        let mut t = prefix.clone();
+        t.extend(node_paths[i].iter().map(|&j| tree_tokens[j]));
+        t
+    };
+    let all_rows: Vec<u32> = (0..nodes as u32).collect();
+    let mut stats = Stats {
+        max_diff: 0.0,
+        compared: 0,
+    };
+
+    let mut cache = model.new_cache(prefix_len + nodes + 8).unwrap();
+    model
+        .forward(
+            &u32s(&prefix, &dev),
+            &span(0, prefix_len, &dev),
+            None,
+            &mut cache,
+            &u32s(&[prefix_len as u32 - 1], &dev),
+        )
+        .unwrap();
+    let verify_tree = |cache: &mut specsplit_core::cache::SessionCache| {
+        model
+            .forward(
+                &u32s(&tree_tokens, &dev),
+                &tree_positions(&parent, prefix_len, &dev),
+                Some(&tree_mask(&parent, prefix_len, model.dtype(), &dev)),
+                cache,
+                &u32s(&all_rows, &dev),
+            )
+            .unwrap()
+    };
+
+    // 1. Every node equals a plain causal forward of prefix + its path.
+    let tree_logits = verify_tree(&mut cache);
+    assert_eq!(tree_logits.dims(), &[nodes, vocab]);
+    assert_eq!(cache.len(), prefix_len + nodes);
+    for i in 0..nodes {
+        let want = fresh(model, &path_tokens(i), 1);
+        let got = tree_logits.i(i..i + 1).unwrap();
+        stats.check(&format!("tree node {i}"), &got, &want, tol);
+    }
+
+    // 2. Rollback to the prefix, then decode a chain over the stale tree entries.
+    cache.truncate(prefix_len).unwrap();
+    let chain = rng.tokens(3, vocab);
+    let got = model
+        .forward(
+            &u32s(&chain, &dev),
+            &span(prefix_len, 3, &dev),
+            None,
+            &mut cache,
+            &u32s(&[0, 1, 2], &dev),
+        )
+        .unwrap();
+    let mut seq = prefix.clone();
+    seq.extend(&chain);
+    stats.check("chain after truncate", &got, &fresh(model, &seq, 3), tol);
+
+    // 3. Verify the tree again, keep the deepest path, continue decoding.
+    cache.truncate(prefix_len).unwrap();
+    verify_tree(&mut cache);
+    let deepest = (0..nodes).max_by_key(|&i| node_paths[i].len()).unwrap();
+    let keep: Vec<usize> = node_paths[deepest]
+        .iter()
+        .map(|&j| prefix_len + j)
+        .collect();
+    cache.compact(prefix_len, &keep).unwrap();
+    let mut seq = path_tokens(deepest);
+    assert_eq!(cache.len(), seq.len());
+    for step in 0..2 {
+        let t = rng.tokens(1, vocab);
+        let got = model
+            .forward(
+                &u32s(&t, &dev),
+                &span(seq.len(), 1, &dev),
+                None,
+                &mut cache,
+                &u32s(&[0], &dev),
+            )
+            .unwrap();
+        seq.extend(&t);
+        stats.check(
+            &format!("decode step {step} after compact"),
+            &got,
+            &fresh(model, &seq, 1),
+            tol,
+        );
+    }
+    stats
+}
+
+/// f32 on CPU: differences are float reduction-order only.
+const TINY_TOL: f32 = 1e-4;
+
+#[test]
+fn tiny_random_model_tree_is_exact() {
+    let cfg = ModelConfig::preset("tiny").unwrap();
+    for (arch_seed, bias) in [(1u64, false), (2, true)] {
+        let mut cfg = cfg.clone();
+        cfg.attention_bias = bias;
+        let model = Transformer::random(cfg, arch_seed, DType::F32, &Device::Cpu).unwrap();
+        for seed in 0..4u64 {
+            let s = check_tree(&model, seed * 31 + arch_seed, 20, 24, TINY_TOL);
+            eprintln!(
+                "tiny (bias={bias}) tree seed {seed}: {} comparisons, max abs diff {:e}",
+                s.compared, s.max_diff
+            );
+        }
+    }
+}
+
+/// Q4_1 SmolLM2 on CPU: candle's quantized CPU matmul picks kernels by row count, and activations
+/// are re-quantized to 8 bits per block, so a different batch shape can move logits slightly.
+const SMOL_TOL: f32 = 0.5;
+
+#[test]
+fn smollm2_tree_is_exact() {
+    let model = Transformer::from_gguf(&model_path(SMOLLM2), &Device::Cpu).unwrap();
+    let s = check_tree(&model, 7, 24, 16, SMOL_TOL);
+    eprintln!(
+        "smollm2 tree: {} comparisons, max abs diff {:e}",
+        s.compared, s.max_diff
+    );
+}
