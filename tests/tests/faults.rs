@@ -167,10 +167,13 @@ async fn bad_requests_get_the_right_status_codes() {
     assert_eq!(code(t.verify_drafts(verify(vec![1, -2], vec![])).await), Code::InvalidArgument);
     assert_eq!(code(t.verify_drafts(verify(vec![1], vec![node(-1, vec![])])).await), Code::InvalidArgument);
     assert_eq!(code(t.verify_drafts(verify(vec![1], vec![node(1, vec![node(9999, vec![])])])).await), Code::InvalidArgument);
-    // A tree deeper/larger than the limit.
+    // A tree larger than the limit (128 nodes), wide or deep (within protobuf's nesting
+    // limit of 100 levels; deeper messages fail to decode before reaching the service).
+    let wide: Vec<TokenNode> = (0..200).map(|i| node(i % 50, vec![])).collect();
+    assert_eq!(code(t.verify_drafts(verify(vec![1], wide)).await), Code::InvalidArgument);
     let mut deep = node(1, vec![]);
-    for _ in 0..1000 {
-        deep = node(1, vec![deep]);
+    for _ in 0..90 {
+        deep = node(1, vec![node(2, vec![]), deep]);
     }
     assert_eq!(code(t.verify_drafts(verify(vec![1], vec![deep])).await), Code::InvalidArgument);
     // Sampled verification without the draft distributions.

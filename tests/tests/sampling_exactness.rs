@@ -13,7 +13,7 @@ use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
 
 const TARGET: &str = "random:tiny:7";
 const PROMPT: &[u32] = &[11, 42, 7, 300];
-const DRAWS: u64 = 4000;
+const DRAWS: u64 = 2500;
 
 fn params() -> SamplingParams {
     SamplingParams {

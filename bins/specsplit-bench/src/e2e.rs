@@ -16,7 +16,9 @@ use specsplit_models::transformer::Transformer;
 use specsplit_orchestrator::{GenerateConfig, Generation, Mode, Orchestrator, Pipeline};
 use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
-use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo};
+use specsplit_workers::service::{
+    serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo,
+};
 use specsplit_workers::session::SessionLimits;
 use specsplit_workers::target::TargetEngine;
 use tokio::net::TcpListener;
@@ -232,13 +234,15 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
     let drafted: usize = spec.iter().map(|r| r.drafted).sum();
     let accepted: usize = spec.iter().map(|r| r.accepted).sum();
     let attempts = rounds.iter().filter(|r| r.overlap_hit.is_some()).count();
-    let hits = rounds.iter().filter(|r| r.overlap_hit == Some(true)).count();
+    let hits = rounds
+        .iter()
+        .filter(|r| r.overlap_hit == Some(true))
+        .count();
     let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
     let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    let mean = |f: &dyn Fn(&Generation) -> f64| {
-        ratio(gens.iter().map(f).sum::<f64>(), gens.len() as f64)
-    };
+    let mean =
+        |f: &dyn Fn(&Generation) -> f64| ratio(gens.iter().map(f).sum::<f64>(), gens.len() as f64);
     let pairs: Vec<(usize, usize)> = rounds.iter().map(|r| (r.drafted, r.accepted)).collect();
     let identical = gens
         .iter()
@@ -307,7 +311,13 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
 
     let target_model = Arc::new(target.model);
     let draft_model = Arc::new(draft.model);
-    let t_info = info(target.name.clone(), &target_model, &eos, &s.device_target, &z);
+    let t_info = info(
+        target.name.clone(),
+        &target_model,
+        &eos,
+        &s.device_target,
+        &z,
+    );
     let t_worker = TargetWorker::new(
         Arc::new(TargetEngine::new(target_model.clone(), z.max_context)),
         limits(),

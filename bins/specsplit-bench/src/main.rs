@@ -168,7 +168,12 @@ fn forward(a: ForwardArgs) -> Result<()> {
     let q = a.quick;
     let cuda = a.device.starts_with("cuda");
     let s = forward::ForwardSettings {
-        contexts: pick(a.contexts, q, vec![128, 512], vec![128, 512, 1024, 2048, 4096]),
+        contexts: pick(
+            a.contexts,
+            q,
+            vec![128, 512],
+            vec![128, 512, 1024, 2048, 4096],
+        ),
         chains: pick(a.chains, q, vec![1, 4, 16], vec![1, 2, 4, 8, 16, 32, 64]),
         trees: pick(a.trees, q, vec![16, 64], vec![16, 32, 64]),
         iters: pick(a.iters, q, 5, 20),

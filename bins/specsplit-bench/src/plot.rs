@@ -99,6 +99,9 @@ fn draw(c: &Chart, series: &[Series], text: bool) -> Result<()> {
         b.caption(c.title, ("sans-serif", 24))
             .x_label_area_size(45)
             .y_label_area_size(70);
+    } else {
+        // Label areas without labels still carry the axis lines.
+        b.x_label_area_size(5).y_label_area_size(5);
     }
     let mut chart = b.build_cartesian_2d((x0 - pad)..(x1 + pad), 0f64..y1)?;
     if text {

@@ -351,7 +351,25 @@ impl Transformer {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_gguf_content(config, &content, &mut file, device)
+        Self::from_gguf_content(config, &content, &mut file, device, None)
+    }
+
+    /// Loads a GGUF model like [`Transformer::from_gguf`] but dequantizes every weight to a dense
+    /// `dtype` matrix (f32/f16, or bf16 on GPU): the same weights, without the 8-bit activation
+    /// quantization of the quantized matmul kernels.
+    pub fn from_gguf_dequantized(
+        path: &Path,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        check_dtype(dtype, device)?;
+        let content = read_gguf(path)?;
+        let config = gguf_config(&content)?;
+        let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_gguf_content(config, &content, &mut file, device, Some(dtype))
     }
 
     fn from_gguf_content<R: std::io::Read + std::io::Seek>(
@@ -359,9 +377,22 @@ impl Transformer {
         ct: &gguf_file::Content,
         reader: &mut R,
         device: &Device,
+        dense: Option<DType>,
     ) -> Result<Self, ModelError> {
         let c = &config;
-        let dtype = DType::F32;
+        let dtype = dense.unwrap_or(DType::F32);
+        let to_linear = |q: Arc<QTensor>, b: Option<Tensor>| -> Result<Linear, ModelError> {
+            Ok(match dense {
+                Some(dt) => Linear::Dense {
+                    w: q.dequantize(device)?.to_dtype(dt)?,
+                    b,
+                },
+                None => Linear::Quant {
+                    w: QMatMul::from_arc(q)?,
+                    b,
+                },
+            })
+        };
         let (d, ffn) = (c.hidden_size, c.intermediate_size);
         let q_out = c.num_attention_heads * c.head_dim;
         let kv_out = c.num_key_value_heads * c.head_dim;
@@ -381,7 +412,9 @@ impl Transformer {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let mut dense = |s: &str, dims: &[usize]| -> Result<Tensor, ModelError> {
-                Ok(qt(&format!("blk.{i}.{s}"), dims)?.dequantize(device)?)
+                Ok(qt(&format!("blk.{i}.{s}"), dims)?
+                    .dequantize(device)?
+                    .to_dtype(dtype)?)
             };
             let attn_norm = dense("attn_norm.weight", &[d])?;
             let mlp_norm = dense("ffn_norm.weight", &[d])?;
@@ -395,8 +428,10 @@ impl Transformer {
                 (None, None, None)
             };
             let mut lin = |s: &str, out: usize, inp: usize, b: Option<Tensor>| {
-                let w = QMatMul::from_qtensor(qt(&format!("blk.{i}.{s}.weight"), &[out, inp])?)?;
-                Ok::<_, ModelError>(Linear::Quant { w, b })
+                to_linear(
+                    Arc::new(qt(&format!("blk.{i}.{s}.weight"), &[out, inp])?),
+                    b,
+                )
             };
             layers.push(Layer {
                 attn_norm,
@@ -410,34 +445,55 @@ impl Transformer {
                 down: lin("ffn_down", d, ffn, None)?,
             });
         }
-        let norm = qt("output_norm.weight", &[d])?.dequantize(device)?;
-        let lm_head = if c.tie_word_embeddings {
-            QMatMul::from_arc(embed.clone())?
-        } else {
-            QMatMul::from_qtensor(qt("output.weight", &[c.vocab_size, d])?)?
-        };
+        let norm = qt("output_norm.weight", &[d])?
+            .dequantize(device)?
+            .to_dtype(dtype)?;
         let freq_factors = if ct.tensor_infos.contains_key("rope_freqs.weight") {
             let f = qt("rope_freqs.weight", &[c.head_dim / 2])?;
-            Some(f.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+            Some(
+                f.dequantize(device)?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<f32>()?,
+            )
         } else {
             None
         };
-        let (cos, sin) = rotary_tables(c, freq_factors.as_deref(), dtype, device)?;
-        let embed = match QMatMul::from_arc(embed.clone())? {
-            // F32/F16/BF16 GGUF embeddings are plain matrices.
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => Embedding::Dense(t.to_dtype(dtype)?),
-            QMatMul::QTensor(q) => Embedding::Quant(q),
+        let (embed, lm_head) = match dense {
+            Some(dt) => {
+                let e = embed.dequantize(device)?.to_dtype(dt)?;
+                let head = if c.tie_word_embeddings {
+                    e.clone()
+                } else {
+                    qt("output.weight", &[c.vocab_size, d])?
+                        .dequantize(device)?
+                        .to_dtype(dt)?
+                };
+                (Embedding::Dense(e), Linear::Dense { w: head, b: None })
+            }
+            None => {
+                let head = if c.tie_word_embeddings {
+                    embed.clone()
+                } else {
+                    Arc::new(qt("output.weight", &[c.vocab_size, d])?)
+                };
+                let e = match QMatMul::from_arc(embed)? {
+                    // F32/F16/BF16 GGUF embeddings are plain matrices.
+                    QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                        Embedding::Dense(t.to_dtype(dtype)?)
+                    }
+                    QMatMul::QTensor(q) => Embedding::Quant(q),
+                };
+                (e, to_linear(head, None)?)
+            }
         };
+        let (cos, sin) = rotary_tables(c, freq_factors.as_deref(), dtype, device)?;
         Ok(Self {
             device: device.clone(),
             dtype,
             embed,
             layers,
             norm,
-            lm_head: Linear::Quant {
-                w: lm_head,
-                b: None,
-            },
+            lm_head,
             cos,
             sin,
             rope_interleaved: config.architecture == "llama",

@@ -27,27 +27,65 @@ fn fresh(model: &Transformer, tokens: &[u32], last: usize) -> Tensor {
         .unwrap()
 }
 
+/// Top-1 minus top-2 logit of a `(1, vocab)` row.
+fn top2_margin(t: &Tensor) -> f32 {
+    let mut v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v[1]
+}
+
 struct Stats {
+    /// Max |logit diff| over all comparisons.
     max_diff: f32,
     compared: usize,
+    /// Comparisons with bit-identical logits.
+    exact: usize,
+    /// When set, an argmax mismatch is tolerated only where the reference's top-2 margin is
+    /// within the numeric noise (`2 * tol`), i.e. a genuine near-tie.
+    near_ties_allowed: bool,
+    near_ties: usize,
 }
 
 impl Stats {
+    fn new(near_ties_allowed: bool) -> Self {
+        Self {
+            max_diff: 0.0,
+            compared: 0,
+            exact: 0,
+            near_ties_allowed,
+            near_ties: 0,
+        }
+    }
+
     fn check(&mut self, what: &str, got: &Tensor, want: &Tensor, tol: f32) {
         let d = max_abs_diff(got, want);
-        assert_eq!(
-            argmax_rows(got),
-            argmax_rows(want),
-            "{what}: argmax differs (max abs diff {d})"
-        );
+        if std::env::var_os("SPECSPLIT_DEBUG_DIFF").is_some() {
+            eprintln!("{what}: {d:e}");
+        }
         assert!(d <= tol, "{what}: max abs diff {d} > {tol}");
+        if argmax_rows(got) != argmax_rows(want) {
+            let margin = top2_margin(want);
+            assert!(
+                self.near_ties_allowed && margin <= 2.0 * tol,
+                "{what}: argmax differs (max abs diff {d}, reference top-2 margin {margin})"
+            );
+            self.near_ties += 1;
+        }
         self.max_diff = self.max_diff.max(d);
         self.compared += 1;
+        self.exact += usize::from(d == 0.0);
     }
 }
 
 /// Runs the whole scenario for one tree; returns the largest logit difference seen.
-fn check_tree(model: &Transformer, seed: u64, prefix_len: usize, nodes: usize, tol: f32) -> Stats {
+fn check_tree(
+    model: &Transformer,
+    seed: u64,
+    prefix_len: usize,
+    nodes: usize,
+    tol: f32,
+    near_ties_allowed: bool,
+) -> Stats {
     let dev = model.device().clone();
     let vocab = model.config().vocab_size;
     let mut rng = Lcg(seed);
@@ -65,10 +103,7 @@ fn check_tree(model: &Transformer, seed: u64, prefix_len: usize, nodes: usize, t
         t
     };
     let all_rows: Vec<u32> = (0..nodes as u32).collect();
-    let mut stats = Stats {
-        max_diff: 0.0,
-        compared: 0,
-    };
+    let mut stats = Stats::new(near_ties_allowed);
 
     let mut cache = model.new_cache(prefix_len + nodes + 8).unwrap();
     model
@@ -162,7 +197,7 @@ fn tiny_random_model_tree_is_exact() {
         cfg.attention_bias = bias;
         let model = Transformer::random(cfg, arch_seed, DType::F32, &Device::Cpu).unwrap();
         for seed in 0..4u64 {
-            let s = check_tree(&model, seed * 31 + arch_seed, 20, 24, TINY_TOL);
+            let s = check_tree(&model, seed * 31 + arch_seed, 20, 24, TINY_TOL, false);
             eprintln!(
                 "tiny (bias={bias}) tree seed {seed}: {} comparisons, max abs diff {:e}",
                 s.compared, s.max_diff
@@ -171,16 +206,39 @@ fn tiny_random_model_tree_is_exact() {
     }
 }
 
-/// Q4_1 SmolLM2 on CPU: candle's quantized CPU matmul picks kernels by row count, and activations
-/// are re-quantized to 8 bits per block, so a different batch shape can move logits slightly.
-const SMOL_TOL: f32 = 0.5;
+/// SmolLM2's GGUF weights dequantized to f32: only float reduction order differs.
+const SMOL_DENSE_TOL: f32 = 1e-3;
 
 #[test]
-fn smollm2_tree_is_exact() {
+fn smollm2_dequantized_tree_is_exact() {
+    let path = model_path(SMOLLM2);
+    let model = Transformer::from_gguf_dequantized(&path, DType::F32, &Device::Cpu).unwrap();
+    for seed in [7u64, 8] {
+        let s = check_tree(&model, seed, 24, 16, SMOL_DENSE_TOL, false);
+        eprintln!(
+            "smollm2 (dequantized f32) tree seed {seed}: {} comparisons, {} bit-exact, max abs diff {:e}",
+            s.compared, s.exact, s.max_diff
+        );
+    }
+}
+
+/// SmolLM2 with its Q4_1 kernels: the quantized matmul re-quantizes activations to 8 bits per
+/// 32-block, and SmolLM2's large activation outliers make that step coarse, so a last-bit change
+/// in an attention sum (a different number of masked keys) occasionally flips one rounding and
+/// moves logits by up to ~0.6 -- exactly as candle's own quantized_llama differs between a
+/// one-shot and a token-by-token forward of the same sequence. Most nodes are bit-identical.
+const SMOL_Q_TOL: f32 = 1.0;
+
+#[test]
+fn smollm2_quantized_tree_matches_within_requantization_noise() {
     let model = Transformer::from_gguf(&model_path(SMOLLM2), &Device::Cpu).unwrap();
-    let s = check_tree(&model, 7, 24, 16, SMOL_TOL);
+    let s = check_tree(&model, 7, 24, 16, SMOL_Q_TOL, true);
     eprintln!(
-        "smollm2 tree: {} comparisons, max abs diff {:e}",
-        s.compared, s.max_diff
+        "smollm2 (Q4_1) tree: {} comparisons, {} bit-exact, {} near-tie argmax flips, max abs diff {:e}",
+        s.compared, s.exact, s.near_ties, s.max_diff
+    );
+    assert!(
+        s.exact * 4 >= s.compared * 3,
+        "expected most nodes bit-exact"
     );
 }
