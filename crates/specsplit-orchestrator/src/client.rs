@@ -275,7 +275,11 @@ impl<'a> Run<'a> {
             } else {
                 let seq = self.seq.clone();
                 match next_tree.take() {
-                    Some(pre) if pre.tree.len() > 0 => (pre, Some(true)),
+                    Some(pre) if !pre.tree.is_empty() => {
+                        // Never deeper than what may still be emitted.
+                        let tree = subtree(&pre.tree, None, depth);
+                        (Drafted { tree, ms: 0.0 }, Some(true))
+                    }
                     Some(_) => (self.draft(&seq, &widths).await?, Some(false)),
                     None => (self.draft(&seq, &widths).await?, None),
                 }
@@ -310,7 +314,7 @@ impl<'a> Run<'a> {
                 let hit = v.accepted_nodes == guess
                     && pre.tree.roots().next().map(|r| pre.tree.token(r)) == Some(v.next);
                 let tree = if hit {
-                    subtree(&pre.tree, 0)
+                    subtree(&pre.tree, Some(0), usize::MAX)
                 } else {
                     TokenTree::new()
                 };
@@ -340,8 +344,13 @@ impl<'a> Run<'a> {
             self.seq.extend_from_slice(&emitted);
             self.pending = vec![v.next];
             self.target_cached = Some(v.cached_len);
+            let drafted_depth = if drafted.tree.is_empty() {
+                0
+            } else {
+                drafted.tree.max_depth() + 1
+            };
             rounds.push(RoundRecord {
-                drafted: depth,
+                drafted: drafted_depth,
                 tree_nodes: drafted.tree.len(),
                 accepted: v.accepted.len(),
                 emitted,
@@ -523,28 +532,76 @@ fn first_child_path(tree: &TokenTree) -> Vec<usize> {
     path
 }
 
-/// The subtree below `root` (excluded) as a tree of its own: `root`'s children become roots
-/// and `root`'s child distribution becomes the root distribution.
-fn subtree(tree: &TokenTree, root: usize) -> TokenTree {
+/// The part of `tree` below `root` (excluded; `None` = the whole tree) down to `levels` levels,
+/// as a tree of its own: `root`'s children become roots and `root`'s child distribution becomes
+/// the root distribution.
+fn subtree(tree: &TokenTree, root: Option<usize>, levels: usize) -> TokenTree {
     let mut t = TokenTree::new();
     t.set_siblings_without_replacement(tree.siblings_without_replacement());
-    if let Some(d) = tree.child_distribution(root) {
+    let (top, root_dist) = match root {
+        Some(r) => (tree.children(r), tree.child_distribution(r)),
+        None => (tree.roots(), tree.root_distribution()),
+    };
+    if let Some(d) = root_dist {
         t.set_root_distribution(d.clone());
     }
     // Breadth-first over the descendants keeps the new tree breadth-first.
-    let mut queue: std::collections::VecDeque<(usize, Option<usize>)> =
-        tree.children(root).map(|c| (c, None)).collect();
-    while let Some((old, parent)) = queue.pop_front() {
+    let mut queue: std::collections::VecDeque<(usize, Option<usize>, usize)> =
+        top.map(|c| (c, None, 0)).collect();
+    while let Some((old, parent, level)) = queue.pop_front() {
+        if level >= levels {
+            continue;
+        }
         let new = match parent {
             None => t.push_root(tree.token(old), tree.log_prob(old)),
             Some(p) => t.push_child(p, tree.token(old), tree.log_prob(old)),
         }
         .expect("breadth-first copy of a valid tree");
-        if let Some(d) = tree.child_distribution(old) {
-            t.set_child_distribution(new, d.clone())
-                .expect("node just added");
+        if level + 1 < levels {
+            if let Some(d) = tree.child_distribution(old) {
+                t.set_child_distribution(new, d.clone())
+                    .expect("node just added");
+            }
         }
-        queue.extend(tree.children(old).map(|c| (c, Some(new))));
+        queue.extend(tree.children(old).map(|c| (c, Some(new), level + 1)));
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_tree() -> TokenTree {
+        // roots 10, 11; 10 -> 20, 21; 11 -> 22; 20 -> 30
+        let mut t = TokenTree::new();
+        t.push_root(10, -0.1).unwrap();
+        t.push_root(11, -0.2).unwrap();
+        t.push_child(0, 20, -0.3).unwrap();
+        t.push_child(0, 21, -0.4).unwrap();
+        t.push_child(1, 22, -0.5).unwrap();
+        t.push_child(2, 30, -0.6).unwrap();
+        t
+    }
+
+    #[test]
+    fn subtree_reroots_and_prunes() {
+        let t = sample_tree();
+        let s = subtree(&t, Some(0), usize::MAX);
+        assert_eq!(s.tokens(), &[20, 21, 30]);
+        assert_eq!(s.parent(2), Some(0));
+        let p = subtree(&t, None, 2);
+        assert_eq!(p.tokens(), &[10, 11, 20, 21, 22]);
+        assert_eq!(p.max_depth(), 1);
+        let whole = subtree(&t, None, usize::MAX);
+        assert_eq!(whole.tokens(), t.tokens());
+    }
+
+    #[test]
+    fn first_child_path_and_token_paths() {
+        let t = sample_tree();
+        assert_eq!(first_child_path(&t), vec![0, 2, 5]);
+        assert_eq!(path_of_tokens(&t, &[11, 22]), Some(vec![1, 4]));
+        assert_eq!(path_of_tokens(&t, &[11, 20]), None);
+    }
 }
