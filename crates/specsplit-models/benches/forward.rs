@@ -103,6 +103,37 @@ fn bench_model(c: &mut Criterion, name: &str, model: &Transformer) {
     group.finish();
 }
 
+/// candle-transformers' `quantized_llama` single-token decode after the same 256-token prefix,
+/// for comparison (its cache cannot roll back, so it grows by one entry per iteration).
+fn bench_reference_decode(c: &mut Criterion, path: &std::path::Path, dev: &Device) {
+    use candle_transformers::models::quantized_llama::ModelWeights;
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+    let mut model = ModelWeights::from_gguf(content, &mut file, dev).unwrap();
+    let toks: Vec<u32> = (0..PREFIX as u32 + 1)
+        .map(|i| (i * 7919 + 13) % 49_152)
+        .collect();
+    let prompt = u32s(&toks[..PREFIX], dev).unsqueeze(0).unwrap();
+    model.forward(&prompt, 0).unwrap();
+    let next = u32s(&toks[PREFIX..], dev).unsqueeze(0).unwrap();
+    let mut pos = PREFIX;
+    let mut group = c.benchmark_group("forward/reference-quantized_llama-smollm2");
+    group.sample_size(10);
+    group.bench_function(format!("chain1_over_{PREFIX}+"), |b| {
+        b.iter(|| {
+            let out = model.forward(&next, pos).unwrap();
+            out.flatten_all()
+                .unwrap()
+                .get(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            pos += 1;
+        })
+    });
+    group.finish();
+}
+
 fn smollm2_path() -> Option<PathBuf> {
     let dir = std::env::var_os("SPECSPLIT_MODELS_DIR")
         .map(PathBuf::from)
@@ -120,6 +151,7 @@ fn forward(c: &mut Criterion) {
         Some(p) => {
             let smol = Transformer::from_gguf(&p, &dev).unwrap();
             bench_model(c, "smollm2-135m-q4_1", &smol);
+            bench_reference_decode(c, &p, &dev);
         }
         None => eprintln!("SmolLM2 GGUF not found; run scripts/fetch-models.sh smollm2"),
     }

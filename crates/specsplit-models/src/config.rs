@@ -207,13 +207,16 @@ impl ModelConfig {
                 return Err(ModelError::Config(format!("{name} must be positive")));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(ModelError::Config(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(ModelError::Config(format!(
                 "head_dim ({}) must be even for rotary embeddings",
                 self.head_dim

@@ -4,6 +4,7 @@
 //! aliases) and tokenizers.
 
 pub mod config;
+pub mod cpu_attention;
 pub mod error;
 pub mod loader;
 pub mod source;

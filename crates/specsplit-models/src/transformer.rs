@@ -8,6 +8,7 @@
 //! copy (the inner dimension of the K/V views is contiguous). Nothing in the forward pass reads
 //! values back to the host.
 
+use crate::cpu_attention::Visibility;
 use crate::config::{ModelConfig, RopeScaling};
 use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
 use crate::ModelError;
@@ -633,7 +634,7 @@ impl Transformer {
                 }
                 Some(m.to_dtype(self.dtype)?)
             }
-            None if n == 1 => None,
+            None if n == 1 || self.exact_cpu() => None,
             None => Some(self.causal_mask(n, past)?),
         };
         let cos = self.cos.index_select(positions, 0)?;
@@ -653,6 +654,11 @@ impl Transformer {
         let x = x.index_select(rows, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Whether attention runs on the batch-invariant CPU kernel (CPU, f32).
+    fn exact_cpu(&self) -> bool {
+        self.device.is_cpu() && self.dtype == DType::F32
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -694,22 +700,15 @@ impl Transformer {
         let total = k_all.dim(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
         let k_t = k_all.t()?;
-        let y = if n == 1 && rep > 1 && self.device.is_cpu() {
-            // Single-token decode on CPU: one m = 1 product per group member, which is exactly the
-            // per-head computation of the reference implementations (candle's CPU gemm rounds an
-            // m = 1 product differently from an m = rep one). Still no copy of the prefix.
-            let q = q.reshape((1, kv, rep, hd))?;
-            let mut ys = Vec::with_capacity(rep);
-            for r in 0..rep {
-                let att = (q.narrow(2, r, 1)?.matmul(&k_t)? * scale)?;
-                let att = match mask {
-                    Some(m) => att.broadcast_add(m)?,
-                    None => att,
-                };
-                let att = candle_nn::ops::softmax_last_dim(&att)?;
-                ys.push(att.matmul(&v_all)?);
-            }
-            Tensor::cat(&ys, 2)?
+        let y = if self.exact_cpu() {
+            // CPU: batch-invariant attention, so a token is computed bit-identically whether it
+            // is decoded alone or verified inside a tree (see `cpu_attention`). Reads the cache
+            // in place: no copy of the prefix.
+            let vis = match mask {
+                Some(m) => Visibility::Mask(m),
+                None => Visibility::Causal { past: total - n },
+            };
+            crate::cpu_attention::attention(&q, &k_all, &v_all, vis, scale as f32)?
         } else {
             // Fold the query heads sharing a KV head into rows: (1, kv, rep * n, hd).
             let q = q.reshape((1, kv, rep * n, hd))?;

@@ -115,7 +115,7 @@ pub fn random_tensors(
     device: &Device,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
     config.validate()?;
-    let mut rng = SplitMix(seed ^ 0x5EED_0F5B_EC5B_117);
+    let mut rng = SplitMix(seed ^ 0x05EE_D0F5_BEC5_B117);
     let mut out = HashMap::new();
     let mut put = |name: String, dims: &[usize], std: f32, mean: f32| -> Result<(), ModelError> {
         let n: usize = dims.iter().product();

@@ -101,7 +101,8 @@ fn check_llama(json: &str, name: &str) -> f32 {
     let cfg = ModelConfig::from_hf_json(json).unwrap();
     let path = write_random(&cfg, name);
     let dev = Device::Cpu;
-    let ours = Transformer::from_safetensors(cfg, &[path.clone()], DType::F32, &dev).unwrap();
+    let ours =
+        Transformer::from_safetensors(cfg, std::slice::from_ref(&path), DType::F32, &dev).unwrap();
     let ref_cfg = serde_json::from_str::<llama::LlamaConfig>(json)
         .unwrap()
         .into_config(false);
@@ -137,7 +138,8 @@ fn qwen2_matches_candle_qwen2() {
     assert!(cfg.attention_bias && cfg.tie_word_embeddings);
     let path = write_random(&cfg, "qwen2");
     let dev = Device::Cpu;
-    let ours = Transformer::from_safetensors(cfg, &[path.clone()], DType::F32, &dev).unwrap();
+    let ours =
+        Transformer::from_safetensors(cfg, std::slice::from_ref(&path), DType::F32, &dev).unwrap();
     let ref_cfg: qwen2::Config = serde_json::from_str(QWEN2_JSON).unwrap();
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &dev) }.unwrap();
     let mut model = qwen2::ModelForCausalLM::new(&ref_cfg, vb).unwrap();
