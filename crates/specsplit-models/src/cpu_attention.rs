@@ -7,13 +7,12 @@
 //! there are, and quantized models amplify a last-bit difference (their 8-bit activation
 //! rounding can turn it into a visible change of the logits).
 //!
-//! This kernel computes each (head, query row) independently, over exactly the keys the row may
-//! see, in increasing cache order — for a tree node: the prefix, then its ancestors, which is
-//! the order the same tokens have when decoded one by one — with fixed summation orders. So the
-//! result depends only on the query and the visible keys' values, never on the batch.
+//! This computes each (query row, head) as its own m = 1 product over exactly the keys the row
+//! may see, in increasing cache order — for a tree node: the prefix, then its ancestors, which
+//! is the order the same tokens have when decoded one by one. So a token's result depends only
+//! on its query and its visible keys' values, never on the batch.
 
-use candle_core::{CpuStorage, DType, Storage, Tensor};
-use rayon::prelude::*;
+use candle_core::{DType, Tensor};
 
 use crate::ModelError;
 
@@ -28,41 +27,25 @@ pub enum Visibility<'a> {
     Mask(&'a Tensor),
 }
 
-const LANES: usize = 8;
-
-/// Dot product with a fixed association: LANES interleaved partial sums combined in order.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let chunks = a.len() / LANES;
-    for c in 0..chunks {
-        for l in 0..LANES {
-            acc[l] += a[c * LANES + l] * b[c * LANES + l];
-        }
-    }
-    let mut s = 0f32;
-    for v in acc {
-        s += v;
-    }
-    for i in chunks * LANES..a.len() {
-        s += a[i] * b[i];
-    }
-    s
+/// The keys one row attends to: a leading range of the cache, or an explicit ascending list.
+enum Keys {
+    Leading(usize),
+    Gather(Vec<u32>),
 }
 
-fn cpu_f32(t: &Tensor) -> Result<(Vec<usize>, usize), ModelError> {
-    let (_, l) = t.storage_and_layout();
-    Ok((l.stride().to_vec(), l.start_offset()))
-}
-
-/// Attention of `q` (1, heads, n, hd) over the cache views `k`, `v` (1, kv, total, hd), f32 on
-/// the CPU, with `heads / kv` query heads per key head. Returns (1, heads, n, hd).
+/// Attention of `q` (1, heads, n, hd) over the cache views `k`, `v` (1, kv, total, hd) on the
+/// CPU, with `heads / kv` query heads per key head. Returns (1, heads, n, hd).
+///
+/// Every (row, head) is one m = 1 product over exactly its visible keys — the computation a
+/// token gets when it is decoded alone (and the one candle's reference models do per decoded
+/// token) — so results do not depend on the batch. Rows whose visible keys are a leading range
+/// of the cache read it in place; a tree node's prefix-plus-ancestors set is gathered.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     vis: Visibility<'_>,
-    scale: f32,
+    scale: f64,
 ) -> Result<Tensor, ModelError> {
     let (_, heads, n, hd) = q.dims4()?;
     let (_, kv, total, khd) = k.dims4()?;
@@ -74,79 +57,82 @@ pub fn attention(
             v.dims()
         )));
     }
-    if q.dtype() != DType::F32 || k.dtype() != DType::F32 || v.dtype() != DType::F32 {
-        return Err(ModelError::Input("exact CPU attention needs f32".into()));
-    }
     let rep = heads / kv;
-    let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
-    // Visible key indices of each row, ascending.
-    let visible: Vec<Vec<u32>> = match vis {
-        Visibility::Causal { past } => (0..n).map(|i| (0..(past + i + 1) as u32).collect()).collect(),
+    let keys: Vec<Keys> = match vis {
+        Visibility::Causal { past } => (0..n).map(|i| Keys::Leading(past + i + 1)).collect(),
         Visibility::Mask(m) => {
             let rows: Vec<Vec<f32>> = m.to_dtype(DType::F32)?.to_vec2()?;
             rows.iter()
                 .map(|r| {
-                    r.iter()
+                    let idx: Vec<u32> = r
+                        .iter()
                         .enumerate()
                         .filter(|(_, &x)| x == 0.0)
                         .map(|(j, _)| j as u32)
-                        .collect()
+                        .collect();
+                    if idx.iter().enumerate().all(|(a, &b)| a as u32 == b) {
+                        Keys::Leading(idx.len())
+                    } else {
+                        Keys::Gather(idx)
+                    }
                 })
                 .collect()
         }
     };
-    if visible.len() != n || visible.iter().any(|r| r.last().is_some_and(|&j| j as usize >= total)) {
-        return Err(ModelError::Input("mask does not match the attention shape".into()));
+    if keys.len() != n {
+        return Err(ModelError::Input(format!(
+            "mask has {} rows for {n} tokens",
+            keys.len()
+        )));
     }
-    let (ks, ko) = cpu_f32(k)?;
-    let (vs, vo) = cpu_f32(v)?;
-    if ks[3] != 1 || vs[3] != 1 {
-        return Err(ModelError::Input("cache rows must be contiguous".into()));
-    }
-    let k_guard = k.storage_and_layout().0;
-    let v_guard = v.storage_and_layout().0;
-    let (kd, vd) = match (&*k_guard, &*v_guard) {
-        (Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) => (kd, vd),
-        _ => return Err(ModelError::Input("exact CPU attention needs CPU f32 storage".into())),
-    };
-    let mut out = vec![0f32; heads * n * hd];
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .for_each(|(hi, o)| {
-            let (h, i) = (hi / n, hi % n);
-            let g = h / rep;
-            let qrow = &qv[hi * hd..(hi + 1) * hd];
-            let keys = &visible[i];
-            if keys.is_empty() {
-                return;
+    let mut rows = Vec::with_capacity(n);
+    for (i, ks) in keys.iter().enumerate() {
+        let (ki, vi) = match ks {
+            Keys::Leading(0) => {
+                return Err(ModelError::Input(format!("row {i} sees no key")));
             }
-            let krow = |j: usize| &kd[ko + g * ks[1] + j * ks[2]..][..hd];
-            let vrow = |j: usize| &vd[vo + g * vs[1] + j * vs[2]..][..hd];
-            let scores: Vec<f32> = keys.iter().map(|&j| dot(qrow, krow(j as usize)) * scale).collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            let weights: Vec<f32> = scores
-                .iter()
-                .map(|&s| {
-                    let e = (s - max).exp();
-                    sum += e;
-                    e
-                })
-                .collect();
-            for (&j, &w) in keys.iter().zip(&weights) {
-                let vr = vrow(j as usize);
-                for d in 0..hd {
-                    o[d] += w * vr[d];
+            Keys::Leading(len) if *len <= total => (k.narrow(2, 0, *len)?, v.narrow(2, 0, *len)?),
+            Keys::Leading(len) => {
+                return Err(ModelError::Input(format!(
+                    "row {i} sees {len} keys of {total}"
+                )));
+            }
+            Keys::Gather(idx) => {
+                // Copy the visible keys' maximal contiguous runs, in order.
+                let mut ks = Vec::new();
+                let mut vs = Vec::new();
+                let mut start = 0;
+                for e in 1..=idx.len() {
+                    if e == idx.len() || idx[e] != idx[e - 1] + 1 {
+                        let (from, len) = (idx[start] as usize, e - start);
+                        if from + len > total {
+                            return Err(ModelError::Input(format!(
+                                "row {i} sees key {} of {total}",
+                                from + len - 1
+                            )));
+                        }
+                        ks.push(k.narrow(2, from, len)?);
+                        vs.push(v.narrow(2, from, len)?);
+                        start = e;
+                    }
                 }
+                if ks.is_empty() {
+                    return Err(ModelError::Input(format!("row {i} sees no key")));
+                }
+                (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?)
             }
-            let inv = 1.0 / sum;
-            for x in o.iter_mut() {
-                *x *= inv;
-            }
-        });
-    drop(k_guard);
-    drop(v_guard);
-    Ok(Tensor::from_vec(out, (1, heads, n, hd), q.device())?)
+        };
+        let kt = ki.t()?;
+        let qi = q.narrow(2, i, 1)?.reshape((1, kv, rep, hd))?;
+        let mut ys = Vec::with_capacity(rep);
+        for r in 0..rep {
+            let att = (qi.narrow(2, r, 1)?.matmul(&kt)? * scale)?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            ys.push(att.matmul(&vi)?);
+        }
+        rows.push(Tensor::cat(&ys, 2)?.reshape((1, heads, 1, hd))?);
+    }
+    Ok(Tensor::cat(&rows, 2)?)
 }
 
 #[cfg(test)]
@@ -178,7 +164,7 @@ mod tests {
         let (k, v) = (kc.narrow(2, 0, total).unwrap(), vc.narrow(2, 0, total).unwrap());
         let q = Tensor::randn(0f32, 1.0, (1, heads, 3, hd), &dev).unwrap();
         // Rows: a causal pass of 3 tokens after 6 cached ones.
-        let batch = attention(&q, &k, &v, Visibility::Causal { past: 6 }, 0.3).unwrap();
+        let batch = attention(&q, &k, &v, Visibility::Causal { past: 6 }, 0.3f64).unwrap();
         let kv_rows: Vec<Vec<Vec<f32>>> = k.squeeze(0).unwrap().to_vec3().unwrap();
         let vv_rows: Vec<Vec<Vec<f32>>> = v.squeeze(0).unwrap().to_vec3().unwrap();
         let qs: Vec<Vec<Vec<f32>>> = q.squeeze(0).unwrap().to_vec3().unwrap();

@@ -656,9 +656,9 @@ impl Transformer {
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
-    /// Whether attention runs on the batch-invariant CPU kernel (CPU, f32).
+    /// Whether attention runs the batch-invariant CPU path.
     fn exact_cpu(&self) -> bool {
-        self.device.is_cpu() && self.dtype == DType::F32
+        self.device.is_cpu()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -702,13 +702,13 @@ impl Transformer {
         let k_t = k_all.t()?;
         let y = if self.exact_cpu() {
             // CPU: batch-invariant attention, so a token is computed bit-identically whether it
-            // is decoded alone or verified inside a tree (see `cpu_attention`). Reads the cache
-            // in place: no copy of the prefix.
+            // is decoded alone or verified inside a tree (see `cpu_attention`). Causal and chain
+            // rows read the cache in place; a tree node gathers its prefix and ancestors.
             let vis = match mask {
                 Some(m) => Visibility::Mask(m),
                 None => Visibility::Causal { past: total - n },
             };
-            crate::cpu_attention::attention(&q, &k_all, &v_all, vis, scale as f32)?
+            crate::cpu_attention::attention(&q, &k_all, &v_all, vis, scale)?
         } else {
             // Fold the query heads sharing a KV head into rows: (1, kv, rep * n, hd).
             let q = q.reshape((1, kv, rep * n, hd))?;
