@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use specsplit_e2e::{config, prompts, start_draft, start_target, Running};
 use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, OrchestratorError, Pipeline};
-use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::draft_service_client::DraftServiceClient;
+use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{DraftRequest, TokenNode, VerifyRequest};
 use specsplit_workers::target::TargetSession;
 use tonic::Code;
@@ -66,9 +66,17 @@ async fn target_restarted_mid_generation_gives_identical_output() {
         .await
         .unwrap();
     assert_eq!(g.token_ids, reference.token_ids);
-    let h = restarted.lock().unwrap().take().expect("the target was restarted");
+    let h = restarted
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the target was restarted");
     let new_target = h.await.unwrap();
-    assert_eq!(new_target.sessions.len(), 0, "session ended on the new target");
+    assert_eq!(
+        new_target.sessions.len(),
+        0,
+        "session ended on the new target"
+    );
     new_target.stop().await;
     draft.stop().await;
 }
@@ -91,7 +99,10 @@ async fn evicted_session_is_rebuilt_with_identical_output() {
         .await
         .unwrap();
     assert_eq!(g.token_ids, reference.token_ids);
-    assert!(evictions >= 2, "the session was evicted repeatedly ({evictions})");
+    assert!(
+        evictions >= 2,
+        "the session was evicted repeatedly ({evictions})"
+    );
     assert_eq!(target.sessions.len(), 0);
     target.stop().await;
     draft.stop().await;
@@ -140,8 +151,12 @@ async fn unreachable_or_dying_draft_is_a_clear_error_not_a_hang() {
 async fn bad_requests_get_the_right_status_codes() {
     let target = start_target(&config(TARGET, true)).await;
     let draft = start_draft(&config(DRAFT, false)).await;
-    let mut t = TargetServiceClient::connect(target.url.clone()).await.unwrap();
-    let mut d = DraftServiceClient::connect(draft.url.clone()).await.unwrap();
+    let mut t = TargetServiceClient::connect(target.url.clone())
+        .await
+        .unwrap();
+    let mut d = DraftServiceClient::connect(draft.url.clone())
+        .await
+        .unwrap();
     let node = |id: i32, children: Vec<TokenNode>| TokenNode {
         token_id: id,
         children,
@@ -163,19 +178,43 @@ async fn bad_requests_get_the_right_status_codes() {
         }
     }
     // Out-of-range and negative token ids, in the prompt and in the tree.
-    assert_eq!(code(t.verify_drafts(verify(vec![1, 2, 100_000], vec![])).await), Code::InvalidArgument);
-    assert_eq!(code(t.verify_drafts(verify(vec![1, -2], vec![])).await), Code::InvalidArgument);
-    assert_eq!(code(t.verify_drafts(verify(vec![1], vec![node(-1, vec![])])).await), Code::InvalidArgument);
-    assert_eq!(code(t.verify_drafts(verify(vec![1], vec![node(1, vec![node(9999, vec![])])])).await), Code::InvalidArgument);
+    assert_eq!(
+        code(t.verify_drafts(verify(vec![1, 2, 100_000], vec![])).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(t.verify_drafts(verify(vec![1, -2], vec![])).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            t.verify_drafts(verify(vec![1], vec![node(-1, vec![])]))
+                .await
+        ),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            t.verify_drafts(verify(vec![1], vec![node(1, vec![node(9999, vec![])])]))
+                .await
+        ),
+        Code::InvalidArgument
+    );
     // A tree larger than the limit (128 nodes), wide or deep (within protobuf's nesting
     // limit of 100 levels; deeper messages fail to decode before reaching the service).
     let wide: Vec<TokenNode> = (0..200).map(|i| node(i % 50, vec![])).collect();
-    assert_eq!(code(t.verify_drafts(verify(vec![1], wide)).await), Code::InvalidArgument);
+    assert_eq!(
+        code(t.verify_drafts(verify(vec![1], wide)).await),
+        Code::InvalidArgument
+    );
     let mut deep = node(1, vec![]);
     for _ in 0..90 {
         deep = node(1, vec![node(2, vec![]), deep]);
     }
-    assert_eq!(code(t.verify_drafts(verify(vec![1], vec![deep])).await), Code::InvalidArgument);
+    assert_eq!(
+        code(t.verify_drafts(verify(vec![1], vec![deep])).await),
+        Code::InvalidArgument
+    );
     // Sampled verification without the draft distributions.
     let mut r = verify(vec![1, 2], vec![node(3, vec![])]);
     r.temperature = 0.8;
@@ -187,10 +226,23 @@ async fn bad_requests_get_the_right_status_codes() {
         expected_prefix_length: len,
         ..Default::default()
     };
-    assert_eq!(code(t.verify_drafts(delta("nobody", 3)).await), Code::FailedPrecondition);
-    let ok = t.verify_drafts(verify(vec![1, 2, 3], vec![node(3, vec![])])).await.unwrap().into_inner();
-    assert_eq!(code(t.verify_drafts(delta("s", ok.cached_length + 1)).await), Code::FailedPrecondition);
-    assert_eq!(code(t.verify_drafts(delta("s", ok.cached_length)).await), Code::Ok);
+    assert_eq!(
+        code(t.verify_drafts(delta("nobody", 3)).await),
+        Code::FailedPrecondition
+    );
+    let ok = t
+        .verify_drafts(verify(vec![1, 2, 3], vec![node(3, vec![])]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        code(t.verify_drafts(delta("s", ok.cached_length + 1)).await),
+        Code::FailedPrecondition
+    );
+    assert_eq!(
+        code(t.verify_drafts(delta("s", ok.cached_length)).await),
+        Code::Ok
+    );
     // Draft side.
     let dreq = |ids: Vec<i32>, len: i32| DraftRequest {
         session_id: "s".into(),
@@ -199,9 +251,18 @@ async fn bad_requests_get_the_right_status_codes() {
         num_beams: 1,
         ..Default::default()
     };
-    assert_eq!(code(d.generate_drafts(dreq(vec![1, 70_000], 3)).await), Code::InvalidArgument);
-    assert_eq!(code(d.generate_drafts(dreq(vec![1, 2], 0)).await), Code::InvalidArgument);
-    assert_eq!(code(d.generate_drafts(dreq(vec![], 3)).await), Code::InvalidArgument);
+    assert_eq!(
+        code(d.generate_drafts(dreq(vec![1, 70_000], 3)).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(d.generate_drafts(dreq(vec![1, 2], 0)).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(d.generate_drafts(dreq(vec![], 3)).await),
+        Code::InvalidArgument
+    );
     assert_eq!(code(d.generate_drafts(dreq(vec![1, 2], 3)).await), Code::Ok);
     target.stop().await;
     draft.stop().await;
@@ -217,7 +278,10 @@ async fn memory_budget_exhaustion_is_resource_exhausted() {
         Err(OrchestratorError::Rpc { status, .. }) => {
             assert_eq!(status.code(), Code::ResourceExhausted, "{status}")
         }
-        other => panic!("expected RESOURCE_EXHAUSTED, got {:?}", other.map(|g| g.token_ids)),
+        other => panic!(
+            "expected RESOURCE_EXHAUSTED, got {:?}",
+            other.map(|g| g.token_ids)
+        ),
     }
     target.stop().await;
 }
@@ -232,8 +296,16 @@ async fn sixteen_concurrent_generations_equal_one_by_one() {
     let ps = prompts(16, 3, 500);
     let cfg = |i: usize| GenerateConfig {
         max_tokens: 20,
-        widths: if i % 2 == 0 { vec![1, 1, 1] } else { vec![3, 2] },
-        pipeline: if i % 3 == 0 { Pipeline::Sequential } else { Pipeline::Overlapped },
+        widths: if i.is_multiple_of(2) {
+            vec![1, 1, 1]
+        } else {
+            vec![3, 2]
+        },
+        pipeline: if i.is_multiple_of(3) {
+            Pipeline::Sequential
+        } else {
+            Pipeline::Overlapped
+        },
         ..Default::default()
     };
     let mut one_by_one = Vec::new();

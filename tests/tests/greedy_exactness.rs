@@ -7,7 +7,13 @@ use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
 
 const SHAPES: &[&[usize]] = &[&[1, 1, 1, 1], &[3, 2, 1], &[2, 2, 2, 1], &[1; 7]];
 
-async fn check(draft_model: &str, target_model: &str, n_prompts: usize, max_tokens: usize, same: bool) {
+async fn check(
+    draft_model: &str,
+    target_model: &str,
+    n_prompts: usize,
+    max_tokens: usize,
+    same: bool,
+) {
     let target = start_target(&config(target_model, true)).await;
     let draft = start_draft(&config(draft_model, false)).await;
     let orch = Orchestrator::connect(Some(&draft.url), &target.url)

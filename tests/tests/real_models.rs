@@ -56,7 +56,7 @@ async fn compare(
         };
         let reference = orch.generate(&prompt, &ar, |_| {}).await.unwrap();
         let shape = shapes[i % shapes.len()];
-        let pipeline = if i % 2 == 0 {
+        let pipeline = if i.is_multiple_of(2) {
             Pipeline::Overlapped
         } else {
             Pipeline::Sequential

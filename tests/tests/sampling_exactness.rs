@@ -40,9 +40,15 @@ fn exact_joint() -> HashMap<(u32, u32), f64> {
         let pos: Vec<u32> = (0..seq.len() as u32).collect();
         let pos = Tensor::new(pos.as_slice(), &Device::Cpu).unwrap();
         let rows = Tensor::new(&[(seq.len() - 1) as u32], &Device::Cpu).unwrap();
-        let logits = m.model.forward(&ids, &pos, None, &mut cache, &rows).unwrap();
+        let logits = m
+            .model
+            .forward(&ids, &pos, None, &mut cache, &rows)
+            .unwrap();
         let row: Vec<f32> = logits.squeeze(0).unwrap().to_vec1().unwrap();
-        warp(&row, &params()).iter().filter(|(_, p)| *p > 0.0).collect()
+        warp(&row, &params())
+            .iter()
+            .filter(|(_, p)| *p > 0.0)
+            .collect()
     };
     let mut joint = HashMap::new();
     for (x1, p1) in next(PROMPT) {
@@ -121,7 +127,10 @@ fn p_value(counts: &HashMap<(u32, u32), u64>, probs: &HashMap<(u32, u32), f64>, 
         .filter(|(k, _)| !probs.contains_key(k))
         .map(|(_, c)| *c)
         .sum();
-    assert_eq!(unexpected, 0, "tokens outside the target's support were emitted");
+    assert_eq!(
+        unexpected, 0,
+        "tokens outside the target's support were emitted"
+    );
     let mut cells: Vec<(f64, f64)> = probs
         .iter()
         .map(|(k, p)| (p * n as f64, *counts.get(k).unwrap_or(&0) as f64))
@@ -151,7 +160,13 @@ async fn sample_joint(orch: &Orchestrator, cfg: GenerateConfig) -> HashMap<(u32,
     while seed <= DRAWS {
         let batch: Vec<_> = (seed..(seed + 8).min(DRAWS + 1))
             .map(|s| {
-                let (o, c) = (orch.clone(), GenerateConfig { seed: s, ..cfg.clone() });
+                let (o, c) = (
+                    orch.clone(),
+                    GenerateConfig {
+                        seed: s,
+                        ..cfg.clone()
+                    },
+                );
                 tokio::spawn(async move { o.generate(PROMPT, &c, |_| {}).await.unwrap().token_ids })
             })
             .collect();
@@ -188,9 +203,29 @@ async fn sampled_speculation_matches_target_distribution() {
         ..Default::default()
     };
     let cases = [
-        ("target only", GenerateConfig { mode: Mode::Ar, ..base.clone() }),
-        ("chain, sequential", GenerateConfig { widths: vec![1, 1], pipeline: Pipeline::Sequential, ..base.clone() }),
-        ("tree, overlapped", GenerateConfig { widths: vec![3, 2], pipeline: Pipeline::Overlapped, ..base.clone() }),
+        (
+            "target only",
+            GenerateConfig {
+                mode: Mode::Ar,
+                ..base.clone()
+            },
+        ),
+        (
+            "chain, sequential",
+            GenerateConfig {
+                widths: vec![1, 1],
+                pipeline: Pipeline::Sequential,
+                ..base.clone()
+            },
+        ),
+        (
+            "tree, overlapped",
+            GenerateConfig {
+                widths: vec![3, 2],
+                pipeline: Pipeline::Overlapped,
+                ..base.clone()
+            },
+        ),
     ];
     for (name, cfg) in cases {
         let counts = sample_joint(&orch, cfg).await;

@@ -160,6 +160,50 @@ async fn load(spec: String, device: String, dtype: String) -> Result<LoadedModel
     .await?
 }
 
+/// Loads the draft. A random-weight draft takes the target's vocabulary size (e.g. the 0.5B
+/// shape under a 7B target, whose real checkpoints pad the vocabulary to different sizes), so
+/// the pair passes the orchestrator's vocabulary check.
+async fn load_draft(
+    spec: &str,
+    device: &str,
+    dtype: &str,
+    target: &LoadedModel,
+) -> Result<LoadedModel> {
+    let vocab = target.model.config().vocab_size;
+    let Some(rest) = spec.strip_prefix("random:") else {
+        return load(spec.to_string(), device.to_string(), dtype.to_string()).await;
+    };
+    let (preset, seed) = match rest.split_once(':') {
+        Some((p, s)) => (
+            p.to_string(),
+            s.parse::<u64>().context("random draft seed")?,
+        ),
+        None => (rest.to_string(), 0),
+    };
+    let (device, dtype, spec) = (device.to_string(), dtype.to_string(), spec.to_string());
+    tokio::task::spawn_blocking(move || -> Result<LoadedModel> {
+        let mut cfg = specsplit_models::config::ModelConfig::preset(&preset)
+            .with_context(|| format!("unknown preset {preset}"))?;
+        cfg.vocab_size = vocab;
+        let opts = LoadOptions {
+            device: parse_device(&device)?,
+            dtype: parse_dtype(&dtype)?,
+        };
+        let model = specsplit_models::transformer::Transformer::random(
+            cfg,
+            seed,
+            opts.effective_dtype(),
+            &opts.device,
+        )?;
+        Ok(LoadedModel {
+            name: format!("{spec} (vocab {vocab})"),
+            model,
+            tokenizer: specsplit_models::tokenizer::TextTokenizer::byte_level(vocab)?,
+        })
+    })
+    .await?
+}
+
 /// The prompt token sequences.
 fn prompts(s: &E2eSettings, tok: &LoadedModel, random: bool, eos: &[u32]) -> Result<Vec<Vec<u32>>> {
     let n = s.num_prompts.max(1);
@@ -282,7 +326,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     let random = s.target.starts_with("random:") && s.draft.starts_with("random:");
     eprintln!("loading target {} and draft {} ...", s.target, s.draft);
     let target = load(s.target.clone(), s.device_target.clone(), s.dtype.clone()).await?;
-    let draft = load(s.draft.clone(), s.device_draft.clone(), s.dtype.clone()).await?;
+    let draft = load_draft(&s.draft, &s.device_draft, &s.dtype, &target).await?;
     let eos: Vec<u32> = if s.ignore_eos {
         Vec::new()
     } else {

@@ -13,7 +13,16 @@ use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_health_and_stops_gracefully_on_sigterm() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit-target"))
-        .args(["--model", "random:tiny:3", "--listen", "127.0.0.1:0", "--max-context", "4096", "--max-prompt-len", "4000"])
+        .args([
+            "--model",
+            "random:tiny:3",
+            "--listen",
+            "127.0.0.1:0",
+            "--max-context",
+            "4096",
+            "--max-prompt-len",
+            "4000",
+        ])
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
         .stderr(Stdio::piped())
@@ -27,7 +36,9 @@ async fn serves_health_and_stops_gracefully_on_sigterm() {
         }
     });
     let addr = loop {
-        let line = rx.recv_timeout(Duration::from_secs(60)).expect("worker log");
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("worker log");
         if let Some(i) = line.find("addr=") {
             break line[i + 5..].split_whitespace().next().unwrap().to_string();
         }
@@ -57,7 +68,7 @@ async fn serves_health_and_stops_gracefully_on_sigterm() {
     let inflight = tokio::spawn(async move {
         c2.verify_drafts(VerifyRequest {
             session_id: "s".into(),
-            prompt_token_ids: (0..3000).map(|i| (i * 7 % 250) as i32).collect(),
+            prompt_token_ids: (0..3000i32).map(|i| i * 7 % 250).collect(),
             ..Default::default()
         })
         .await
@@ -70,6 +81,9 @@ async fn serves_health_and_stops_gracefully_on_sigterm() {
     assert!(status.success());
     let r = inflight.await.unwrap();
     assert!(r.is_ok(), "in-flight request failed: {:?}", r.err());
-    let exit = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    let exit = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(exit.success(), "worker exited with {exit}");
 }

@@ -315,7 +315,12 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
         }
         args.widths = Some(vec![1; k]);
     }
-    let mut s: Settings = load_section("orchestrator", &Settings::default(), args.config.as_deref(), &args)?;
+    let mut s: Settings = load_section(
+        "orchestrator",
+        &Settings::default(),
+        args.config.as_deref(),
+        &args,
+    )?;
     if args.no_chat_template {
         s.chat_template = false;
     }
@@ -336,29 +341,40 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
 
     let spec = gen_cfg.mode == Mode::Spec;
-    let (in_process, draft_addr, target_addr, tokenizer) =
-        if s.target_addr.is_empty() && (s.draft_addr.is_empty() || !spec) {
-            let (ip, d, t, tok) = start_in_process(&s, spec).await?;
-            (Some(ip), d, t, tok)
+    let (in_process, draft_addr, target_addr, tokenizer) = if s.target_addr.is_empty()
+        && (s.draft_addr.is_empty() || !spec)
+    {
+        let (ip, d, t, tok) = start_in_process(&s, spec).await?;
+        (Some(ip), d, t, tok)
+    } else {
+        if s.target_addr.is_empty() || (spec && s.draft_addr.is_empty()) {
+            bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
+        }
+        let tok_spec = if s.tokenizer.is_empty() {
+            s.target_model.clone()
         } else {
-            if s.target_addr.is_empty() || (spec && s.draft_addr.is_empty()) {
-                bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
-            }
-            let tok_spec = if s.tokenizer.is_empty() {
-                s.target_model.clone()
-            } else {
-                s.tokenizer.clone()
-            };
-            let tok = tokio::task::spawn_blocking(move || {
-                specsplit_models::source::resolve(&tok_spec).and_then(|r| specsplit_models::loader::load_tokenizer(&r))
-            })
-            .await?
-            .context("loading the tokenizer (set --tokenizer to the target's model)")?;
-            let d = spec.then(|| s.draft_addr.clone());
-            (None, d, s.target_addr.clone(), tok)
+            s.tokenizer.clone()
         };
+        let tok = tokio::task::spawn_blocking(move || {
+            specsplit_models::source::resolve(&tok_spec)
+                .and_then(|r| specsplit_models::loader::load_tokenizer(&r))
+        })
+        .await?
+        .context("loading the tokenizer (set --tokenizer to the target's model)")?;
+        let d = spec.then(|| s.draft_addr.clone());
+        (None, d, s.target_addr.clone(), tok)
+    };
 
-    let result = run(&s, &gen_cfg, &prompt_text, &tokenizer, draft_addr.as_deref(), &target_addr, args.json).await;
+    let result = run(
+        &s,
+        &gen_cfg,
+        &prompt_text,
+        &tokenizer,
+        draft_addr.as_deref(),
+        &target_addr,
+        args.json,
+    )
+    .await;
     if let Some(ip) = in_process {
         ip.shutdown().await;
     }
@@ -417,7 +433,12 @@ async fn run(
     } else {
         let rest = decoder.finish(tokenizer).unwrap_or_default();
         print!("{rest}");
-        if !(ends_with_newline && rest.is_empty()) && !rest.ends_with('\n') {
+        let ends = if rest.is_empty() {
+            ends_with_newline
+        } else {
+            rest.ends_with('\n')
+        };
+        if !ends {
             println!();
         }
         let st = &gen.stats;

@@ -40,7 +40,14 @@ fn generate_json(extra: &[&str]) -> Value {
 fn json_output_has_the_documented_fields_and_matches_target_only() {
     let spec = generate_json(&["--widths", "3,2,1"]);
     let ar = generate_json(&["--mode", "ar"]);
-    for key in ["text", "token_ids", "stats", "rounds", "config", "stop_reason"] {
+    for key in [
+        "text",
+        "token_ids",
+        "stats",
+        "rounds",
+        "config",
+        "stop_reason",
+    ] {
         assert!(spec.get(key).is_some(), "missing {key}: {spec}");
     }
     assert_eq!(spec["token_ids"], ar["token_ids"]);
@@ -72,13 +79,26 @@ fn streaming_prints_the_text_and_a_stats_line() {
         "--pipeline",
         "sequential",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stats = stderr
         .lines()
         .find(|l| l.starts_with("[stats]"))
         .expect("stats line");
-    for key in ["tokens=", "tok/s=", "ttft=", "tpot=", "acceptance=", "mean_accepted_len=", "rounds=", "overlap_hit_rate="] {
+    for key in [
+        "tokens=",
+        "tok/s=",
+        "ttft=",
+        "tpot=",
+        "acceptance=",
+        "mean_accepted_len=",
+        "rounds=",
+        "overlap_hit_rate=",
+    ] {
         assert!(stats.contains(key), "{key} missing in {stats}");
     }
     assert!(!out.stdout.is_empty());
@@ -91,14 +111,32 @@ fn bad_input_is_a_clear_error() {
         (&["generate", "x", "--temperature=-1"], "temperature"),
         (&["generate", "x", "--top-p", "1.5"], "top_p"),
         (&["generate", "x", "--max-tokens", "0"], "max_tokens"),
-        (&["generate", "x", "--target-addr", "http://127.0.0.1:1", "--mode", "ar", "--tokenizer", "random:tiny"], "unreachable"),
-        (&["generate", "x", "--target-model", "no-such-model"], "no-such-model"),
+        (
+            &[
+                "generate",
+                "x",
+                "--target-addr",
+                "http://127.0.0.1:1",
+                "--mode",
+                "ar",
+                "--tokenizer",
+                "random:tiny",
+            ],
+            "unreachable",
+        ),
+        (
+            &["generate", "x", "--target-model", "no-such-model"],
+            "no-such-model",
+        ),
     ];
     for (args, needle) in cases {
         let out = specsplit(args);
         assert!(!out.status.success(), "{args:?} should fail");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(needle), "{args:?}: stderr lacks {needle:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr lacks {needle:?}: {err}"
+        );
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }
@@ -107,7 +145,21 @@ fn bad_input_is_a_clear_error() {
 fn help_explains_the_flags() {
     let out = specsplit(&["generate", "--help"]);
     let help = String::from_utf8_lossy(&out.stdout);
-    for flag in ["--draft-addr", "--target-addr", "--max-tokens", "--widths", "--depth", "--temperature", "--top-k", "--top-p", "--seed", "--no-chat-template", "--mode", "--pipeline", "--json"] {
+    for flag in [
+        "--draft-addr",
+        "--target-addr",
+        "--max-tokens",
+        "--widths",
+        "--depth",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--seed",
+        "--no-chat-template",
+        "--mode",
+        "--pipeline",
+        "--json",
+    ] {
         assert!(help.contains(flag), "help lacks {flag}");
     }
 }

@@ -79,6 +79,7 @@ pub struct SessionCache {
 impl SessionCache {
     /// Allocates (zero-filled) K and V tensors for every layer on `device`.
     pub fn new(spec: CacheSpec, dtype: DType, device: &Device) -> Result<Self, CacheError> {
+        crate::device::bind_to_thread(device)?;
         if spec.num_layers == 0 || spec.num_kv_heads == 0 || spec.head_dim == 0 {
             return Err(CacheError::BadSpec(format!(
                 "num_layers, num_kv_heads and head_dim must be positive, got {spec:?}"

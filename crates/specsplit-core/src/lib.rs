@@ -4,9 +4,11 @@
 //! - [`mask`]: tree-attention masks and position ids.
 //! - [`sampling`]: temperature / top-k / top-p transforms shared by draft and target.
 //! - [`verify`]: greedy and lossless stochastic verification of a tree.
+//! - [`device`]: binding a GPU context to the calling thread.
 //! - [`cache`]: pre-allocated per-session KV caches with O(1) rollback and path compaction.
 
 pub mod cache;
+pub mod device;
 pub mod mask;
 pub mod sampling;
 pub mod tree;

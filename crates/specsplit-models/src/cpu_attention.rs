@@ -150,7 +150,13 @@ mod tests {
         let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
         let z: f64 = e.iter().sum();
         (0..q.len())
-            .map(|d| (e.iter().zip(vals).map(|(w, v)| w * v[d] as f64).sum::<f64>() / z) as f32)
+            .map(|d| {
+                (e.iter()
+                    .zip(vals)
+                    .map(|(w, v)| w * v[d] as f64)
+                    .sum::<f64>()
+                    / z) as f32
+            })
             .collect()
     }
 
@@ -161,7 +167,10 @@ mod tests {
         let kc = Tensor::randn(0f32, 1.0, (1, kv, cap, hd), &dev).unwrap();
         let vc = Tensor::randn(0f32, 1.0, (1, kv, cap, hd), &dev).unwrap();
         let total = 9;
-        let (k, v) = (kc.narrow(2, 0, total).unwrap(), vc.narrow(2, 0, total).unwrap());
+        let (k, v) = (
+            kc.narrow(2, 0, total).unwrap(),
+            vc.narrow(2, 0, total).unwrap(),
+        );
         let q = Tensor::randn(0f32, 1.0, (1, heads, 3, hd), &dev).unwrap();
         // Rows: a causal pass of 3 tokens after 6 cached ones.
         let batch = attention(&q, &k, &v, Visibility::Causal { past: 6 }, 0.3f64).unwrap();

@@ -8,8 +8,8 @@
 //! copy (the inner dimension of the K/V views is contiguous). Nothing in the forward pass reads
 //! values back to the host.
 
-use crate::cpu_attention::Visibility;
 use crate::config::{ModelConfig, RopeScaling};
+use crate::cpu_attention::Visibility;
 use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
 use crate::ModelError;
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -578,6 +578,7 @@ impl Transformer {
         cache: &mut SessionCache,
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        specsplit_core::device::bind_to_thread(&self.device)?;
         let c = &self.config;
         let n = tokens.dims1().map_err(|_| {
             ModelError::Input(format!("tokens must be 1-D, got {:?}", tokens.dims()))

@@ -164,7 +164,9 @@ impl Orchestrator {
     ) -> Result<Generation, OrchestratorError> {
         cfg.validate().map_err(OrchestratorError::Config)?;
         if prompt.is_empty() {
-            return Err(OrchestratorError::Config("the prompt holds no tokens".into()));
+            return Err(OrchestratorError::Config(
+                "the prompt holds no tokens".into(),
+            ));
         }
         if cfg.mode == Mode::Spec && self.draft.is_none() {
             return Err(OrchestratorError::Config(
@@ -237,8 +239,8 @@ impl<'a> Run<'a> {
         mut on_tokens: impl FnMut(&[u32]),
     ) -> Result<Generation, OrchestratorError> {
         let start = Instant::now();
-        let deadline = (self.cfg.deadline_ms > 0)
-            .then(|| start + Duration::from_millis(self.cfg.deadline_ms));
+        let deadline =
+            (self.cfg.deadline_ms > 0).then(|| start + Duration::from_millis(self.cfg.deadline_ms));
         self.seq = prompt.to_vec();
         let mut out: Vec<u32> = Vec::new();
         let mut rounds: Vec<RoundRecord> = Vec::new();
@@ -301,7 +303,9 @@ impl<'a> Run<'a> {
                 });
                 let v = self.verify(&drafted.tree).await;
                 // Wait for the pre-draft even on error so no request outlives the generation.
-                let pre = pre.await.map_err(|e| OrchestratorError::Protocol(e.to_string()))?;
+                let pre = pre
+                    .await
+                    .map_err(|e| OrchestratorError::Protocol(e.to_string()))?;
                 (v?, Some(pre?))
             } else {
                 (self.verify(&drafted.tree).await?, None)
@@ -321,7 +325,8 @@ impl<'a> Run<'a> {
                 next_tree = Some(Drafted { tree, ms: 0.0 });
             }
             if self.cfg.adaptive_depth && depth > 0 {
-                self.depth.observe(depth, v.accepted.len(), drafted.ms, verify_ms);
+                self.depth
+                    .observe(depth, v.accepted.len(), drafted.ms, verify_ms);
             }
             // Cut at a stop token or at max_tokens.
             let mut stop_now = None;
@@ -372,19 +377,27 @@ impl<'a> Run<'a> {
         })
     }
 
-    async fn draft(
-        &mut self,
-        seq: &[u32],
-        widths: &[usize],
-    ) -> Result<Drafted, OrchestratorError> {
+    async fn draft(&mut self, seq: &[u32], widths: &[usize]) -> Result<Drafted, OrchestratorError> {
         let no = self.request_no;
         self.request_no += 1;
-        draft_call(self.o, self.session, self.cfg, no, seq, widths, &self.limits()).await
+        draft_call(
+            self.o,
+            self.session,
+            self.cfg,
+            no,
+            seq,
+            widths,
+            &self.limits(),
+        )
+        .await
     }
 
     /// Verifies `tree`, by delta when the target holds the session, else with the full
     /// sequence; a lost session or a restarted target gets the full sequence again.
-    async fn verify(&mut self, tree: &TokenTree) -> Result<(Verified, f64, f64), OrchestratorError> {
+    async fn verify(
+        &mut self,
+        tree: &TokenTree,
+    ) -> Result<(Verified, f64, f64), OrchestratorError> {
         let (draft_tree, root_distribution) = tree.to_proto();
         let give_up = Instant::now() + RECONNECT_WINDOW;
         let mut backoff = Duration::from_millis(50);
@@ -417,7 +430,11 @@ impl<'a> Run<'a> {
                     return Ok((Verified::from_response(&r, tree)?, ms, server_ms));
                 }
                 Err(s) if s.code() == Code::FailedPrecondition && self.target_cached.is_some() => {
-                    tracing::warn!(session = self.session, "target lost the session ({}); resending the full context", s.message());
+                    tracing::warn!(
+                        session = self.session,
+                        "target lost the session ({}); resending the full context",
+                        s.message()
+                    );
                     self.target_cached = None;
                 }
                 Err(s)
@@ -461,7 +478,11 @@ async fn draft_call(
     };
     let t0 = Instant::now();
     let mut d = draft.clone();
-    let r = d.generate_drafts(req).await.map_err(rpc("draft"))?.into_inner();
+    let r = d
+        .generate_drafts(req)
+        .await
+        .map_err(rpc("draft"))?
+        .into_inner();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     let tree = TokenTree::from_proto(
         &r.draft_tree,
@@ -488,7 +509,10 @@ impl Verified {
     ) -> Result<Self, OrchestratorError> {
         let accepted: Vec<u32> = r.accepted_token_ids.iter().map(|&t| t as u32).collect();
         let accepted_nodes: Vec<usize> = if r.accepted_node_indices.len() == accepted.len() {
-            r.accepted_node_indices.iter().map(|&i| i as usize).collect()
+            r.accepted_node_indices
+                .iter()
+                .map(|&i| i as usize)
+                .collect()
         } else {
             // A peer without node indices: recover the path by walking the tree.
             path_of_tokens(tree, &accepted).ok_or_else(|| {

@@ -59,7 +59,10 @@ impl GenerationStats {
         let accepted: usize = rounds.iter().map(|r| r.accepted).sum();
         let spec_rounds = rounds.iter().filter(|r| r.drafted > 0).count();
         let attempts = rounds.iter().filter(|r| r.overlap_hit.is_some()).count();
-        let hits = rounds.iter().filter(|r| r.overlap_hit == Some(true)).count();
+        let hits = rounds
+            .iter()
+            .filter(|r| r.overlap_hit == Some(true))
+            .count();
         let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
         let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };

@@ -100,6 +100,7 @@ where
 }
 
 #[cfg(test)]
+#[allow(clippy::result_large_err)] // figment::Jail's closure error type is figment's own.
 mod tests {
     use super::*;
 

@@ -23,6 +23,13 @@ pub struct DraftSession {
     rng: ChaCha8Rng,
 }
 
+impl Drop for DraftSession {
+    fn drop(&mut self) {
+        // See `TargetSession`'s Drop: free GPU buffers with the context current.
+        let _ = specsplit_core::device::bind_to_thread(self.cache.device());
+    }
+}
+
 impl DraftSession {
     /// Tokens currently in the session's cache.
     pub fn tokens(&self) -> &[u32] {
@@ -162,6 +169,7 @@ impl DraftEngine {
                 self.max_context
             )));
         }
+        specsplit_core::device::bind_to_thread(self.model.device())?;
         let mut stats = DraftStats::default();
         let root_logits = self.sync_prefix(s, tokens, &mut stats)?;
         let prefix_len = s.tokens.len();
@@ -227,8 +235,7 @@ impl DraftEngine {
         for (depth, &width) in p.widths.iter().enumerate() {
             let level_start = tree.len();
             for (row, parent) in rows.iter().zip(&parents) {
-                let (mut children, dist) =
-                    self.choose(row, width, greedy, &p.sampling, &mut s.rng);
+                let (mut children, dist) = self.choose(row, width, greedy, &p.sampling, &mut s.rng);
                 if let Some(o) = &self.synthetic {
                     let mut ctx = s.tokens.clone();
                     if let Some(par) = parent {
@@ -261,9 +268,9 @@ impl DraftEngine {
                 if let Some(d) = dist {
                     match parent {
                         None => tree.set_root_distribution(d),
-                        Some(par) => tree
-                            .set_child_distribution(*par, d)
-                            .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?,
+                        Some(par) => tree.set_child_distribution(*par, d).map_err(|e| {
+                            EngineError::InvalidArgument(format!("draft tree: {e}"))
+                        })?,
                     }
                 }
             }
@@ -290,9 +297,9 @@ impl DraftEngine {
             let ids = Tensor::new(toks.as_slice(), &dev)?;
             let want: Vec<u32> = expand.iter().map(|&i| (i - level_start) as u32).collect();
             let want = Tensor::new(want.as_slice(), &dev)?;
-            let logits =
-                self.model
-                    .forward(&ids, &pos, Some(&level_mask), &mut s.cache, &want)?;
+            let logits = self
+                .model
+                .forward(&ids, &pos, Some(&level_mask), &mut s.cache, &want)?;
             rows = logits.to_dtype(DType::F32)?.to_vec2()?;
             stats.model_time += t0.elapsed();
             stats.tokens_processed += n;

@@ -28,7 +28,7 @@ pub enum LaunchError {
         /// The `--model` value.
         spec: String,
         /// What failed.
-        source: specsplit_models::ModelError,
+        source: Box<specsplit_models::ModelError>,
     },
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
@@ -76,7 +76,7 @@ pub fn load(cfg: &WorkerConfig) -> Result<LoadedModel, LaunchError> {
     };
     load_model(&cfg.model, &opts).map_err(|source| LaunchError::Model {
         spec: cfg.model.clone(),
-        source,
+        source: Box::new(source),
     })
 }
 

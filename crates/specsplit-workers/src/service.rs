@@ -304,11 +304,9 @@ impl TargetService for TargetWorker {
             }
         };
         let session = match (&prefix, r.session_id.is_empty()) {
-            (Prefix::Delta { .. }, true) => {
-                return Err(Status::failed_precondition(
-                    "a delta request (no prompt_token_ids) needs a session_id; send the full prompt",
-                ))
-            }
+            (Prefix::Delta { .. }, true) => return Err(Status::failed_precondition(
+                "a delta request (no prompt_token_ids) needs a session_id; send the full prompt",
+            )),
             (Prefix::Full(_), true) => Arc::new(tokio::sync::Mutex::new(
                 self.engine
                     .new_session(sampling.seed)
@@ -332,10 +330,8 @@ impl TargetService for TargetWorker {
             }
         };
         let engine = self.engine.clone();
-        let out = with_session(session, move |s| {
-            engine.verify(s, prefix, &tree, &sampling)
-        })
-        .await?;
+        let out =
+            with_session(session, move |s| engine.verify(s, prefix, &tree, &sampling)).await?;
         let v = &out.verdict;
         Ok(Response::new(VerifyResponse {
             request_id: r.request_id,

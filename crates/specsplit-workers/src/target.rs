@@ -24,6 +24,14 @@ pub struct TargetSession {
     rng: ChaCha8Rng,
 }
 
+impl Drop for TargetSession {
+    fn drop(&mut self) {
+        // The session's GPU buffers are freed on whatever thread drops it (an eviction, the TTL
+        // sweeper, EndSession): make the context current there first.
+        let _ = specsplit_core::device::bind_to_thread(self.cache.device());
+    }
+}
+
 impl TargetSession {
     /// Tokens currently in the session's cache.
     pub fn tokens(&self) -> &[u32] {
@@ -142,6 +150,7 @@ impl TargetEngine {
                 (s.tokens.len(), new_tokens, true)
             }
         };
+        specsplit_core::device::bind_to_thread(self.model.device())?;
         let needed = keep + new.len() + tree.len();
         if needed > self.max_context {
             return Err(EngineError::InvalidArgument(format!(
@@ -278,11 +287,13 @@ fn chain_then_tree(chain: &[u32], tree: &TokenTree) -> Result<TokenTree, EngineE
     let mut parent: Option<usize> = None;
     let bad = |e: specsplit_core::tree::TreeError| EngineError::InvalidArgument(e.to_string());
     for &tok in chain {
-        parent = Some(match parent {
-            None => t.push_root(tok, 0.0),
-            Some(p) => t.push_child(p, tok, 0.0),
-        }
-        .map_err(bad)?);
+        parent = Some(
+            match parent {
+                None => t.push_root(tok, 0.0),
+                Some(p) => t.push_child(p, tok, 0.0),
+            }
+            .map_err(bad)?,
+        );
     }
     let offset = t.len();
     for i in 0..tree.len() {
