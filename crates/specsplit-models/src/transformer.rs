@@ -32,12 +32,43 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (y, b) = match self {
             Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
+            Self::Quant { w, b } if x.device().is_cuda() => (quant_fixed_width(w, x)?, b),
             Self::Quant { w, b } => (w.forward(x)?, b),
         };
         match b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
+    }
+}
+
+/// Rows per quantized CUDA matmul: candle picks its CUDA kernel (and launch shape, which changes
+/// rounding) by batch size, so every pass uses this one width.
+const QUANT_CUDA_ROWS: usize = 8;
+
+/// A quantized projection on CUDA computed in chunks of exactly [`QUANT_CUDA_ROWS`] rows (the
+/// last chunk padded with zeros), so a row's result never depends on how many rows share the
+/// pass: decoding one token and verifying it inside a tree give identical logits.
+fn quant_fixed_width(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
+    let (n, d) = x.dims2()?;
+    let mut outs = Vec::with_capacity(n.div_ceil(QUANT_CUDA_ROWS));
+    let mut start = 0;
+    while start < n {
+        let len = QUANT_CUDA_ROWS.min(n - start);
+        let chunk = x.narrow(0, start, len)?;
+        let chunk = if len < QUANT_CUDA_ROWS {
+            let pad = Tensor::zeros((QUANT_CUDA_ROWS - len, d), x.dtype(), x.device())?;
+            Tensor::cat(&[&chunk, &pad], 0)?
+        } else {
+            chunk.contiguous()?
+        };
+        outs.push(w.forward(&chunk)?.narrow(0, 0, len)?);
+        start += len;
+    }
+    if outs.len() == 1 {
+        Ok(outs.pop().expect("one chunk"))
+    } else {
+        Tensor::cat(&outs, 0)
     }
 }
 
@@ -635,7 +666,7 @@ impl Transformer {
                 }
                 Some(m.to_dtype(self.dtype)?)
             }
-            None if n == 1 || self.exact_cpu() => None,
+            None if n == 1 || self.exact_attention() => None,
             None => Some(self.causal_mask(n, past)?),
         };
         let cos = self.cos.index_select(positions, 0)?;
@@ -657,9 +688,11 @@ impl Transformer {
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
-    /// Whether attention runs the batch-invariant CPU path.
-    fn exact_cpu(&self) -> bool {
-        self.device.is_cpu()
+    /// Whether attention runs the batch-invariant per-row path: always on the CPU, and on CUDA
+    /// for quantized models (whose 8-bit activation rounding turns any last-bit difference of
+    /// a batched attention into a visible change of the logits).
+    fn exact_attention(&self) -> bool {
+        self.device.is_cpu() || matches!(self.lm_head, Linear::Quant { .. })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -701,8 +734,9 @@ impl Transformer {
         let total = k_all.dim(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
         let k_t = k_all.t()?;
-        let y = if self.exact_cpu() {
-            // CPU: batch-invariant attention, so a token is computed bit-identically whether it
+        let y = if self.exact_attention() {
+            // Batch-invariant attention (CPU; quantized models on CUDA), so a token is computed
+            // bit-identically whether it
             // is decoded alone or verified inside a tree (see `cpu_attention`). Causal and chain
             // rows read the cache in place; a tree node gathers its prefix and ancestors.
             let vis = match mask {
