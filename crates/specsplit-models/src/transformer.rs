@@ -735,10 +735,10 @@ impl Transformer {
         let scale = 1.0 / (hd as f64).sqrt();
         let k_t = k_all.t()?;
         let y = if self.exact_attention() {
-            // Batch-invariant attention (CPU; quantized models on CUDA), so a token is computed
-            // bit-identically whether it
-            // is decoded alone or verified inside a tree (see `cpu_attention`). Causal and chain
-            // rows read the cache in place; a tree node gathers its prefix and ancestors.
+            // Batch-invariant attention (CPU; quantized models on CUDA): a token is computed
+            // bit-identically whether it is decoded alone or verified inside a tree (see
+            // `cpu_attention`). Causal and chain rows read the cache in place; a tree node
+            // gathers its prefix and ancestors.
             let vis = match mask {
                 Some(m) => Visibility::Mask(m),
                 None => Visibility::Causal { past: total - n },
