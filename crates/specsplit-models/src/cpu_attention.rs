@@ -33,8 +33,47 @@ enum Keys {
     Gather(Vec<u32>),
 }
 
-/// Attention of `q` (1, heads, n, hd) over the cache views `k`, `v` (1, kv, total, hd) on the
-/// CPU, with `heads / kv` query heads per key head. Returns (1, heads, n, hd).
+/// The visible keys of every row of one forward pass, computed once per pass (reading a mask
+/// costs a device-to-host copy) and shared by all layers.
+pub struct RowKeys(Vec<Keys>);
+
+impl RowKeys {
+    /// The visible keys of the `n` new rows under `vis`.
+    pub fn new(vis: Visibility<'_>, n: usize) -> Result<Self, ModelError> {
+        let keys: Vec<Keys> = match vis {
+            Visibility::Causal { past } => (0..n).map(|i| Keys::Leading(past + i + 1)).collect(),
+            Visibility::Mask(m) => {
+                let rows: Vec<Vec<f32>> = m.to_dtype(DType::F32)?.to_vec2()?;
+                rows.iter()
+                    .map(|r| {
+                        let idx: Vec<u32> = r
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, &x)| x == 0.0)
+                            .map(|(j, _)| j as u32)
+                            .collect();
+                        if idx.iter().enumerate().all(|(a, &b)| a as u32 == b) {
+                            Keys::Leading(idx.len())
+                        } else {
+                            Keys::Gather(idx)
+                        }
+                    })
+                    .collect()
+            }
+        };
+        if keys.len() != n {
+            return Err(ModelError::Input(format!(
+                "mask has {} rows for {n} tokens",
+                keys.len()
+            )));
+        }
+        Ok(Self(keys))
+    }
+}
+
+/// Attention of `q` (1, heads, n, hd) over the cache views `k`, `v` (1, kv, total, hd), with
+/// `heads / kv` query heads per key head and each row's visible keys in `keys`. Returns
+/// (1, heads, n, hd).
 ///
 /// Every (row, head) is one m = 1 product over exactly its visible keys — the computation a
 /// token gets when it is decoded alone (and the one candle's reference models do per decoded
@@ -44,49 +83,23 @@ pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    vis: Visibility<'_>,
+    keys: &RowKeys,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
     let (_, heads, n, hd) = q.dims4()?;
     let (_, kv, total, khd) = k.dims4()?;
-    if khd != hd || v.dims() != k.dims() || heads % kv != 0 {
+    if khd != hd || v.dims() != k.dims() || heads % kv != 0 || keys.0.len() != n {
         return Err(ModelError::Input(format!(
-            "attention shapes q {:?} k {:?} v {:?}",
+            "attention shapes q {:?} k {:?} v {:?} for {} rows of keys",
             q.dims(),
             k.dims(),
-            v.dims()
+            v.dims(),
+            keys.0.len()
         )));
     }
     let rep = heads / kv;
-    let keys: Vec<Keys> = match vis {
-        Visibility::Causal { past } => (0..n).map(|i| Keys::Leading(past + i + 1)).collect(),
-        Visibility::Mask(m) => {
-            let rows: Vec<Vec<f32>> = m.to_dtype(DType::F32)?.to_vec2()?;
-            rows.iter()
-                .map(|r| {
-                    let idx: Vec<u32> = r
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, &x)| x == 0.0)
-                        .map(|(j, _)| j as u32)
-                        .collect();
-                    if idx.iter().enumerate().all(|(a, &b)| a as u32 == b) {
-                        Keys::Leading(idx.len())
-                    } else {
-                        Keys::Gather(idx)
-                    }
-                })
-                .collect()
-        }
-    };
-    if keys.len() != n {
-        return Err(ModelError::Input(format!(
-            "mask has {} rows for {n} tokens",
-            keys.len()
-        )));
-    }
     let mut rows = Vec::with_capacity(n);
-    for (i, ks) in keys.iter().enumerate() {
+    for (i, ks) in keys.0.iter().enumerate() {
         let (ki, vi) = match ks {
             Keys::Leading(0) => {
                 return Err(ModelError::Input(format!("row {i} sees no key")));
@@ -173,7 +186,14 @@ mod tests {
         );
         let q = Tensor::randn(0f32, 1.0, (1, heads, 3, hd), &dev).unwrap();
         // Rows: a causal pass of 3 tokens after 6 cached ones.
-        let batch = attention(&q, &k, &v, Visibility::Causal { past: 6 }, 0.3f64).unwrap();
+        let batch = attention(
+            &q,
+            &k,
+            &v,
+            &RowKeys::new(Visibility::Causal { past: 6 }, 3).unwrap(),
+            0.3f64,
+        )
+        .unwrap();
         let kv_rows: Vec<Vec<Vec<f32>>> = k.squeeze(0).unwrap().to_vec3().unwrap();
         let vv_rows: Vec<Vec<Vec<f32>>> = v.squeeze(0).unwrap().to_vec3().unwrap();
         let qs: Vec<Vec<Vec<f32>>> = q.squeeze(0).unwrap().to_vec3().unwrap();
@@ -192,7 +212,7 @@ mod tests {
                     &q.narrow(2, i, 1).unwrap(),
                     &kc.narrow(2, 0, 7 + i).unwrap(),
                     &vc.narrow(2, 0, 7 + i).unwrap(),
-                    Visibility::Causal { past: 6 + i },
+                    &RowKeys::new(Visibility::Causal { past: 6 + i }, 1).unwrap(),
                     0.3,
                 )
                 .unwrap();

@@ -9,7 +9,7 @@
 //! values back to the host.
 
 use crate::config::{ModelConfig, RopeScaling};
-use crate::cpu_attention::Visibility;
+use crate::cpu_attention::{RowKeys, Visibility};
 use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
 use crate::ModelError;
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -672,10 +672,30 @@ impl Transformer {
         let cos = self.cos.index_select(positions, 0)?;
         let sin = self.sin.index_select(positions, 0)?;
         let eps = c.rms_norm_eps as f32;
+        // The batch-invariant path needs each row's visible keys: read them once per pass.
+        let row_keys = if self.exact_attention() {
+            Some(RowKeys::new(
+                match &mask {
+                    Some(m) => Visibility::Mask(m),
+                    None => Visibility::Causal { past },
+                },
+                n,
+            )?)
+        } else {
+            None
+        };
         let mut x = self.embed.forward(tokens, self.dtype)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let a = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
+            let a = self.attention(
+                i,
+                layer,
+                &h,
+                (&cos, &sin),
+                mask.as_ref(),
+                row_keys.as_ref(),
+                cache,
+            )?;
             x = (x + a)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, eps)?;
             let g = candle_nn::ops::silu(&layer.gate.forward(&h)?)?;
@@ -701,9 +721,9 @@ impl Transformer {
         index: usize,
         layer: &Layer,
         h: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         mask: Option<&Tensor>,
+        row_keys: Option<&RowKeys>,
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
         let c = &self.config;
@@ -734,16 +754,12 @@ impl Transformer {
         let total = k_all.dim(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
         let k_t = k_all.t()?;
-        let y = if self.exact_attention() {
+        let y = if let Some(keys) = row_keys {
             // Batch-invariant attention (CPU; quantized models on CUDA): a token is computed
             // bit-identically whether it is decoded alone or verified inside a tree (see
             // `cpu_attention`). Causal and chain rows read the cache in place; a tree node
             // gathers its prefix and ancestors.
-            let vis = match mask {
-                Some(m) => Visibility::Mask(m),
-                None => Visibility::Causal { past: total - n },
-            };
-            crate::cpu_attention::attention(&q, &k_all, &v_all, vis, scale)?
+            crate::cpu_attention::attention(&q, &k_all, &v_all, keys, scale)?
         } else {
             // Fold the query heads sharing a KV head into rows: (1, kv, rep * n, hd).
             let q = q.reshape((1, kv, rep * n, hd))?;
