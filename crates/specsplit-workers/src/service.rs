@@ -382,21 +382,30 @@ fn spawn_sweeper<S: Send + 'static>(store: Arc<SessionStore<S>>) -> tokio::task:
     })
 }
 
-/// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
-/// in-flight requests finish first.
-pub async fn serve_draft(
-    worker: DraftWorker,
+/// Serves `svc` (plus gRPC health reporting it as serving) on `listener` until `shutdown`
+/// resolves, sweeping `store`'s expired sessions meanwhile; in-flight requests finish first.
+async fn serve<S, T>(
+    svc: S,
+    store: Arc<SessionStore<T>>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
-    let sweeper = spawn_sweeper(worker.sessions());
+) -> Result<(), tonic::transport::Error>
+where
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<tonic::body::Body>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+    T: Send + 'static,
+{
+    let sweeper = spawn_sweeper(store);
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_serving::<DraftServiceServer<DraftWorker>>()
-        .await;
-    let svc = DraftServiceServer::new(worker)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    reporter.set_serving::<S>().await;
     let r = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(svc)
@@ -409,6 +418,20 @@ pub async fn serve_draft(
     r
 }
 
+/// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
+/// in-flight requests finish first.
+pub async fn serve_draft(
+    worker: DraftWorker,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let store = worker.sessions();
+    let svc = DraftServiceServer::new(worker)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    serve(svc, store, listener, shutdown).await
+}
+
 /// Serves the target worker (plus gRPC health) on `listener` until `shutdown` resolves;
 /// in-flight requests finish first.
 pub async fn serve_target(
@@ -416,22 +439,9 @@ pub async fn serve_target(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let sweeper = spawn_sweeper(worker.sessions());
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_serving::<TargetServiceServer<TargetWorker>>()
-        .await;
+    let store = worker.sessions();
     let svc = TargetServiceServer::new(worker)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let r = tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(svc)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await;
-    sweeper.abort();
-    r
+    serve(svc, store, listener, shutdown).await
 }
