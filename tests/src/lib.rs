@@ -1,5 +1,6 @@
 //! Test support: start draft and target workers in-process on loopback and stop them again.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -77,43 +78,38 @@ impl<S> Drop for Running<S> {
 
 /// Starts a draft worker for `cfg` (loading its model).
 pub async fn start_draft(cfg: &WorkerConfig) -> Running<DraftSession> {
-    let m = launch::load(cfg).expect("load draft model");
-    let listener = TcpListener::bind(&cfg.listen).await.expect("bind");
-    let addr = listener.local_addr().unwrap();
-    let worker = launch::draft_worker(cfg, m);
+    let worker = launch::draft_worker(cfg, launch::load(cfg).expect("load draft model"));
     let sessions = worker.sessions();
-    let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        serve_draft(worker, listener, async {
-            let _ = rx.await;
-        })
-        .await
-        .expect("draft server");
-    });
-    Running {
-        url: format!("http://{addr}"),
-        addr,
-        sessions,
-        stop: Some(tx),
-        task: Some(task),
-    }
+    start(cfg, sessions, |l, stop| serve_draft(worker, l, stop)).await
 }
 
 /// Starts a target worker for `cfg` (loading its model).
 pub async fn start_target(cfg: &WorkerConfig) -> Running<TargetSession> {
-    let m = launch::load(cfg).expect("load target model");
+    let worker = launch::target_worker(cfg, launch::load(cfg).expect("load target model"));
+    let sessions = worker.sessions();
+    start(cfg, sessions, |l, stop| serve_target(worker, l, stop)).await
+}
+
+/// Binds `cfg.listen` and runs the server `serve` builds until the returned handle stops it.
+async fn start<S, F, Fut>(
+    cfg: &WorkerConfig,
+    sessions: Arc<SessionStore<S>>,
+    serve: F,
+) -> Running<S>
+where
+    F: FnOnce(TcpListener, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+    Fut: Future<Output = Result<(), tonic::transport::Error>> + Send + 'static,
+{
     let listener = TcpListener::bind(&cfg.listen).await.expect("bind");
     let addr = listener.local_addr().unwrap();
-    let worker = launch::target_worker(cfg, m);
-    let sessions = worker.sessions();
     let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        serve_target(worker, listener, async {
+    let server = serve(
+        listener,
+        Box::pin(async {
             let _ = rx.await;
-        })
-        .await
-        .expect("target server");
-    });
+        }),
+    );
+    let task = tokio::spawn(async move { server.await.expect("server") });
     Running {
         url: format!("http://{addr}"),
         addr,
