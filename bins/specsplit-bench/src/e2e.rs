@@ -310,6 +310,12 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "mean_draft_ms": ratio(rounds.iter().map(|r| r.draft_ms).sum(), rounds.len() as f64),
         "mean_verify_ms": ratio(verify, rounds.len() as f64),
         "mean_verify_server_ms": ratio(server, rounds.len() as f64),
+        "mean_draft_server_ms": ratio(rounds.iter().map(|r| r.draft_server_ms).sum(), rounds.len() as f64),
+        "mean_round_ms": ratio(rounds.iter().map(|r| r.round_ms).sum(), rounds.len() as f64),
+        "mean_round_overhead_ms": ratio(
+            rounds.iter().map(|r| (r.round_ms - r.draft_server_ms - r.verify_server_ms).max(0.0)).sum(),
+            rounds.len() as f64,
+        ),
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
     })
 }
@@ -404,7 +410,10 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         aggregate(&ar, 0, &ar),
     );
     let ar_tps = ar_row["tok_per_s"].as_f64().unwrap_or(0.0);
-    eprintln!("  {ar_tps:.1} tok/s");
+    eprintln!(
+        "  {ar_tps:.1} tok/s, overhead {:.3} ms/round",
+        ar_row["mean_round_overhead_ms"].as_f64().unwrap_or(0.0)
+    );
     let mut rows = vec![merge(ar_row, meta_models.clone())];
 
     let mut runs: Vec<SpecRun> = Vec::new();
@@ -472,13 +481,16 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let speedup = if ar_tps > 0.0 { tps / ar_tps } else { 0.0 };
             let widths = util::widths_label(&r.widths);
             eprintln!(
-                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}, same {:.2}",
+                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}, same {:.2}, draft {:.2} ms, verify {:.2} ms, overhead {:.3} ms/round",
                 beta.map(|b| format!(" β={b}")).unwrap_or_default(),
                 r.kind,
                 pipeline_name(r.pipeline),
                 agg["acceptance_rate"].as_f64().unwrap_or(0.0),
                 agg["mean_accepted_len"].as_f64().unwrap_or(0.0),
                 agg["identical_to_target_only"].as_f64().unwrap_or(0.0),
+                agg["mean_draft_ms"].as_f64().unwrap_or(0.0),
+                agg["mean_verify_ms"].as_f64().unwrap_or(0.0),
+                agg["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
             );
             if r.kind == "chain" {
                 match best.iter_mut().find(|b| b.0 == r.pipeline) {

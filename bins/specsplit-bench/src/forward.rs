@@ -11,6 +11,7 @@ use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::tree::TokenTree;
 use specsplit_models::loader::{load_model, LoadOptions};
+use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 use specsplit_workers::launch::{parse_device, parse_dtype};
 
@@ -42,6 +43,9 @@ pub struct ForwardSettings {
     /// Base name of the output files.
     pub name: String,
 }
+
+/// Steps per timed chain of the fixed-shape step.
+const STATIC_CHAIN: usize = 8;
 
 /// Prefill chunk: long prefixes are written in pieces to bound the attention scratch.
 const PREFILL_CHUNK: usize = 512;
@@ -80,6 +84,32 @@ fn copy_bandwidth(dev: &Device, mib: usize, iters: usize) -> Result<(f64, util::
     })?;
     let s = util::summarize(&ms);
     Ok((2.0 * bytes as f64 / (s.median / 1e3), s))
+}
+
+/// Device-to-device `cuMemcpyDtoDAsync` bandwidth in bytes/s (read + written counted, like
+/// PyTorch's `copy_`), between two raw `mib` MiB allocations; `None` off CUDA.
+fn memcpy_bandwidth(
+    dev: &Device,
+    mib: usize,
+    iters: usize,
+) -> Result<Option<(f64, util::Summary)>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        let bytes = mib.max(1) << 20;
+        let stream = d.cuda_stream();
+        let src = stream.alloc_zeros::<u8>(bytes)?;
+        let mut dst = stream.alloc_zeros::<u8>(bytes)?;
+        stream.synchronize()?;
+        let ms = time_ms(iters.max(3), 2, || {
+            stream.memcpy_dtod(&src, &mut dst)?;
+            stream.synchronize()?;
+            Ok(())
+        })?;
+        let s = util::summarize(&ms);
+        return Ok(Some((2.0 * bytes as f64 / (s.median / 1e3), s)));
+    }
+    let _ = (dev, mib, iters);
+    Ok(None)
 }
 
 fn u32s(v: &[u32], dev: &Device) -> Result<Tensor> {
@@ -164,8 +194,33 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
     let max_ctx = *contexts.iter().max().unwrap_or(&1);
 
     eprintln!("measuring copy bandwidth over {} MiB ...", s.bw_mib);
-    let (bw, bw_ms) = copy_bandwidth(&device, s.bw_mib, s.iters)?;
-    eprintln!("  {:.1} GB/s (median {:.3} ms)", bw / 1e9, bw_ms.median);
+    let (kernel_bw, kernel_ms) = copy_bandwidth(&device, s.bw_mib, s.iters)?;
+    eprintln!(
+        "  slice_set copy kernel: {:.1} GB/s (median {:.3} ms)",
+        kernel_bw / 1e9,
+        kernel_ms.median
+    );
+    let memcpy = memcpy_bandwidth(&device, s.bw_mib, s.iters)?;
+    if let Some((b, ms)) = &memcpy {
+        eprintln!(
+            "  cuMemcpyDtoD: {:.1} GB/s (median {:.3} ms)",
+            b / 1e9,
+            ms.median
+        );
+    }
+    // The roofline uses the faster of the two: the device's real copy bandwidth.
+    let (bw, bw_ms, bw_method) = match memcpy {
+        Some((b, ms)) if b > kernel_bw => (
+            b,
+            ms,
+            "cuMemcpyDtoDAsync between two raw allocations, median; bytes read + written",
+        ),
+        _ => (
+            kernel_bw,
+            kernel_ms,
+            "Tensor::slice_set of an f32 buffer into a preallocated one, median; bytes read + written",
+        ),
+    };
 
     let mut cache = m.new_cache(max_ctx + max_new)?;
     let mut rng = SplitMix::new(0x5eed);
@@ -198,7 +253,11 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         // (a) decode one token.
         let tok = rng.token(cfg.vocab_size, &[]);
         let dev = device.clone();
+        // Host time until forward() returns, before the device is synchronised: when it is close
+        // to the whole step, the step is bound by kernel launches, not by the GPU.
+        let mut enqueue_ms = Vec::new();
         let ms = time_ms(s.iters, s.warmup, || {
+            let t = Instant::now();
             m.forward(
                 &u32s(&[tok], &dev)?,
                 &u32s(&[l as u32], &dev)?,
@@ -206,17 +265,20 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 &mut cache,
                 &u32s(&[0], &dev)?,
             )?;
+            enqueue_ms.push(t.elapsed().as_secs_f64() * 1e3);
             cache.truncate(l)?;
             dev.synchronize()?;
             Ok(())
         })?;
+        let enqueue = util::summarize(&enqueue_ms[s.warmup.min(enqueue_ms.len())..]);
         let sm = util::summarize(&ms);
         let tok_s = 1e3 / sm.median;
         let roof_w = util::roofline_tok_s(bw, pb.streamed_bytes);
         let roof_kv = util::roofline_tok_s(bw, pb.streamed_bytes + util::kv_bytes(&cfg, l, dsize));
         eprintln!(
-            "  decode {:.3} ms = {tok_s:.1} tok/s; roofline {roof_kv:.1} tok/s ({:.1}%)",
+            "  decode {:.3} ms = {tok_s:.1} tok/s (host enqueue {:.3} ms); roofline {roof_kv:.1} tok/s ({:.1}%)",
             sm.median,
+            enqueue.median,
             100.0 * tok_s / roof_kv
         );
         rows.push(row(json!({
@@ -225,11 +287,43 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "iters": ms.len(), "tok_per_s": tok_s,
             "roofline_tok_s": roof_kv, "roofline_weights_only_tok_s": roof_w,
             "roofline_pct": 100.0 * tok_s / roof_kv,
+            "host_enqueue_median_ms": enqueue.median,
         })));
         roofline_summary.push(json!({
             "context": l, "decode_tok_s": tok_s, "roofline_tok_s": roof_kv,
             "roofline_pct": 100.0 * tok_s / roof_kv,
         }));
+
+        // (a') the fixed-shape greedy step that drafts chains (a CUDA graph replay on CUDA for
+        // dense models): chains of STATIC_CHAIN steps, reported per step.
+        let mut stepper = DecodeStepper::new(m, cache.capacity())?;
+        let ms = time_ms(s.iters, s.warmup.max(2), || {
+            stepper.start(tok, l)?;
+            for _ in 0..STATIC_CHAIN {
+                stepper.step(m, &cache)?;
+            }
+            dev.synchronize()?;
+            Ok(())
+        })?;
+        let per_step: Vec<f64> = ms.iter().map(|x| x / STATIC_CHAIN as f64).collect();
+        let st = util::summarize(&per_step);
+        eprintln!(
+            "  static step {:.3} ms ({}; {:.2}x the decode step)",
+            st.median,
+            if stepper.uses_graph() {
+                "CUDA graph"
+            } else {
+                "eager"
+            },
+            sm.median / st.median
+        );
+        rows.push(row(json!({
+            "context": l, "kind": "static_step", "tokens": 1, "depth": 1,
+            "median_ms": st.median, "p10_ms": st.p10, "p90_ms": st.p90, "mean_ms": st.mean,
+            "iters": ms.len(), "tok_per_s": 1e3 / st.median,
+            "cuda_graph": stepper.uses_graph(), "chain_steps": STATIC_CHAIN,
+            "cache_capacity": cache.capacity(),
+        })));
 
         // (b) chains and (c) trees.
         let mut shapes: Vec<(&str, TokenTree)> = Vec::new();
@@ -284,7 +378,8 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "copy_bandwidth_gb_s": bw / 1e9,
             "copy_bandwidth_mib": s.bw_mib,
             "copy_ms": bw_ms,
-            "bandwidth_method": "Tensor::slice_set of an f32 buffer into a preallocated one (D2D memcpy), median; bytes read + written",
+            "bandwidth_method": bw_method,
+            "slice_set_bandwidth_gb_s": kernel_bw / 1e9,
             "iters": s.iters,
             "warmup": s.warmup,
             "timing": "median/p10/p90 wall ms of one forward incl. input upload and tree-mask build, then O(1) cache.truncate and device.synchronize()",

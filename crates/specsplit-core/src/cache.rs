@@ -305,6 +305,14 @@ impl SessionCache {
         Ok(())
     }
 
+    /// The whole pre-allocated K and V buffers of `layer`, `(1, kv_heads, capacity, head_dim)`,
+    /// valid entries or not, for fixed-shape steps that write at a device-side index and mask
+    /// what is not valid. Unwritten entries hold zeros, never NaN.
+    pub fn buffers(&self, layer: usize) -> Result<(&Tensor, &Tensor), CacheError> {
+        self.check_layer(layer)?;
+        Ok((&self.k[layer], &self.v[layer]))
+    }
+
     /// Views of entries `[0, len)` of `layer` (K, V). Panics if `layer` is out of range.
     pub fn layer(&self, layer: usize) -> (Tensor, Tensor) {
         self.check_layer(layer).expect("layer index in range");

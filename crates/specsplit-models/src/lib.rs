@@ -8,6 +8,7 @@ pub mod cpu_attention;
 pub mod error;
 pub mod loader;
 pub mod source;
+pub mod step;
 pub mod tokenizer;
 pub mod transformer;
 pub mod weights;

@@ -42,6 +42,70 @@ impl Linear {
     }
 }
 
+/// Several projections of the same input: fused into one matrix when every part is dense (one
+/// matmul and one bias add instead of one each per part), kept apart otherwise.
+#[derive(Debug, Clone)]
+enum Proj {
+    /// `[W_1; W_2; …]` stacked by rows; the output columns split back by `sizes`.
+    Fused { lin: Linear, sizes: Vec<usize> },
+    /// One projection per part.
+    Split(Vec<Linear>),
+}
+
+impl Proj {
+    /// Fuses `parts` when all are dense (biases all present or all absent).
+    fn new(parts: Vec<Linear>) -> candle_core::Result<Self> {
+        let dense: Option<Vec<(&Tensor, Option<&Tensor>)>> = parts
+            .iter()
+            .map(|l| match l {
+                Linear::Dense { w, b } => Some((w, b.as_ref())),
+                Linear::Quant { .. } => None,
+            })
+            .collect();
+        let Some(dense) = dense else {
+            return Ok(Self::Split(parts));
+        };
+        let with_bias = dense.iter().filter(|(_, b)| b.is_some()).count();
+        if parts.len() < 2 || (with_bias != 0 && with_bias != dense.len()) {
+            return Ok(Self::Split(parts));
+        }
+        let sizes = dense
+            .iter()
+            .map(|(w, _)| w.dim(0))
+            .collect::<Result<_, _>>()?;
+        let ws: Vec<&Tensor> = dense.iter().map(|(w, _)| *w).collect();
+        let w = Tensor::cat(&ws, 0)?;
+        let b = if with_bias == 0 {
+            None
+        } else {
+            let bs: Vec<&Tensor> = dense.iter().filter_map(|(_, b)| *b).collect();
+            Some(Tensor::cat(&bs, 0)?)
+        };
+        Ok(Self::Fused {
+            lin: Linear::Dense { w, b },
+            sizes,
+        })
+    }
+
+    /// `x`: `(n, in)` → one `(n, out_i)` output per part (column views of one product when
+    /// fused).
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        match self {
+            Self::Split(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            Self::Fused { lin, sizes } => {
+                let y = lin.forward(x)?;
+                let mut out = Vec::with_capacity(sizes.len());
+                let mut at = 0;
+                for &s in sizes {
+                    out.push(y.narrow(1, at, s)?);
+                    at += s;
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
 /// Rows per quantized CUDA matmul: candle picks its CUDA kernel (and launch shape, which changes
 /// rounding) by batch size, so every pass uses this one width.
 const QUANT_CUDA_ROWS: usize = 8;
@@ -91,14 +155,31 @@ impl Embedding {
 #[derive(Debug, Clone)]
 struct Layer {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// Q, K and V projections.
+    qkv: Proj,
     o: Linear,
     mlp_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// Gate and up projections.
+    gate_up: Proj,
     down: Linear,
+}
+
+/// Device buffers of [`Transformer::static_step`]: its inputs, outputs and constants, all at
+/// fixed addresses so a captured CUDA graph stays valid.
+pub struct StaticStep {
+    /// `(1,)` u32: the token to decode; the step overwrites it with its greedy next token.
+    pub token: Tensor,
+    /// `(1,)` u32: the token's position (= cache slot); the step increments it.
+    pub position: Tensor,
+    /// `(1,)` u32: the greedy next token, written by the step.
+    pub next: Tensor,
+    /// `(1,)` f32: the next token's log-probability, written by the step.
+    pub next_logprob: Tensor,
+    slots: Tensor,
+    visible: Tensor,
+    hidden: Tensor,
+    one: Tensor,
+    capacity: usize,
 }
 
 /// A Llama-family transformer with tree-capable forward over a [`SessionCache`].
@@ -338,13 +419,17 @@ impl Transformer {
             let bias = c.attention_bias;
             layers.push(Layer {
                 attn_norm: get(&l("input_layernorm.weight"), &[d])?,
-                q: lin(l("self_attn.q_proj"), q_out, d, bias)?,
-                k: lin(l("self_attn.k_proj"), kv_out, d, bias)?,
-                v: lin(l("self_attn.v_proj"), kv_out, d, bias)?,
+                qkv: Proj::new(vec![
+                    lin(l("self_attn.q_proj"), q_out, d, bias)?,
+                    lin(l("self_attn.k_proj"), kv_out, d, bias)?,
+                    lin(l("self_attn.v_proj"), kv_out, d, bias)?,
+                ])?,
                 o: lin(l("self_attn.o_proj"), d, q_out, false)?,
                 mlp_norm: get(&l("post_attention_layernorm.weight"), &[d])?,
-                gate: lin(l("mlp.gate_proj"), ffn, d, false)?,
-                up: lin(l("mlp.up_proj"), ffn, d, false)?,
+                gate_up: Proj::new(vec![
+                    lin(l("mlp.gate_proj"), ffn, d, false)?,
+                    lin(l("mlp.up_proj"), ffn, d, false)?,
+                ])?,
                 down: lin(l("mlp.down_proj"), d, ffn, false)?,
             });
         }
@@ -467,13 +552,17 @@ impl Transformer {
             };
             layers.push(Layer {
                 attn_norm,
-                q: lin("attn_q", q_out, d, bq)?,
-                k: lin("attn_k", kv_out, d, bk)?,
-                v: lin("attn_v", kv_out, d, bv)?,
+                qkv: Proj::new(vec![
+                    lin("attn_q", q_out, d, bq)?,
+                    lin("attn_k", kv_out, d, bk)?,
+                    lin("attn_v", kv_out, d, bv)?,
+                ])?,
                 o: lin("attn_output", d, q_out, None)?,
                 mlp_norm,
-                gate: lin("ffn_gate", ffn, d, None)?,
-                up: lin("ffn_up", ffn, d, None)?,
+                gate_up: Proj::new(vec![
+                    lin("ffn_gate", ffn, d, None)?,
+                    lin("ffn_up", ffn, d, None)?,
+                ])?,
                 down: lin("ffn_down", d, ffn, None)?,
             });
         }
@@ -698,14 +787,122 @@ impl Transformer {
             )?;
             x = (x + a)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, eps)?;
-            let g = candle_nn::ops::silu(&layer.gate.forward(&h)?)?;
-            let m = layer.down.forward(&(g * layer.up.forward(&h)?)?)?;
+            let gu = layer.gate_up.forward(&h)?;
+            let m = layer
+                .down
+                .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?)?;
             x = (x + m)?;
         }
         cache.advance(n)?;
         let x = x.index_select(rows, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Whether [`Transformer::static_step`] may be captured into a CUDA graph for this model:
+    /// dense weights on CUDA (quantized kernels stay on the eager path).
+    pub fn graph_capturable(&self) -> bool {
+        self.device.is_cuda() && matches!(self.lm_head, Linear::Dense { .. })
+    }
+
+    /// Device buffers for [`Transformer::static_step`] over caches of `capacity` entries.
+    pub fn static_step_buffers(&self, capacity: usize) -> Result<StaticStep, ModelError> {
+        specsplit_core::device::bind_to_thread(&self.device)?;
+        let dev = &self.device;
+        let slots: Vec<u32> = (0..capacity as u32).collect();
+        Ok(StaticStep {
+            token: Tensor::zeros(1, DType::U32, dev)?,
+            position: Tensor::zeros(1, DType::U32, dev)?,
+            next: Tensor::zeros(1, DType::U32, dev)?,
+            next_logprob: Tensor::zeros(1, DType::F32, dev)?,
+            slots: Tensor::new(slots.as_slice(), dev)?,
+            visible: Tensor::zeros(capacity, self.dtype, dev)?,
+            hidden: Tensor::full(f32::NEG_INFINITY, capacity, dev)?
+                .to_dtype(self.dtype)?
+                .contiguous()?,
+            one: Tensor::new(&[1u32], dev)?,
+            capacity,
+        })
+    }
+
+    /// One greedy decode step in which no shape depends on the cache length, so that it can be
+    /// captured once into a CUDA graph and replayed: reads the token and its position from
+    /// `b.token` / `b.position`, writes the token's K/V into every layer's cache buffer at that
+    /// position (a device-side index), attends over the whole capacity under a mask computed on
+    /// the device (slots `0..=position` visible), then writes the greedy next token and its
+    /// log-probability to `b.next` / `b.next_logprob`, copies the next token into `b.token` and
+    /// increments `b.position`. Nothing is copied to or from the host, and the cache's length
+    /// is left alone (the caller owns that bookkeeping).
+    pub fn static_step(&self, b: &StaticStep, cache: &SessionCache) -> Result<(), ModelError> {
+        let c = &self.config;
+        let cap = b.capacity;
+        if cache.capacity() != cap || *cache.spec() != self.cache_spec(cap) {
+            return Err(ModelError::Input(format!(
+                "static step buffers are for {cap} entries, the cache is {:?}",
+                cache.spec()
+            )));
+        }
+        let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let rep = heads / kv;
+        let eps = c.rms_norm_eps as f32;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let pos = &b.position;
+        let cos = self.cos.index_select(pos, 0)?;
+        let sin = self.sin.index_select(pos, 0)?;
+        let mask = b
+            .slots
+            .broadcast_le(pos)?
+            .where_cond(&b.visible, &b.hidden)?
+            .reshape((1, 1, 1, cap))?
+            // Expanded once per step, so each layer's add needs no broadcast parameters.
+            .broadcast_as((1, kv, rep, cap))?
+            .contiguous()?;
+        let write_at = pos
+            .reshape((1, 1, 1, 1))?
+            .broadcast_as((1, kv, 1, hd))?
+            .contiguous()?;
+        let mut x = self.embed.forward(&b.token, self.dtype)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let qkv = layer.qkv.forward(&h)?;
+            let q = qkv[0].reshape((1, heads, 1, hd))?.contiguous()?;
+            let k = qkv[1].reshape((1, kv, 1, hd))?.contiguous()?;
+            let v = qkv[2].reshape((1, kv, 1, hd))?.contiguous()?;
+            let (q, k) = if self.rope_interleaved {
+                (
+                    candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?,
+                    candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?,
+                )
+            } else {
+                (
+                    candle_nn::rotary_emb::rope(&q, &cos, &sin)?,
+                    candle_nn::rotary_emb::rope(&k, &cos, &sin)?,
+                )
+            };
+            let (kb, vb) = cache.buffers(i)?;
+            kb.scatter_set(&write_at, &k, 2)?;
+            vb.scatter_set(&write_at, &v, 2)?;
+            let q = q.reshape((1, kv, rep, hd))?;
+            let att = ((q.matmul(&kb.t()?)? * scale)? + &mask)?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let y = att.matmul(vb)?.reshape((1, heads * hd))?;
+            x = (x + layer.o.forward(&y)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, eps)?;
+            let gu = layer.gate_up.forward(&h)?;
+            let m = layer
+                .down
+                .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?)?;
+            x = (x + m)?;
+        }
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        let next = logits.argmax_keepdim(1)?.reshape(1)?;
+        let lp = (logits.max_keepdim(1)? - logits.log_sum_exp(1)?.unsqueeze(1)?)?.reshape(1)?;
+        b.next.slice_set(&next, 0, 0)?;
+        b.next_logprob.slice_set(&lp, 0, 0)?;
+        b.token.slice_set(&next, 0, 0)?;
+        b.position.slice_set(&(pos + &b.one)?, 0, 0)?;
+        Ok(())
     }
 
     /// Whether attention runs the batch-invariant per-row path: always on the CPU, and on CUDA
@@ -730,9 +927,8 @@ impl Transformer {
         let n = h.dim(0)?;
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rep = heads / kv;
-        let q = layer.q.forward(h)?;
-        let k = layer.k.forward(h)?;
-        let v = layer.v.forward(h)?;
+        let qkv = layer.qkv.forward(h)?;
+        let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
         let q = q
             .reshape((1, n, heads, hd))?
             .transpose(1, 2)?

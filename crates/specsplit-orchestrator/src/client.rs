@@ -193,6 +193,8 @@ impl Orchestrator {
 struct Drafted {
     tree: TokenTree,
     ms: f64,
+    /// Wall time the draft worker reported for the request (0 for a pre-drafted tree).
+    server_ms: f64,
 }
 
 /// State of one generation.
@@ -254,6 +256,7 @@ impl<'a> Run<'a> {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 break StopReason::Deadline;
             }
+            let round_start = Instant::now();
             let remaining = self.cfg.max_tokens - out.len();
             // Never draft deeper than what may still be emitted (accepted + 1 ≤ remaining).
             let depth = if self.cfg.mode == Mode::Ar {
@@ -272,6 +275,7 @@ impl<'a> Run<'a> {
                 let empty = Drafted {
                     tree: TokenTree::new(),
                     ms: 0.0,
+                    server_ms: 0.0,
                 };
                 (empty, None)
             } else {
@@ -280,7 +284,12 @@ impl<'a> Run<'a> {
                     Some(pre) if !pre.tree.is_empty() => {
                         // Never deeper than what may still be emitted.
                         let tree = subtree(&pre.tree, None, depth);
-                        (Drafted { tree, ms: 0.0 }, Some(true))
+                        let pre = Drafted {
+                            tree,
+                            ms: 0.0,
+                            server_ms: 0.0,
+                        };
+                        (pre, Some(true))
                     }
                     Some(_) => (self.draft(&seq, &widths).await?, Some(false)),
                     None => (self.draft(&seq, &widths).await?, None),
@@ -322,7 +331,11 @@ impl<'a> Run<'a> {
                 } else {
                     TokenTree::new()
                 };
-                next_tree = Some(Drafted { tree, ms: 0.0 });
+                next_tree = Some(Drafted {
+                    tree,
+                    ms: 0.0,
+                    server_ms: 0.0,
+                });
             }
             if self.cfg.adaptive_depth && depth > 0 {
                 self.depth
@@ -360,8 +373,10 @@ impl<'a> Run<'a> {
                 accepted: v.accepted.len(),
                 emitted,
                 draft_ms: drafted.ms,
+                draft_server_ms: drafted.server_ms,
                 verify_ms,
                 verify_server_ms: server_ms,
+                round_ms: round_start.elapsed().as_secs_f64() * 1e3,
                 overlap_hit,
             });
             if let Some(s) = stop_now {
@@ -484,6 +499,7 @@ async fn draft_call(
         .map_err(rpc("draft"))?
         .into_inner();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let server_ms = r.telemetry.as_ref().map_or(0.0, |t| t.wall_time_ms);
     let tree = TokenTree::from_proto(
         &r.draft_tree,
         r.root_distribution.as_ref(),
@@ -491,7 +507,11 @@ async fn draft_call(
         limits,
     )
     .map_err(|e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}")))?;
-    Ok(Drafted { tree, ms })
+    Ok(Drafted {
+        tree,
+        ms,
+        server_ms,
+    })
 }
 
 /// A verdict as received.

@@ -16,10 +16,15 @@ pub struct RoundRecord {
     /// Wall time of the draft call that produced this round's tree, in ms (0 when it was
     /// drafted during the previous round's verification).
     pub draft_ms: f64,
+    /// Wall time the draft worker reported spending on that call, in ms (0 when pre-drafted).
+    pub draft_server_ms: f64,
     /// Wall time of the verify call, in ms.
     pub verify_ms: f64,
     /// Time the target reported spending on the request, in ms.
     pub verify_server_ms: f64,
+    /// Wall time of the whole round in the orchestrator (draft call, verify call, bookkeeping
+    /// and streaming of the emitted tokens), in ms.
+    pub round_ms: f64,
     /// Whether this round's tree came from the overlapped pre-draft (None when not attempted).
     pub overlap_hit: Option<bool>,
 }
@@ -49,6 +54,11 @@ pub struct GenerationStats {
     pub overlap_attempts: usize,
     /// Share of verify wall time spent outside the target's own handling (network, serialization).
     pub network_share: f64,
+    /// Mean per-round time outside the workers' own handling of their requests (gRPC,
+    /// serialization, scheduling, the orchestrator's bookkeeping), in ms: round wall time minus
+    /// the draft and target workers' reported wall times. Exact for the sequential pipeline; in
+    /// the overlapped one a pre-draft still running when the verdict arrives adds to it.
+    pub round_overhead_ms: f64,
 }
 
 impl GenerationStats {
@@ -66,6 +76,10 @@ impl GenerationStats {
         let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
         let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        let overhead: f64 = rounds
+            .iter()
+            .map(|r| (r.round_ms - r.draft_server_ms - r.verify_server_ms).max(0.0))
+            .sum();
         Self {
             tokens,
             elapsed_s,
@@ -86,6 +100,7 @@ impl GenerationStats {
             overlap_hit_rate: ratio(hits as f64, attempts as f64),
             overlap_attempts: attempts,
             network_share: ratio((verify - server).max(0.0), verify),
+            round_overhead_ms: ratio(overhead, rounds.len() as f64),
         }
     }
 }
@@ -101,8 +116,10 @@ mod tests {
             accepted,
             emitted: vec![7; accepted + 1],
             draft_ms: 1.0,
+            draft_server_ms: 0.5,
             verify_ms: 10.0,
             verify_server_ms: 8.0,
+            round_ms: 12.0,
             overlap_hit: hit,
         }
     }
@@ -120,6 +137,7 @@ mod tests {
         assert!((s.acceptance_rate - 5.0 / 12.0).abs() < 1e-12);
         assert!((s.mean_accepted_len - (1.0 + 5.0 / 3.0)).abs() < 1e-12);
         assert!((s.overlap_hit_rate - 0.5).abs() < 1e-12);
+        assert!((s.round_overhead_ms - (12.0 - 0.5 - 8.0)).abs() < 1e-12);
         assert!((s.tokens_per_s - 4.0).abs() < 1e-12);
         assert!((s.tpot_ms - 1900.0 / 7.0).abs() < 1e-9);
         assert!((s.network_share - 0.2).abs() < 1e-12);

@@ -11,6 +11,7 @@ use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::{Distribution, TokenTree};
+use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
 use crate::EngineError;
@@ -21,6 +22,8 @@ pub struct DraftSession {
     tokens: Vec<u32>,
     last_logits: Option<Tensor>,
     rng: ChaCha8Rng,
+    /// Fixed-shape greedy steps over `cache` for chain drafts (made at the first chain).
+    stepper: Option<DecodeStepper>,
 }
 
 impl Drop for DraftSession {
@@ -96,17 +99,28 @@ pub struct DraftEngine {
     eos: Vec<u32>,
     max_context: usize,
     synthetic: Option<SyntheticOracle>,
+    static_chains: bool,
 }
 
 impl DraftEngine {
     /// An engine over `model`; `eos` ends a branch; sessions hold `max_context` tokens.
     pub fn new(model: Arc<Transformer>, eos: Vec<u32>, max_context: usize) -> Self {
+        let static_chains = model.graph_capturable();
         Self {
             model,
             eos,
             max_context,
             synthetic: None,
+            static_chains,
         }
+    }
+
+    /// Whether greedy chains are drafted with fixed-shape steps ([`DecodeStepper`]: one CUDA
+    /// graph launch per token and a single device→host copy per chain). On by default for
+    /// dense models on CUDA; settable so the CPU tests can exercise the same path.
+    pub fn with_static_chains(mut self, on: bool) -> Self {
+        self.static_chains = on;
+        self
     }
 
     /// This engine with a synthetic proposer (benchmarks only).
@@ -137,6 +151,7 @@ impl DraftEngine {
             tokens: Vec::new(),
             last_logits: None,
             rng: seeded_rng(seed),
+            stepper: None,
         })
     }
 
@@ -171,6 +186,17 @@ impl DraftEngine {
         }
         specsplit_core::device::bind_to_thread(self.model.device())?;
         let mut stats = DraftStats::default();
+        let greedy = p.sampling.is_greedy();
+        if self.static_chains && greedy && p.widths.len() >= 2 && p.widths.iter().all(|&w| w == 1) {
+            let result = self.draft_chain_static(s, tokens, p.widths.len(), &mut stats);
+            if result.is_err() {
+                // Whatever the failed step left in the cache is not trusted: start over.
+                s.cache.truncate(0)?;
+                s.tokens.clear();
+                s.last_logits = None;
+            }
+            return result.map(|t| (t, stats));
+        }
         let root_logits = self.sync_prefix(s, tokens, &mut stats)?;
         let prefix_len = s.tokens.len();
         let result = self.draft_levels(s, root_logits, prefix_len, p, &mut stats);
@@ -226,23 +252,23 @@ impl DraftEngine {
         let mut tree = TokenTree::new();
         tree.set_siblings_without_replacement(true);
         let dev = self.model.device().clone();
-        // Host copy of the logits rows that are expanded at this level.
-        let t0 = Instant::now();
-        let mut rows: Vec<Vec<f32>> = vec![root_logits.to_dtype(DType::F32)?.to_vec1()?];
-        stats.model_time += t0.elapsed();
+        let vocab = self.model.config().vocab_size as u32;
+        // Logits rows of the nodes expanded at this level, on the device: (rows, vocab).
+        let mut level_logits = root_logits.unsqueeze(0)?;
         // Parent of each row: None for the roots.
         let mut parents: Vec<Option<usize>> = vec![None];
         for (depth, &width) in p.widths.iter().enumerate() {
             let level_start = tree.len();
-            for (row, parent) in rows.iter().zip(&parents) {
-                let (mut children, dist) = self.choose(row, width, greedy, &p.sampling, &mut s.rng);
+            let t0 = Instant::now();
+            let picks = self.choose(&level_logits, width, greedy, &p.sampling, &mut s.rng)?;
+            stats.model_time += t0.elapsed();
+            for ((mut children, dist), parent) in picks.into_iter().zip(&parents) {
                 if let Some(o) = &self.synthetic {
                     let mut ctx = s.tokens.clone();
                     if let Some(par) = parent {
                         ctx.extend(tree.path_tokens(*par));
                     }
                     if let (Some(right), Some(&(old, _))) = (o.next(&ctx), children.first()) {
-                        let vocab = row.len() as u32;
                         let new = if rand::Rng::random_bool(&mut s.rng, o.beta) {
                             right
                         } else {
@@ -300,7 +326,7 @@ impl DraftEngine {
             let logits = self
                 .model
                 .forward(&ids, &pos, Some(&level_mask), &mut s.cache, &want)?;
-            rows = logits.to_dtype(DType::F32)?.to_vec2()?;
+            level_logits = logits;
             stats.model_time += t0.elapsed();
             stats.tokens_processed += n;
             parents = expand.into_iter().map(Some).collect();
@@ -308,35 +334,215 @@ impl DraftEngine {
         Ok(tree)
     }
 
-    /// Picks `width` children from one row of logits: the top-w tokens when greedy, else
-    /// distinct draws from the warped distribution (returned, so the verifier can use it).
+    /// The synthetic proposer's token after `ctx`, if it has one (see [`SyntheticOracle`]).
+    fn oracle_token(&self, ctx: &[u32], rng: &mut ChaCha8Rng) -> Option<u32> {
+        let o = self.synthetic.as_ref()?;
+        let right = o.next(ctx)?;
+        let vocab = self.model.config().vocab_size as u32;
+        Some(if rand::Rng::random_bool(rng, o.beta) {
+            right
+        } else {
+            (right + 1) % vocab
+        })
+    }
+
+    /// A greedy chain of `depth` tokens drafted with fixed-shape steps ([`DecodeStepper`]): the
+    /// uncached tail of `tokens` is fed one step per token (a causal forward first when it is
+    /// long), then each step's greedy token feeds the next on the device, and the whole chain
+    /// comes back in one copy. The chain's tokens that went through the model stay cached after
+    /// `tokens` (their K/V are valid), so when the verifier accepts them the next call only
+    /// feeds the correction.
+    fn draft_chain_static(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        depth: usize,
+        stats: &mut DraftStats,
+    ) -> Result<TokenTree, EngineError> {
+        let t0 = Instant::now();
+        let DraftSession {
+            cache,
+            tokens: cached,
+            last_logits,
+            rng,
+            stepper,
+        } = s;
+        *last_logits = None;
+        let keep = common_prefix(cached, tokens).min(tokens.len() - 1);
+        stats.cache_hit = keep > 0;
+        cache.truncate(keep)?;
+        cached.truncate(keep);
+        let dev = self.model.device();
+        let mut feed = &tokens[keep..];
+        if feed.len() > STATIC_FEED_MAX {
+            let head = &feed[..feed.len() - 1];
+            let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
+            self.model.forward(
+                &Tensor::new(head, dev)?,
+                &Tensor::new(pos.as_slice(), dev)?,
+                None,
+                cache,
+                &Tensor::new(&[head.len() as u32 - 1], dev)?,
+            )?;
+            cached.extend_from_slice(head);
+            feed = &feed[feed.len() - 1..];
+        }
+        if stepper.is_none() {
+            *stepper = Some(DecodeStepper::new(&self.model, cache.capacity())?);
+        }
+        let stepper = stepper.as_mut().expect("stepper made above");
+        stepper.start(feed[0], cache.len())?;
+        for (i, &t) in feed.iter().enumerate() {
+            if i > 0 {
+                stepper.set_token(t)?;
+            }
+            stepper.step(&self.model, cache)?;
+        }
+        cache.advance(feed.len())?;
+        cached.extend_from_slice(feed);
+        stats.tokens_processed += tokens.len() - keep;
+
+        // Level j's greedy token and log-probability land in slot j of these.
+        let out_tok = Tensor::zeros(depth, DType::U32, dev)?;
+        let out_lp = Tensor::zeros(depth, DType::F32, dev)?;
+        out_tok.slice_set(&stepper.buffers().next, 0, 0)?;
+        out_lp.slice_set(&stepper.buffers().next_logprob, 0, 0)?;
+        // Levels the synthetic proposer decides, on the host (until its context leaves the
+        // reference; the model's own tokens follow from there, on the device).
+        let mut ctx: Vec<u32> = if self.synthetic.is_some() {
+            tokens.to_vec()
+        } else {
+            Vec::new()
+        };
+        let mut host: Vec<Option<u32>> = vec![self.oracle_token(&ctx, rng)];
+        let mut oracle_on = host[0].is_some();
+        for j in 0..depth - 1 {
+            if let Some(t) = host[j] {
+                stepper.set_token(t)?;
+            }
+            stepper.step(&self.model, cache)?;
+            out_tok.slice_set(&stepper.buffers().next, 0, j + 1)?;
+            out_lp.slice_set(&stepper.buffers().next_logprob, 0, j + 1)?;
+            let decided = match (oracle_on, host[j]) {
+                (true, Some(t)) => {
+                    ctx.push(t);
+                    self.oracle_token(&ctx, rng)
+                }
+                _ => None,
+            };
+            oracle_on &= decided.is_some();
+            host.push(decided);
+        }
+        let out: Vec<f32> =
+            Tensor::cat(&[&out_tok.to_dtype(DType::F32)?, &out_lp], 0)?.to_vec1()?;
+        let levels: Vec<(u32, f32)> = (0..depth)
+            .map(|j| (host[j].unwrap_or(out[j] as u32), out[depth + j]))
+            .collect();
+        // Levels 0..depth-1 went through the model: keep them cached after `tokens`.
+        cache.advance(depth - 1)?;
+        cached.extend(levels[..depth - 1].iter().map(|l| l.0));
+        stats.tokens_processed += depth - 1;
+
+        let mut tree = TokenTree::new();
+        tree.set_siblings_without_replacement(true);
+        let mut parent = None;
+        for &(tok, lp) in &levels {
+            let node = match parent {
+                None => tree.push_root(tok, lp),
+                Some(p) => tree.push_child(p, tok, lp),
+            }
+            .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
+            if self.eos.contains(&tok) {
+                break;
+            }
+            parent = Some(node);
+        }
+        stats.model_time += t0.elapsed();
+        Ok(tree)
+    }
+
+    /// Picks `width` children for each row of `logits` (rows, vocab): the top-w tokens when
+    /// greedy (found on the device; only the ids and log-probabilities are copied back), else
+    /// distinct draws from each row's warped distribution (returned, so the verifier can use it).
+    #[allow(clippy::type_complexity)]
     fn choose(
         &self,
-        logits: &[f32],
+        logits: &Tensor,
         width: usize,
         greedy: bool,
         params: &SamplingParams,
         rng: &mut ChaCha8Rng,
-    ) -> (Vec<(u32, f32)>, Option<Distribution>) {
+    ) -> Result<Vec<(Vec<(u32, f32)>, Option<Distribution>)>, EngineError> {
         if greedy {
-            let lse = log_sum_exp(logits);
-            let toks = sampling::top_w(logits, width);
-            let out = toks
+            return Ok(top_w_on_device(logits, width)?
                 .into_iter()
-                .map(|t| (t, logits[t as usize] - lse))
-                .collect();
-            (out, None)
-        } else {
-            let dist = sampling::warp(logits, params);
-            let toks = sampling::sample_without_replacement(&dist, width, rng);
-            let out = toks
-                .into_iter()
-                .map(|t| (t, dist.prob(t).max(f32::MIN_POSITIVE).ln()))
-                .collect();
-            (out, Some(dist))
+                .map(|c| (c, None))
+                .collect());
         }
+        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        Ok(rows
+            .iter()
+            .map(|row| {
+                let dist = sampling::warp(row, params);
+                let toks = sampling::sample_without_replacement(&dist, width, rng);
+                let out = toks
+                    .into_iter()
+                    .map(|t| (t, dist.prob(t).max(f32::MIN_POSITIVE).ln()))
+                    .collect();
+                (out, Some(dist))
+            })
+            .collect())
     }
 }
+
+/// The `width` largest logits of each row of `logits` (rows, vocab), best first, with their
+/// log-probabilities under the row's softmax. Runs on the logits' device (`width` rounds of
+/// argmax, gather and masking) and copies back only `rows × width` ids and values, in one
+/// transfer. Siblings are always distinct; a row with fewer than `width` finite logits yields
+/// fewer.
+pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec<Vec<(u32, f32)>>> {
+    let (rows, vocab) = logits.dims2()?;
+    let width = width.min(vocab);
+    if rows == 0 || width == 0 {
+        return Ok(vec![Vec::new(); rows]);
+    }
+    // A private copy: the masking below writes into it.
+    let x = logits.to_dtype(DType::F32)?.copy()?;
+    let lse = x.log_sum_exp(1)?.unsqueeze(1)?;
+    let hidden = Tensor::full(f32::NEG_INFINITY, (rows, 1), x.device())?;
+    let mut ids = Vec::with_capacity(width);
+    let mut vals = Vec::with_capacity(width);
+    for j in 0..width {
+        let idx = x.argmax_keepdim(1)?;
+        vals.push(x.gather(&idx, 1)?);
+        if j + 1 < width {
+            x.scatter_set(&idx, &hidden, 1)?;
+        }
+        ids.push(idx);
+    }
+    // Token ids are below 2^24, so f32 carries them exactly: one copy for ids and values.
+    let ids = Tensor::cat(&ids, 1)?.to_dtype(DType::F32)?;
+    let lps = Tensor::cat(&vals, 1)?.broadcast_sub(&lse)?;
+    let packed: Vec<Vec<f32>> = Tensor::cat(&[&ids, &lps], 1)?.to_vec2()?;
+    Ok(packed
+        .into_iter()
+        .map(|r| {
+            let mut out: Vec<(u32, f32)> = Vec::with_capacity(width);
+            for j in 0..width {
+                let (tok, lp) = (r[j] as u32, r[width + j]);
+                // Once only -inf logits remain, argmax may return a token already taken.
+                if lp.is_finite() && out.iter().all(|&(t, _)| t != tok) {
+                    out.push((tok, lp));
+                }
+            }
+            out
+        })
+        .collect())
+}
+
+/// Longest uncached tail fed one fixed-shape step per token; a longer one (a new prompt) goes
+/// through one causal forward first.
+const STATIC_FEED_MAX: usize = 4;
 
 /// Bytes of one session cache of `capacity` tokens for `model`.
 pub fn session_cache_bytes(model: &Transformer, capacity: usize) -> usize {
@@ -375,12 +581,6 @@ pub fn seeded_rng(seed: u64) -> ChaCha8Rng {
     }
 }
 
-fn log_sum_exp(x: &[f32]) -> f32 {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let s: f64 = x.iter().map(|&v| ((v - m) as f64).exp()).sum();
-    m + s.ln() as f32
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,6 +590,113 @@ mod tests {
         assert_eq!(tree_size(&[4, 2, 1, 1]), 4 + 8 + 8 + 8);
         assert_eq!(tree_size(&[1, 1, 1]), 3);
         assert_eq!(tree_size(&[]), 0);
+    }
+
+    #[test]
+    fn top_w_on_device_matches_host_top_w_and_log_softmax() {
+        use rand::Rng;
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let (rows, vocab) = (5, 3000);
+        let data: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.random_range(-12.0f32..12.0))
+            .collect();
+        let t = Tensor::from_vec(data.clone(), (rows, vocab), &candle_core::Device::Cpu).unwrap();
+        for width in [1, 2, 4, 7] {
+            let got = top_w_on_device(&t, width).unwrap();
+            assert_eq!(got.len(), rows);
+            for (r, picks) in got.iter().enumerate() {
+                let row = &data[r * vocab..(r + 1) * vocab];
+                let want = sampling::top_w(row, width);
+                let ids: Vec<u32> = picks.iter().map(|p| p.0).collect();
+                assert_eq!(ids, want, "row {r}, width {width}");
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+                for &(tok, lp) in picks {
+                    let exact = row[tok as usize] as f64 - lse;
+                    assert!((lp as f64 - exact).abs() < 1e-4, "{lp} vs {exact}");
+                }
+            }
+        }
+        // The input is not modified by the masking.
+        assert_eq!(t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), data);
+    }
+
+    #[test]
+    fn top_w_on_device_never_repeats_a_token() {
+        let row = [0.0f32, f32::NEG_INFINITY, f32::NEG_INFINITY, 1.0];
+        let t = Tensor::new(&row, &candle_core::Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let got = top_w_on_device(&t, 4).unwrap();
+        let ids: Vec<u32> = got[0].iter().map(|p| p.0).collect();
+        assert_eq!(ids, vec![3, 0]);
+        assert_eq!(top_w_on_device(&t, 0).unwrap(), vec![Vec::new()]);
+    }
+
+    fn tiny_engine(eos: Vec<u32>, static_chains: bool) -> DraftEngine {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 7, DType::F32, &candle_core::Device::Cpu).unwrap();
+        DraftEngine::new(Arc::new(m), eos, 128).with_static_chains(static_chains)
+    }
+
+    fn chain(e: &DraftEngine, s: &mut DraftSession, seq: &[u32], depth: usize) -> TokenTree {
+        let p = DraftParams {
+            widths: vec![1; depth],
+            sampling: SamplingParams::default(),
+        };
+        e.draft(s, seq, &p).unwrap().0
+    }
+
+    #[test]
+    fn static_chains_equal_level_by_level_chains() {
+        let eager = tiny_engine(vec![], false);
+        let fixed = tiny_engine(vec![], true);
+        let (mut se, mut sf) = (eager.new_session(1).unwrap(), fixed.new_session(1).unwrap());
+        let mut seq: Vec<u32> = vec![11, 250, 3, 77, 400];
+        let mut eos_seen = None;
+        for round in 0..6 {
+            let depth = 2 + round % 5;
+            let a = chain(&eager, &mut se, &seq, depth);
+            let b = chain(&fixed, &mut sf, &seq, depth);
+            assert_eq!(a.tokens(), b.tokens(), "round {round}");
+            assert_eq!(a.parents(), b.parents());
+            for i in 0..a.len() {
+                assert!((a.log_prob(i) - b.log_prob(i)).abs() < 1e-4);
+            }
+            eos_seen.get_or_insert(a.token(a.len() / 2));
+            // Accept half the chain and a correction, like a verifier would.
+            seq.extend_from_slice(&a.tokens()[..a.len() / 2]);
+            seq.push((round as u32 * 31) % 500);
+        }
+        // Both cut a chain at an EOS token the same way.
+        let stop = eos_seen.unwrap();
+        let eager = tiny_engine(vec![stop], false);
+        let fixed = tiny_engine(vec![stop], true);
+        let probe = vec![11, 250, 3, 77, 400];
+        let a = chain(&eager, &mut eager.new_session(1).unwrap(), &probe, 6);
+        let b = chain(&fixed, &mut fixed.new_session(1).unwrap(), &probe, 6);
+        assert_eq!(a.tokens(), b.tokens());
+    }
+
+    #[test]
+    fn static_chains_follow_the_synthetic_proposer() {
+        let seq: Vec<u32> = vec![4, 8, 15, 16];
+        let reference: Vec<u32> = seq.iter().copied().chain([23, 42, 99, 100, 101]).collect();
+        for beta in [1.0, 0.0, 0.5] {
+            let oracle = SyntheticOracle::new(vec![reference.clone()], beta);
+            let eager = tiny_engine(vec![], false).with_synthetic(oracle.clone());
+            let fixed = tiny_engine(vec![], true).with_synthetic(oracle);
+            for seed in 1..6 {
+                let a = chain(&eager, &mut eager.new_session(seed).unwrap(), &seq, 4);
+                let b = chain(&fixed, &mut fixed.new_session(seed).unwrap(), &seq, 4);
+                assert_eq!(a.tokens(), b.tokens(), "beta {beta} seed {seed}");
+                if beta == 1.0 {
+                    assert_eq!(a.tokens(), &reference[4..8]);
+                }
+            }
+        }
     }
 
     #[test]
