@@ -64,9 +64,13 @@ pub struct DraftStats {
 /// own next token (looked up in reference continuations) with probability `beta`, and a wrong
 /// token otherwise, while the draft model's forward passes are still paid for. Its results
 /// measure the system's efficiency apart from draft quality and must be labelled synthetic.
+///
+/// Clones share one reference set, so a benchmark can add continuations it observed (the
+/// target's verification path may break a near-tie differently than its single-token decode).
+/// The latest reference that continues a context wins.
 #[derive(Debug, Clone)]
 pub struct SyntheticOracle {
-    references: Vec<Vec<u32>>,
+    references: Arc<std::sync::RwLock<Vec<Vec<u32>>>>,
     beta: f64,
 }
 
@@ -74,7 +78,7 @@ impl SyntheticOracle {
     /// An oracle over full reference sequences (prompt + target-only continuation).
     pub fn new(references: Vec<Vec<u32>>, beta: f64) -> Self {
         Self {
-            references,
+            references: Arc::new(std::sync::RwLock::new(references)),
             beta: beta.clamp(0.0, 1.0),
         }
     }
@@ -84,10 +88,32 @@ impl SyntheticOracle {
         self.beta
     }
 
-    /// The reference's next token after `context`, if a reference continues it.
+    /// Adds a full sequence (prompt + continuation) unless a reference already holds it;
+    /// returns whether it was added.
+    pub fn add_reference(&self, sequence: Vec<u32>) -> bool {
+        let mut refs = self.references.write().unwrap_or_else(|e| e.into_inner());
+        if refs.iter().any(|r| r.starts_with(&sequence)) {
+            return false;
+        }
+        refs.push(sequence);
+        true
+    }
+
+    /// Number of reference sequences.
+    pub fn num_references(&self) -> usize {
+        self.references
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
+    /// The next token after `context` of the latest reference that continues it, if any.
     pub fn next(&self, context: &[u32]) -> Option<u32> {
         self.references
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .iter()
+            .rev()
             .find(|r| r.len() > context.len() && r.starts_with(context))
             .map(|r| r[context.len()])
     }
@@ -697,6 +723,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn oracle_prefers_the_latest_reference_and_skips_known_ones() {
+        let o = SyntheticOracle::new(vec![vec![1, 2, 3, 4]], 1.0);
+        assert_eq!(o.next(&[1, 2]), Some(3));
+        assert!(
+            !o.add_reference(vec![1, 2, 3]),
+            "a prefix of a reference is known"
+        );
+        assert!(o.add_reference(vec![1, 2, 9, 9]));
+        let shared = o.clone();
+        assert_eq!(shared.num_references(), 2);
+        assert_eq!(shared.next(&[1, 2]), Some(9), "the latest reference wins");
+        assert_eq!(shared.next(&[1, 2, 3]), Some(4));
+        assert_eq!(shared.next(&[5]), None);
     }
 
     #[test]
