@@ -218,6 +218,14 @@ impl TargetEngine {
             })?;
             return Ok(l.unsqueeze(0)?);
         }
+        if tree.is_empty() && new.len() == 1 {
+            // A plain decoding step: causal attention needs no mask (an all-zero mask would add
+            // exactly 0.0 to every score), so none is built, uploaded or added per layer.
+            let ids = Tensor::new(new, &dev)?;
+            let pos = Tensor::new(&[keep as u32], &dev)?;
+            let rows = Tensor::new(&[0u32], &dev)?;
+            return Ok(self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?);
+        }
         // The new tokens form a chain and the tree hangs below its last token: one combined
         // tree gives the mask and positions of the whole pass.
         let combined = chain_then_tree(new, tree)?;
