@@ -8,6 +8,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        // Undecodable requests (e.g. trees nested deeper than protobuf's 100-level limit) are
+        // INVALID_ARGUMENT, not INTERNAL.
+        .codec_path("crate::codec::SpecCodec")
         .compile_fds(fds)?;
     Ok(())
 }

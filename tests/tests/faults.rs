@@ -200,8 +200,7 @@ async fn bad_requests_get_the_right_status_codes() {
         ),
         Code::InvalidArgument
     );
-    // A tree larger than the limit (128 nodes), wide or deep (within protobuf's nesting
-    // limit of 100 levels; deeper messages fail to decode before reaching the service).
+    // A tree larger than the limit (128 nodes), wide or deep.
     let wide: Vec<TokenNode> = (0..200).map(|i| node(i % 50, vec![])).collect();
     assert_eq!(
         code(t.verify_drafts(verify(vec![1], wide)).await),
@@ -214,6 +213,22 @@ async fn bad_requests_get_the_right_status_codes() {
     assert_eq!(
         code(t.verify_drafts(verify(vec![1], vec![deep])).await),
         Code::InvalidArgument
+    );
+    // Deeper than protobuf's 100 nesting levels: the request cannot even be decoded, and the
+    // sender is told so (not INTERNAL).
+    let mut deeper = node(1, vec![]);
+    for _ in 0..150 {
+        deeper = node(1, vec![deeper]);
+    }
+    let err = t
+        .verify_drafts(verify(vec![1], vec![deeper]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("100 levels deep"),
+        "{}",
+        err.message()
     );
     // Sampled verification without the draft distributions.
     let mut r = verify(vec![1, 2], vec![node(3, vec![])]);

@@ -3,6 +3,8 @@
 //! Wire-compatible with the original Python SpecSplit; see the `.proto` for field documentation.
 #![allow(clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
+pub mod codec;
+
 /// Generated protobuf messages and tonic client/server stubs for package `specsplit`.
 #[allow(missing_docs)]
 pub mod specsplit {
