@@ -13,7 +13,9 @@ use serde_json::{json, Value};
 use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
 use specsplit_models::tokenizer::ChatFormat;
 use specsplit_models::transformer::Transformer;
-use specsplit_orchestrator::{GenerateConfig, Generation, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{
+    GenerateConfig, Generation, GenerationStats, Mode, Orchestrator, Pipeline, RoundRecord,
+};
 use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
 use specsplit_workers::service::{
@@ -272,24 +274,17 @@ async fn generate_all(
     Ok(out)
 }
 
-/// Aggregates the generations of one configuration into a result row.
+/// Aggregates the generations of one configuration into a result row: the orchestrator's own
+/// statistics over every round of every generation, plus the per-phase means.
 fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Value {
-    let tokens: usize = gens.iter().map(|g| g.stats.tokens).sum();
+    let rounds: Vec<RoundRecord> = gens.iter().flat_map(|g| g.rounds.clone()).collect();
     let elapsed: f64 = gens.iter().map(|g| g.stats.elapsed_s).sum();
-    let rounds: Vec<_> = gens.iter().flat_map(|g| &g.rounds).collect();
-    let spec: Vec<_> = rounds.iter().filter(|r| r.drafted > 0).collect();
-    let drafted: usize = spec.iter().map(|r| r.drafted).sum();
-    let accepted: usize = spec.iter().map(|r| r.accepted).sum();
-    let attempts = rounds.iter().filter(|r| r.overlap_hit.is_some()).count();
-    let hits = rounds
-        .iter()
-        .filter(|r| r.overlap_hit == Some(true))
-        .count();
-    let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
-    let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
+    let st = GenerationStats::from_rounds(&rounds, elapsed, 0.0);
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    let mean =
+    let mean_of =
         |f: &dyn Fn(&Generation) -> f64| ratio(gens.iter().map(f).sum::<f64>(), gens.len() as f64);
+    let per_round =
+        |f: &dyn Fn(&RoundRecord) -> f64| ratio(rounds.iter().map(f).sum(), rounds.len() as f64);
     let pairs: Vec<(usize, usize)> = rounds.iter().map(|r| (r.drafted, r.accepted)).collect();
     let identical = gens
         .iter()
@@ -298,27 +293,24 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         .count();
     json!({
         "generations": gens.len(),
-        "tokens": tokens,
+        "tokens": st.tokens,
         "elapsed_s": elapsed,
-        "tok_per_s": ratio(tokens as f64, elapsed),
-        "ttft_ms": mean(&|g| g.stats.ttft_ms),
-        "tpot_ms": mean(&|g| g.stats.tpot_ms),
-        "rounds": rounds.len(),
-        "acceptance_rate": ratio(accepted as f64, drafted as f64),
-        "mean_accepted_len": if spec.is_empty() { 1.0 } else { 1.0 + accepted as f64 / spec.len() as f64 },
+        "tok_per_s": st.tokens_per_s,
+        "ttft_ms": mean_of(&|g| g.stats.ttft_ms),
+        "tpot_ms": mean_of(&|g| g.stats.tpot_ms),
+        "rounds": st.rounds,
+        "acceptance_rate": st.acceptance_rate,
+        "mean_accepted_len": st.mean_accepted_len,
         "per_position_acceptance": util::per_position_acceptance(&pairs, depth),
-        "overlap_hit_rate": ratio(hits as f64, attempts as f64),
-        "overlap_attempts": attempts,
-        "network_share": ratio((verify - server).max(0.0), verify),
-        "mean_draft_ms": ratio(rounds.iter().map(|r| r.draft_ms).sum(), rounds.len() as f64),
-        "mean_verify_ms": ratio(verify, rounds.len() as f64),
-        "mean_verify_server_ms": ratio(server, rounds.len() as f64),
-        "mean_draft_server_ms": ratio(rounds.iter().map(|r| r.draft_server_ms).sum(), rounds.len() as f64),
-        "mean_round_ms": ratio(rounds.iter().map(|r| r.round_ms).sum(), rounds.len() as f64),
-        "mean_round_overhead_ms": ratio(
-            rounds.iter().map(|r| (r.round_ms - r.draft_server_ms - r.verify_server_ms).max(0.0)).sum(),
-            rounds.len() as f64,
-        ),
+        "overlap_hit_rate": st.overlap_hit_rate,
+        "overlap_attempts": st.overlap_attempts,
+        "network_share": st.network_share,
+        "mean_draft_ms": per_round(&|r| r.draft_ms),
+        "mean_verify_ms": per_round(&|r| r.verify_ms),
+        "mean_verify_server_ms": per_round(&|r| r.verify_server_ms),
+        "mean_draft_server_ms": per_round(&|r| r.draft_server_ms),
+        "mean_round_ms": per_round(&|r| r.round_ms),
+        "mean_round_overhead_ms": st.round_overhead_ms,
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
     })
 }
