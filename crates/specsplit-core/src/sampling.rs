@@ -283,6 +283,30 @@ pub fn warp(logits: &[f32], params: &SamplingParams) -> Distribution {
     Distribution::Sparse { ids: idx, probs }
 }
 
+/// Mass of the far tail a draft proposal may leave out (see [`proposal`]).
+pub const PROPOSAL_TAIL: f32 = 1e-4;
+
+/// The distribution a drafter samples its tokens from: [`warp`] with the far tail cut (top-p at
+/// `1 - PROPOSAL_TAIL`, or the caller's own top-p if smaller), so it travels as a short sparse
+/// list instead of a vocabulary-sized vector; the full warped distribution when the cut would
+/// still keep more than half of the vocabulary (a near-flat row). Speculative sampling stays
+/// exact for any proposal as long as the verifier is given the one the tokens were drawn from;
+/// leaving out 1e-4 of the mass changes acceptance by at most that much.
+pub fn proposal(logits: &[f32], params: &SamplingParams) -> Distribution {
+    let cut = SamplingParams {
+        top_p: if params.top_p_active() {
+            params.top_p.min(1.0 - PROPOSAL_TAIL)
+        } else {
+            1.0 - PROPOSAL_TAIL
+        },
+        ..*params
+    };
+    match warp(logits, &cut) {
+        Distribution::Sparse { ids, .. } if ids.len() > logits.len() / 2 => warp(logits, params),
+        d => d,
+    }
+}
+
 /// Length of the shortest prefix of `sorted` whose mass reaches `threshold`, if any.
 fn nucleus_len(sorted: &[u32], p: &[f64], threshold: f64) -> Option<usize> {
     let mut cum = 0.0f64;

@@ -3,7 +3,9 @@
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use specsplit_core::sampling::{argmax, sample_without_replacement, top_w, warp, SamplingParams};
+use specsplit_core::sampling::{
+    argmax, proposal, sample_without_replacement, top_w, warp, SamplingParams, PROPOSAL_TAIL,
+};
 use specsplit_core::tree::Distribution;
 
 /// Reference: softmax in f64, full sort by (prob desc, id asc), top-k, then top-p on the kept mass.
@@ -121,4 +123,68 @@ proptest! {
         prop_assert_eq!(sorted.len(), s.len());
         prop_assert!(s.iter().all(|&t| d.prob(t) > 0.0));
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// A draft proposal is the warped distribution minus at most `PROPOSAL_TAIL` of its mass,
+    /// renormalised, over the most likely tokens; or the whole warped distribution when the cut
+    /// would keep more than half of the vocabulary.
+    #[test]
+    fn proposal_cuts_only_the_far_tail(raw in prop::collection::vec(-400i32..40, 2..4000),
+                                       t in prop_oneof![Just(0.5f32), Just(1.0f32), Just(1.5f32)],
+                                       top_k in prop_oneof![Just(0usize), Just(50usize)]) {
+        let logits: Vec<f32> = raw.iter().map(|&x| x as f32 / 10.0).collect();
+        let params = SamplingParams { temperature: t, top_k, top_p: 1.0, seed: 1 };
+        let full = as_pairs(&warp(&logits, &params));
+        let q = proposal(&logits, &params);
+        let got = as_pairs(&q);
+        let support = got.iter().filter(|p| p.1 > 0.0).count();
+        let full_support = full.iter().filter(|p| p.1 > 0.0).count();
+        if support > logits.len() / 2 || support == full_support {
+            prop_assert_eq!(&got, &full);
+        } else {
+            // The kept tokens are the most likely ones, and hold ≥ 1 - tail of the mass.
+            let mut by_prob = full.clone();
+            by_prob.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let kept: f64 = by_prob[..support].iter().map(|p| f64::from(p.1)).sum();
+            prop_assert!(kept >= 1.0 - f64::from(PROPOSAL_TAIL) - 1e-5, "kept mass {kept}");
+            let lookup = |id: u32| full.iter().find(|p| p.0 == id).map_or(0.0, |p| p.1);
+            for &(id, pr) in &got {
+                prop_assert!(pr > 0.0);
+                // Renormalised: each kept probability is its full one divided by the kept mass.
+                prop_assert!((f64::from(pr) - f64::from(lookup(id)) / kept).abs() < 1e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn proposal_of_a_peaked_large_vocabulary_row_is_short() {
+    // 150k tokens, a handful of likely ones: the proposal lists only those.
+    let mut logits = vec![-20.0f32; 150_000];
+    for (i, l) in [3.0f32, 2.5, 2.0, 1.0].iter().enumerate() {
+        logits[1000 * i + 7] = *l;
+    }
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 1,
+    };
+    match proposal(&logits, &params) {
+        Distribution::Sparse { ids, probs } => {
+            assert!(ids.len() < 100, "{} tokens", ids.len());
+            let s: f32 = probs.iter().sum();
+            assert!((s - 1.0).abs() < 1e-5);
+        }
+        d => panic!(
+            "expected a sparse proposal, got {} entries dense",
+            d.num_entries()
+        ),
+    }
+    // A flat row stays dense: cutting its tail would keep almost every token anyway.
+    let flat = vec![0.0f32; 1000];
+    assert!(matches!(proposal(&flat, &params), Distribution::Dense(_)));
 }

@@ -175,6 +175,8 @@ struct Case {
     widths: &'static [usize],
     without_replacement: bool,
     params: SamplingParams,
+    /// The drafter's own transforms when they differ from the target's (a narrower proposal).
+    draft: Option<SamplingParams>,
 }
 
 fn params(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
@@ -196,7 +198,7 @@ fn draw_siblings(d: &Distribution, k: usize, wr: bool, rng: &mut ChaCha8Rng) -> 
 
 /// Drafts a tree from q, level by level, recording the exact distributions used.
 fn draft_tree(case: &Case, rng: &mut ChaCha8Rng) -> TokenTree {
-    let p = &case.params;
+    let p = case.draft.as_ref().unwrap_or(&case.params);
     let mut tree = TokenTree::new();
     tree.set_siblings_without_replacement(case.without_replacement);
     let q0 = draft_dist(&[], p);
@@ -437,6 +439,7 @@ fn exact_chain_depth_3() {
             widths: &[1, 1, 1],
             without_replacement: false,
             params: params(1.0, 0, 1.0),
+            draft: None,
         },
         1,
     );
@@ -450,6 +453,7 @@ fn exact_tree_with_replacement() {
             widths: &[3, 2, 1],
             without_replacement: false,
             params: params(1.0, 0, 1.0),
+            draft: None,
         },
         2,
     );
@@ -463,6 +467,7 @@ fn exact_tree_without_replacement() {
             widths: &[3, 2, 1],
             without_replacement: true,
             params: params(1.0, 0, 1.0),
+            draft: None,
         },
         3,
     );
@@ -477,6 +482,7 @@ fn exact_temperature_and_top_k() {
             widths: &[3, 2, 1],
             without_replacement: true,
             params: params(0.7, 3, 1.0),
+            draft: None,
         },
         4,
     );
@@ -490,8 +496,26 @@ fn exact_top_p() {
             widths: &[2, 2, 1],
             without_replacement: false,
             params: params(1.3, 0, 0.8),
+            draft: None,
         },
         5,
+    );
+}
+
+#[test]
+fn exact_with_a_narrower_proposal() {
+    // The drafter samples from a top-2 cut of its distribution while the target keeps every
+    // token (as a draft proposal with its far tail cut does): the tokens the proposal never
+    // offers must still come out at the target's rate, through the residual.
+    assert_exact(
+        Case {
+            name: "chain/proposal top-k=2",
+            widths: &[1, 1, 1],
+            without_replacement: false,
+            params: params(1.0, 0, 1.0),
+            draft: Some(params(1.0, 2, 1.0)),
+        },
+        6,
     );
 }
 
@@ -512,6 +536,7 @@ fn power_detects_missing_residual() {
         widths: &[1, 1, 1],
         without_replacement: false,
         params: params(1.0, 0, 1.0),
+        draft: None,
     };
     assert_detected(case, no_residual_verifier, 6);
 }
@@ -523,6 +548,7 @@ fn power_detects_independent_acceptance() {
         widths: &[3, 2, 1],
         without_replacement: false,
         params: params(1.0, 0, 1.0),
+        draft: None,
     };
     assert_detected(case, independent_verifier, 7);
 }
@@ -534,6 +560,7 @@ fn power_detects_sibling_rule_mismatch() {
         widths: &[3, 2, 1],
         without_replacement: true,
         params: params(1.0, 0, 1.0),
+        draft: None,
     };
     assert_detected(case, mismatched_rule_verifier, 8);
 }
@@ -545,6 +572,7 @@ fn power_detects_residual_with_updated_q() {
         widths: &[3, 2, 1],
         without_replacement: true,
         params: params(1.0, 0, 1.0),
+        draft: None,
     };
     assert_detected(case, late_residual_verifier, 9);
 }

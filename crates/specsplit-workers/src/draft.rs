@@ -509,7 +509,7 @@ impl DraftEngine {
         Ok(rows
             .iter()
             .map(|row| {
-                let dist = sampling::warp(row, params);
+                let dist = sampling::proposal(row, params);
                 let toks = sampling::sample_without_replacement(&dist, width, rng);
                 let out = toks
                     .into_iter()
