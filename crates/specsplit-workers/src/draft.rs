@@ -532,8 +532,9 @@ pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec
     if rows == 0 || width == 0 {
         return Ok(vec![Vec::new(); rows]);
     }
-    // A private copy: the masking below writes into it.
-    let x = logits.to_dtype(DType::F32)?.copy()?;
+    // A private copy when the masking below will write into it.
+    let x = logits.to_dtype(DType::F32)?;
+    let x = if width > 1 { x.copy()? } else { x };
     let lse = x.log_sum_exp(1)?.unsqueeze(1)?;
     let hidden = Tensor::full(f32::NEG_INFINITY, (rows, 1), x.device())?;
     let mut ids = Vec::with_capacity(width);
