@@ -182,6 +182,17 @@ pub struct StaticStep {
     capacity: usize,
 }
 
+impl Layer {
+    /// The SwiGLU block of the layer on the residual stream `x` (its output, before the
+    /// residual add).
+    fn mlp(&self, x: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(x, &self.mlp_norm, eps)?;
+        let gu = self.gate_up.forward(&h)?;
+        self.down
+            .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?)
+    }
+}
+
 /// A Llama-family transformer with tree-capable forward over a [`SessionCache`].
 pub struct Transformer {
     config: ModelConfig,
@@ -786,17 +797,22 @@ impl Transformer {
                 cache,
             )?;
             x = (x + a)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, eps)?;
-            let gu = layer.gate_up.forward(&h)?;
-            let m = layer
-                .down
-                .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?)?;
-            x = (x + m)?;
+            x = (&x + layer.mlp(&x, eps)?)?;
         }
         cache.advance(n)?;
         let x = x.index_select(rows, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Rotary embedding of `x` `(1, heads, n, head_dim)` with gathered `(n, head_dim / 2)`
+    /// tables, in the pair layout the weights were stored in.
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        if self.rope_interleaved {
+            candle_nn::rotary_emb::rope_i(x, cos, sin)
+        } else {
+            candle_nn::rotary_emb::rope(x, cos, sin)
+        }
     }
 
     /// Whether [`Transformer::static_step`] may be captured into a CUDA graph for this model:
@@ -868,17 +884,7 @@ impl Transformer {
             let q = qkv[0].reshape((1, heads, 1, hd))?.contiguous()?;
             let k = qkv[1].reshape((1, kv, 1, hd))?.contiguous()?;
             let v = qkv[2].reshape((1, kv, 1, hd))?.contiguous()?;
-            let (q, k) = if self.rope_interleaved {
-                (
-                    candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?,
-                    candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?,
-                )
-            } else {
-                (
-                    candle_nn::rotary_emb::rope(&q, &cos, &sin)?,
-                    candle_nn::rotary_emb::rope(&k, &cos, &sin)?,
-                )
-            };
+            let (q, k) = (self.rope(&q, &cos, &sin)?, self.rope(&k, &cos, &sin)?);
             let (kb, vb) = cache.buffers(i)?;
             kb.scatter_set(&write_at, &k, 2)?;
             vb.scatter_set(&write_at, &v, 2)?;
@@ -887,12 +893,7 @@ impl Transformer {
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             let y = att.matmul(vb)?.reshape((1, heads * hd))?;
             x = (x + layer.o.forward(&y)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, eps)?;
-            let gu = layer.gate_up.forward(&h)?;
-            let m = layer
-                .down
-                .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?)?;
-            x = (x + m)?;
+            x = (&x + layer.mlp(&x, eps)?)?;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
@@ -935,17 +936,7 @@ impl Transformer {
             .contiguous()?;
         let k = k.reshape((1, n, kv, hd))?.transpose(1, 2)?.contiguous()?;
         let v = v.reshape((1, n, kv, hd))?.transpose(1, 2)?;
-        let (q, k) = if self.rope_interleaved {
-            (
-                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
-            )
-        } else {
-            (
-                candle_nn::rotary_emb::rope(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope(&k, cos, sin)?,
-            )
-        };
+        let (q, k) = (self.rope(&q, cos, sin)?, self.rope(&k, cos, sin)?);
         let (k_all, v_all) = cache.append(index, &k, &v)?;
         let total = k_all.dim(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
