@@ -85,14 +85,14 @@ const PROMPTS: [&str; 8] = [
 ];
 
 /// A server running on a loopback port until stopped.
-struct Server {
-    addr: String,
+pub(crate) struct Server {
+    pub(crate) addr: String,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         let _ = self.stop.send(());
         let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
     }
@@ -101,7 +101,7 @@ impl Server {
 type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Binds 127.0.0.1:0 and runs `serve` on it with a shutdown signal.
-async fn spawn_server<F, Fut, E>(what: &'static str, serve: F) -> Result<Server>
+pub(crate) async fn spawn_server<F, Fut, E>(what: &'static str, serve: F) -> Result<Server>
 where
     F: FnOnce(TcpListener, Shutdown) -> Fut,
     Fut: Future<Output = Result<(), E>> + Send + 'static,
@@ -129,9 +129,9 @@ where
 }
 
 /// Worker sizing shared by both sides.
-struct Sizing {
-    max_context: usize,
-    max_tree_nodes: usize,
+pub(crate) struct Sizing {
+    pub(crate) max_context: usize,
+    pub(crate) max_tree_nodes: usize,
 }
 
 fn info(name: String, m: &Transformer, eos: &[u32], device: &str, z: &Sizing) -> WorkerInfo {
@@ -146,7 +146,7 @@ fn info(name: String, m: &Transformer, eos: &[u32], device: &str, z: &Sizing) ->
     }
 }
 
-fn limits() -> SessionLimits {
+pub(crate) fn limits() -> SessionLimits {
     SessionLimits {
         max_sessions: 8,
         memory_budget_bytes: usize::MAX / 2,
@@ -154,7 +154,7 @@ fn limits() -> SessionLimits {
     }
 }
 
-async fn load(spec: String, device: String, dtype: String) -> Result<LoadedModel> {
+pub(crate) async fn load(spec: String, device: String, dtype: String) -> Result<LoadedModel> {
     tokio::task::spawn_blocking(move || -> Result<LoadedModel> {
         let opts = LoadOptions {
             device: parse_device(&device)?,
@@ -168,7 +168,7 @@ async fn load(spec: String, device: String, dtype: String) -> Result<LoadedModel
 /// Loads the draft. A random-weight draft takes the target's vocabulary size (e.g. the 0.5B
 /// shape under a 7B target, whose real checkpoints pad the vocabulary to different sizes), so
 /// the pair passes the orchestrator's vocabulary check.
-async fn load_draft(
+pub(crate) async fn load_draft(
     spec: &str,
     device: &str,
     dtype: &str,

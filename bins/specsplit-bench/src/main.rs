@@ -4,7 +4,8 @@
 //!   per context length, and decode tok/s against the memory roofline;
 //! - `e2e`: target-only vs speculative decoding end to end over loopback gRPC, with an optional
 //!   synthetic drafter of fixed acceptance β;
-//! - `plot`: PNG plots from the JSON reports.
+//! - `plot`: PNG plots from the JSON reports;
+//! - `rpc`: per-RPC cost on loopback beyond the workers' own handling time.
 //!
 //! Every subcommand writes `<out>/<name>.json` and `<out>/<name>.csv`.
 
@@ -12,6 +13,7 @@ mod e2e;
 mod forward;
 mod plot;
 mod report;
+mod rpc;
 mod util;
 
 use std::path::PathBuf;
@@ -36,6 +38,8 @@ enum Command {
     E2e(E2eArgs),
     /// PNG plots from the JSON reports in a directory.
     Plot(PlotArgs),
+    /// Per-RPC cost on loopback beyond the workers' own handling time.
+    Rpc(rpc::RpcArgs),
 }
 
 #[derive(Args, Debug)]
@@ -244,5 +248,6 @@ fn main() -> Result<()> {
         Command::Forward(a) => forward(a),
         Command::E2e(a) => e2e(a),
         Command::Plot(a) => plot::run(&a.input, &a.out, a.font.as_deref()),
+        Command::Rpc(a) => rpc::main(a),
     }
 }
