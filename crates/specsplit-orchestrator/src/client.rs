@@ -279,7 +279,6 @@ impl<'a> Run<'a> {
                 };
                 (empty, None)
             } else {
-                let seq = self.seq.clone();
                 match next_tree.take() {
                     Some(pre) if !pre.tree.is_empty() => {
                         // Never deeper than what may still be emitted.
@@ -291,8 +290,8 @@ impl<'a> Run<'a> {
                         };
                         (pre, Some(true))
                     }
-                    Some(_) => (self.draft(&seq, &widths).await?, Some(false)),
-                    None => (self.draft(&seq, &widths).await?, None),
+                    Some(_) => (self.draft(&widths).await?, Some(false)),
+                    None => (self.draft(&widths).await?, None),
                 }
             };
             let overlap = self.cfg.pipeline == Pipeline::Overlapped && depth > 0;
@@ -392,7 +391,8 @@ impl<'a> Run<'a> {
         })
     }
 
-    async fn draft(&mut self, seq: &[u32], widths: &[usize]) -> Result<Drafted, OrchestratorError> {
+    /// Drafts after the whole sequence (the draft protocol has no delta form).
+    async fn draft(&mut self, widths: &[usize]) -> Result<Drafted, OrchestratorError> {
         let no = self.request_no;
         self.request_no += 1;
         draft_call(
@@ -400,7 +400,7 @@ impl<'a> Run<'a> {
             self.session,
             self.cfg,
             no,
-            seq,
+            &self.seq,
             widths,
             &self.limits(),
         )
@@ -413,15 +413,17 @@ impl<'a> Run<'a> {
         &mut self,
         tree: &TokenTree,
     ) -> Result<(Verified, f64, f64), OrchestratorError> {
-        let (draft_tree, root_distribution) = tree.to_proto();
+        // Built once; only a retry builds it again.
+        let mut wire = Some(tree.to_proto());
         let give_up = Instant::now() + RECONNECT_WINDOW;
         let mut backoff = Duration::from_millis(50);
         loop {
+            let (draft_tree, root_distribution) = wire.take().unwrap_or_else(|| tree.to_proto());
             let mut req = VerifyRequest {
                 request_id: format!("{}-{}", self.session, self.request_no),
                 session_id: self.session.to_string(),
-                draft_tree: draft_tree.clone(),
-                root_distribution: root_distribution.clone(),
+                draft_tree,
+                root_distribution,
                 siblings_without_replacement: tree.siblings_without_replacement(),
                 temperature: self.cfg.temperature,
                 sampling: Some(self.cfg.sampling()),
