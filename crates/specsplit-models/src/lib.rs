@@ -6,6 +6,7 @@
 pub mod config;
 pub mod cpu_attention;
 pub mod error;
+pub mod fused;
 pub mod loader;
 pub mod source;
 pub mod step;

@@ -31,6 +31,10 @@ impl Linear {
     /// `x`: `(n, in)` → `(n, out)`.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (y, b) = match self {
+            // One row on CUDA in bf16: the fused matrix-vector kernel, bias included.
+            Self::Dense { w, b } if crate::fused::gemv_fits(x, w) => {
+                return crate::fused::gemv(x, w, b.as_ref())
+            }
             Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
             Self::Quant { w, b } if x.device().is_cuda() => (quant_fixed_width(w, x)?, b),
             Self::Quant { w, b } => (w.forward(x)?, b),
@@ -180,6 +184,15 @@ pub struct StaticStep {
     hidden: Tensor,
     one: Tensor,
     capacity: usize,
+}
+
+/// A layer's dense weights and biases for [`Transformer::static_step`]'s fused kernels.
+struct FusedLayer<'a> {
+    layer: &'a Layer,
+    qkv: (Tensor, Option<Tensor>),
+    o: (Tensor, Option<Tensor>),
+    gate_up: (Tensor, Option<Tensor>),
+    down: (Tensor, Option<Tensor>),
 }
 
 impl Layer {
@@ -849,6 +862,9 @@ impl Transformer {
     /// log-probability to `b.next` / `b.next_logprob`, copies the next token into `b.token` and
     /// increments `b.position`. Nothing is copied to or from the host, and the cache's length
     /// is left alone (the caller owns that bookkeeping).
+    ///
+    /// In bf16 on CUDA the step runs the fused kernels of [`crate::fused`] (about 8 launches a
+    /// layer, attention over the valid slots only); elsewhere it runs candle's ops.
     pub fn static_step(&self, b: &StaticStep, cache: &SessionCache) -> Result<(), ModelError> {
         let c = &self.config;
         let cap = b.capacity;
@@ -857,6 +873,9 @@ impl Transformer {
                 "static step buffers are for {cap} entries, the cache is {:?}",
                 cache.spec()
             )));
+        }
+        if let Some(layers) = self.fused_layers() {
+            return self.static_step_fused(&layers, b, cache);
         }
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rep = heads / kv;
@@ -903,6 +922,98 @@ impl Transformer {
         b.next_logprob.slice_set(&lp, 0, 0)?;
         b.token.slice_set(&next, 0, 0)?;
         b.position.slice_set(&(pos + &b.one)?, 0, 0)?;
+        Ok(())
+    }
+
+    /// The dense weights of every layer when the fused one-token kernels apply to this model
+    /// (bf16 on CUDA, fused Q|K|V and gate|up projections, head size 64 or 128, widths that
+    /// are multiples of 8), else `None`.
+    fn fused_layers(&self) -> Option<Vec<FusedLayer<'_>>> {
+        let c = &self.config;
+        let fits = crate::fused::applies(&self.norm)
+            && matches!(c.head_dim, 64 | 128)
+            && c.hidden_size.is_multiple_of(8)
+            && c.intermediate_size.is_multiple_of(8)
+            && (c.num_attention_heads * c.head_dim).is_multiple_of(8)
+            && self.cos.is_contiguous()
+            && self.sin.is_contiguous()
+            && matches!(self.lm_head, Linear::Dense { b: None, .. });
+        if !fits {
+            return None;
+        }
+        self.layers
+            .iter()
+            .map(|l| {
+                let dense = |lin: &'_ Linear| match lin {
+                    Linear::Dense { w, b } => Some((w.clone(), b.clone())),
+                    Linear::Quant { .. } => None,
+                };
+                let fused = |p: &'_ Proj, parts: usize| match p {
+                    Proj::Fused { lin, sizes } if sizes.len() == parts => dense(lin),
+                    _ => None,
+                };
+                Some(FusedLayer {
+                    layer: l,
+                    qkv: fused(&l.qkv, 3)?,
+                    o: dense(&l.o)?,
+                    gate_up: fused(&l.gate_up, 2)?,
+                    down: dense(&l.down)?,
+                })
+            })
+            .collect()
+    }
+
+    /// [`Transformer::static_step`] with the fused kernels: per layer one add+RMSNorm, the
+    /// Q|K|V product, rotary with the cache write, attention, the output product, add+RMSNorm,
+    /// the gate|up product, the SwiGLU gate and the down product; then the head and the greedy
+    /// pick, which also advances `b.token` / `b.position`.
+    fn static_step_fused(
+        &self,
+        layers: &[FusedLayer<'_>],
+        b: &StaticStep,
+        cache: &SessionCache,
+    ) -> Result<(), ModelError> {
+        use crate::fused;
+        let c = &self.config;
+        let eps = c.rms_norm_eps as f32;
+        let shape = fused::AttnShape {
+            heads: c.num_attention_heads,
+            kv: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            capacity: b.capacity,
+        };
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let x = self.embed.forward(&b.token, self.dtype)?;
+        let first_norm = layers.first().map_or(&self.norm, |l| &l.layer.attn_norm);
+        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps)?;
+        for (i, l) in layers.iter().enumerate() {
+            let qkv = fused::gemv(&h, &l.qkv.0, l.qkv.1.as_ref())?;
+            let (kb, vb) = cache.buffers(i)?;
+            let q = fused::qkv_rope_cache(
+                &qkv,
+                &self.cos,
+                &self.sin,
+                &b.position,
+                kb,
+                vb,
+                shape,
+                self.rope_interleaved,
+            )?;
+            let y = fused::decode_attention(&q, kb, vb, &b.position, shape, scale)?;
+            let a = fused::gemv(&y, &l.o.0, l.o.1.as_ref())?;
+            (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps)?;
+            let gu = fused::gemv(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
+            let m = fused::gemv(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
+            let next_norm = layers.get(i + 1).map_or(&self.norm, |n| &n.layer.attn_norm);
+            (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps)?;
+        }
+        let Linear::Dense { w: head, .. } = &self.lm_head else {
+            return Err(ModelError::Unsupported(
+                "fused step with a quantized head".into(),
+            ));
+        };
+        let logits = fused::gemv(&h, head, None)?;
+        fused::greedy_head(&logits, &b.next, &b.next_logprob, &b.token, &b.position)?;
         Ok(())
     }
 
