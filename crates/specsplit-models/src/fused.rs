@@ -9,24 +9,40 @@
 //! ops round; results agree with them within bf16 rounding, not bit for bit.
 //!
 //! Off CUDA, or for tensors that are not bf16, [`applies`] is false and the callers keep the
-//! unfused path. `SPECSPLIT_FUSED_KERNELS=0` turns the kernels off everywhere (for side-by-side
-//! measurements).
+//! unfused path. The model uses the kernels only while [`enabled`]: for now they are opt-in
+//! (`SPECSPLIT_FUSED_KERNELS=1`), because they have not yet been checked on a GPU
+//! (`tests/fused_kernels.rs` is that check; run it before turning them on by default).
 
 use candle_core::{DType, Result, Tensor};
+use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Whether the fused kernels are allowed: built with `cuda` and not turned off by
-/// `SPECSPLIT_FUSED_KERNELS=0` (read once).
-pub fn allowed() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        cfg!(feature = "cuda")
-            && std::env::var("SPECSPLIT_FUSED_KERNELS").map_or(true, |v| v.trim() != "0")
-    })
+/// 0: not decided yet, 1: off, 2: on.
+static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the model's one-token paths use the fused kernels: built with `cuda` and turned on
+/// by `SPECSPLIT_FUSED_KERNELS=1` (read once) or [`set_enabled`].
+pub fn enabled() -> bool {
+    match ENABLED.load(Ordering::Relaxed) {
+        0 => {
+            let on = cfg!(feature = "cuda")
+                && std::env::var("SPECSPLIT_FUSED_KERNELS").is_ok_and(|v| v.trim() == "1");
+            ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        v => v == 2,
+    }
 }
 
-/// Whether the fused kernels apply to `t`: allowed, on CUDA, in bf16.
+/// Turns the model's use of the fused kernels on or off from here on (overrides the
+/// environment; `on` has no effect without the `cuda` feature).
+pub fn set_enabled(on: bool) {
+    let on = on && cfg!(feature = "cuda");
+    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether the fused kernels can run on `t`: built with `cuda`, on CUDA, in bf16.
 pub fn applies(t: &Tensor) -> bool {
-    allowed() && t.device().is_cuda() && t.dtype() == DType::BF16
+    cfg!(feature = "cuda") && t.device().is_cuda() && t.dtype() == DType::BF16
 }
 
 /// Whether `gemv(x, w, _)` can run: `x` a bf16 `(1, k)` row and `w` a contiguous bf16 `(n, k)`
@@ -403,7 +419,9 @@ mod imp {
 
     pub(super) fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
         let (rows, two_n) = gate_up.dims2()?;
-        check(two_n.is_multiple_of(2), || format!("gate|up width {two_n} is odd"))?;
+        check(two_n.is_multiple_of(2), || {
+            format!("gate|up width {two_n} is odd")
+        })?;
         let n = two_n / 2;
         let out = empty(&[rows, n], DType::BF16, gate_up)?;
         let args = [P(ptr(gate_up)?), P(ptr(&out)?), I(rows as i32), I(n as i32)];
@@ -514,5 +532,13 @@ mod tests {
         assert!(e.contains("needs bf16 on CUDA"), "{e}");
         assert!(silu_mul(&x).is_err());
         assert!(add_rmsnorm(&x, None, &w.get(0).unwrap(), 1e-6).is_err());
+    }
+
+    #[test]
+    fn the_switch_needs_the_cuda_feature() {
+        set_enabled(true);
+        assert_eq!(enabled(), cfg!(feature = "cuda"));
+        set_enabled(false);
+        assert!(!enabled());
     }
 }

@@ -32,7 +32,7 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (y, b) = match self {
             // One row on CUDA in bf16: the fused matrix-vector kernel, bias included.
-            Self::Dense { w, b } if crate::fused::gemv_fits(x, w) => {
+            Self::Dense { w, b } if crate::fused::enabled() && crate::fused::gemv_fits(x, w) => {
                 return crate::fused::gemv(x, w, b.as_ref())
             }
             Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
@@ -863,8 +863,8 @@ impl Transformer {
     /// increments `b.position`. Nothing is copied to or from the host, and the cache's length
     /// is left alone (the caller owns that bookkeeping).
     ///
-    /// In bf16 on CUDA the step runs the fused kernels of [`crate::fused`] (about 8 launches a
-    /// layer, attention over the valid slots only); elsewhere it runs candle's ops.
+    /// In bf16 on CUDA with [`crate::fused::enabled`] the step runs the fused kernels (about 8
+    /// launches a layer, attention over the valid slots only); otherwise candle's ops.
     pub fn static_step(&self, b: &StaticStep, cache: &SessionCache) -> Result<(), ModelError> {
         let c = &self.config;
         let cap = b.capacity;
@@ -925,12 +925,13 @@ impl Transformer {
         Ok(())
     }
 
-    /// The dense weights of every layer when the fused one-token kernels apply to this model
-    /// (bf16 on CUDA, fused Q|K|V and gate|up projections, head size 64 or 128, widths that
+    /// The dense weights of every layer when the fused one-token kernels are enabled and apply
+    /// to this model (bf16 on CUDA, fused Q|K|V and gate|up projections, head size 64 or 128, widths that
     /// are multiples of 8), else `None`.
     fn fused_layers(&self) -> Option<Vec<FusedLayer<'_>>> {
         let c = &self.config;
-        let fits = crate::fused::applies(&self.norm)
+        let fits = crate::fused::enabled()
+            && crate::fused::applies(&self.norm)
             && matches!(c.head_dim, 64 | 128)
             && c.hidden_size.is_multiple_of(8)
             && c.intermediate_size.is_multiple_of(8)

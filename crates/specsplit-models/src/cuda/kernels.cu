@@ -152,6 +152,7 @@ extern "C" __global__ void specsplit_qkv_rope_cache_bf16(
     const int i = threadIdx.x;
     if (i >= half) return;
     const uint32_t p = *pos;
+    if (p >= (uint32_t)cap) return;  // the host keeps positions below capacity; never write past it
     const bf16* src = qkv + (size_t)h * hd;
     if (h >= heads + kv) {
         bf16* dst = vc + ((size_t)(h - heads - kv) * cap + p) * hd;
@@ -188,7 +189,7 @@ __device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restr
     const int h = blockIdx.x;
     const int j = h / (heads / kv);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int len = (int)*pos + 1;
+    const int len = min((int)*pos + 1, cap);
     const bf16* kh = kc + (size_t)j * cap * HD;
     const bf16* vh = vc + (size_t)j * cap * HD;
     for (int d = threadIdx.x; d < HD; d += ATT_THREADS) qs[d] = __bfloat162float(q[(size_t)h * HD + d]);

@@ -1,0 +1,469 @@
+//! The fused bf16 CUDA kernels (`specsplit_models::fused`) against f32 references computed on
+//! the host from the same bf16 inputs, and the fused one-token step against the ordinary
+//! forward pass. Needs the `cuda` feature and a GPU; without a GPU every test says so and
+//! returns. The kernels run whether or not the model uses them (`fused::enabled`).
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use specsplit_models::config::ModelConfig;
+use specsplit_models::fused::{self, AttnShape};
+use specsplit_models::step::DecodeStepper;
+use specsplit_models::transformer::Transformer;
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("no GPU, skipping: {e}");
+            None
+        }
+    }
+}
+
+/// Seeded standard-normal bf16 tensor of `shape` times `scale` on `dev`.
+fn randn(dev: &Device, shape: &[usize], scale: f64) -> Tensor {
+    Tensor::randn(0f32, 1f32, shape, dev)
+        .unwrap()
+        .affine(scale, 0.0)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+}
+
+/// The tensor's values as f32 on the host, flattened.
+fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn bf16_round(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+/// Asserts `got[i]` is within `rel` of `want[i]` relative to `scale` (the magnitude the values
+/// are computed at), reporting the worst index.
+fn assert_close(what: &str, got: &[f32], want: &[f32], scale: f32, rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let (worst, err) = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .enumerate()
+        .fold((0, 0f32), |a, (i, e)| if e > a.1 { (i, e) } else { a });
+    assert!(
+        err <= rel * scale,
+        "{what}: worst |diff| {err} at {worst} (got {}, want {}), allowed {}",
+        got[worst],
+        want[worst],
+        rel * scale
+    );
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |a, b| a.max(b.abs()))
+}
+
+#[test]
+fn gemv_matches_an_f32_product_with_and_without_bias() {
+    let Some(dev) = gpu() else { return };
+    for (n, k) in [(1, 8), (37, 264), (896, 896), (129, 4864), (1000, 3584)] {
+        let x = randn(&dev, &[1, k], 1.0);
+        let w = randn(&dev, &[n, k], 0.05);
+        let b = randn(&dev, &[n], 0.5);
+        assert!(fused::gemv_fits(&x, &w));
+        let (xs, ws, bs) = (host(&x), host(&w), host(&b));
+        let exact: Vec<f32> = (0..n)
+            .map(|r| (0..k).map(|c| xs[c] * ws[r * k + c]).sum())
+            .collect();
+        let scale = max_abs(&exact).max(1e-3);
+        let got = host(&fused::gemv(&x, &w, None).unwrap());
+        // One bf16 rounding of the output (2^-8 relative) plus f32 summation-order noise.
+        assert_close(&format!("gemv {n}x{k}"), &got, &exact, scale, 1.0 / 128.0);
+        let with_bias: Vec<f32> = exact
+            .iter()
+            .zip(&bs)
+            .map(|(y, b)| bf16_round(*y) + b)
+            .collect();
+        let got = host(&fused::gemv(&x, &w, Some(&b)).unwrap());
+        let scale = max_abs(&with_bias).max(1e-3);
+        assert_close(
+            &format!("gemv+bias {n}x{k}"),
+            &got,
+            &with_bias,
+            scale,
+            1.0 / 64.0,
+        );
+    }
+}
+
+#[test]
+fn gemv_refuses_what_it_cannot_run() {
+    let Some(dev) = gpu() else { return };
+    let w = randn(&dev, &[16, 64], 1.0);
+    // Width not a multiple of 8, mismatched widths, two rows, a misaligned view, f32.
+    assert!(!fused::gemv_fits(
+        &randn(&dev, &[1, 60], 1.0),
+        &randn(&dev, &[16, 60], 1.0)
+    ));
+    assert!(!fused::gemv_fits(&randn(&dev, &[1, 72], 1.0), &w));
+    assert!(!fused::gemv_fits(&randn(&dev, &[2, 64], 1.0), &w));
+    let wide = randn(&dev, &[1, 72], 1.0);
+    assert!(!fused::gemv_fits(&wide.narrow(1, 1, 64).unwrap(), &w));
+    let f = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
+    assert!(!fused::gemv_fits(&f, &w));
+    let e = fused::gemv(&f, &w, None).unwrap_err().to_string();
+    assert!(e.contains("does not apply"), "{e}");
+}
+
+#[test]
+fn add_rmsnorm_matches_the_f32_formula() {
+    let Some(dev) = gpu() else { return };
+    for (rows, d) in [(1, 64), (3, 896), (1, 3584), (2, 100)] {
+        let x = randn(&dev, &[rows, d], 1.0);
+        let delta = randn(&dev, &[rows, d], 0.5);
+        let w = randn(&dev, &[d], 1.0);
+        let eps = 1e-6f32;
+        let (xs, ds, ws) = (host(&x), host(&delta), host(&w));
+        for with_delta in [false, true] {
+            let (s, n) = fused::add_rmsnorm(&x, with_delta.then_some(&delta), &w, eps).unwrap();
+            assert_eq!(s.dims(), [rows, d]);
+            assert_eq!(n.dims(), [rows, d]);
+            let (gs, gn) = (host(&s), host(&n));
+            for r in 0..rows {
+                let sum: Vec<f32> = (0..d)
+                    .map(|i| {
+                        let v = xs[r * d + i];
+                        if with_delta {
+                            bf16_round(v + ds[r * d + i])
+                        } else {
+                            v
+                        }
+                    })
+                    .collect();
+                assert_eq!(&gs[r * d..(r + 1) * d], &sum[..], "residual sum row {r}");
+                let inv = 1.0 / ((sum.iter().map(|v| v * v).sum::<f32>() / d as f32) + eps).sqrt();
+                let want: Vec<f32> = (0..d).map(|i| sum[i] * inv * ws[i]).collect();
+                let scale = max_abs(&want);
+                assert_close(
+                    &format!("rmsnorm {rows}x{d} row {r}"),
+                    &gn[r * d..(r + 1) * d],
+                    &want,
+                    scale,
+                    1.0 / 128.0,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn silu_mul_matches_the_f32_formula() {
+    let Some(dev) = gpu() else { return };
+    let (rows, n) = (2, 4864);
+    let gu = randn(&dev, &[rows, 2 * n], 2.0);
+    let g = host(&gu);
+    let got = host(&fused::silu_mul(&gu).unwrap());
+    let want: Vec<f32> = (0..rows * n)
+        .map(|i| {
+            let (r, c) = (i / n, i % n);
+            let gate = g[r * 2 * n + c];
+            let up = g[r * 2 * n + n + c];
+            bf16_round(gate / (1.0 + (-gate).exp())) * up
+        })
+        .collect();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (a - b).abs() <= b.abs() / 64.0 + 1e-6,
+            "silu_mul {i}: {a} vs {b}"
+        );
+    }
+}
+
+/// Rotary tables `(positions, half)` for base 10000, rounded to bf16 like the model's.
+fn rope_tables(dev: &Device, positions: usize, hd: usize) -> (Tensor, Tensor, Vec<f32>, Vec<f32>) {
+    let half = hd / 2;
+    let mut c = Vec::with_capacity(positions * half);
+    let mut s = Vec::with_capacity(positions * half);
+    for p in 0..positions {
+        for i in 0..half {
+            let inv = 1.0 / 10_000f64.powf(2.0 * i as f64 / hd as f64);
+            let a = p as f64 * inv;
+            c.push(bf16_round(a.cos() as f32));
+            s.push(bf16_round(a.sin() as f32));
+        }
+    }
+    let t = |v: &Vec<f32>| {
+        Tensor::from_vec(v.clone(), (positions, half), dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    (t(&c), t(&s), c, s)
+}
+
+#[test]
+fn qkv_rope_cache_rotates_q_and_k_and_writes_only_slot_pos() {
+    let Some(dev) = gpu() else { return };
+    for interleaved in [false, true] {
+        let shape = AttnShape {
+            heads: 14,
+            kv: 2,
+            head_dim: 64,
+            capacity: 40,
+        };
+        let (h, kv, hd, cap) = (shape.heads, shape.kv, shape.head_dim, shape.capacity);
+        let half = hd / 2;
+        let (cos, sin, cs, ss) = rope_tables(&dev, 64, hd);
+        let qkv = randn(&dev, &[1, (h + 2 * kv) * hd], 1.0);
+        let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let vc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let (k_before, v_before) = (host(&kc), host(&vc));
+        let p = 23usize;
+        let pos = Tensor::new(&[p as u32], &dev).unwrap();
+        let q =
+            fused::qkv_rope_cache(&qkv, &cos, &sin, &pos, &kc, &vc, shape, interleaved).unwrap();
+        let src = host(&qkv);
+        let rotate = |head: &[f32]| -> Vec<f32> {
+            let mut out = head.to_vec();
+            for i in 0..half {
+                let (a, b) = if interleaved {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + half)
+                };
+                let (c, s) = (cs[p * half + i], ss[p * half + i]);
+                out[a] = head[a] * c - head[b] * s;
+                out[b] = head[a] * s + head[b] * c;
+            }
+            out
+        };
+        let gq = host(&q);
+        for head in 0..h {
+            let want = rotate(&src[head * hd..(head + 1) * hd]);
+            assert_close(
+                &format!("q head {head}"),
+                &gq[head * hd..(head + 1) * hd],
+                &want,
+                max_abs(&want),
+                1.0 / 128.0,
+            );
+        }
+        let (k_after, v_after) = (host(&kc), host(&vc));
+        for j in 0..kv {
+            for slot in 0..cap {
+                let at = (j * cap + slot) * hd;
+                let (k, v) = (&k_after[at..at + hd], &v_after[at..at + hd]);
+                if slot != p {
+                    assert_eq!(k, &k_before[at..at + hd], "K slot {slot} touched");
+                    assert_eq!(v, &v_before[at..at + hd], "V slot {slot} touched");
+                    continue;
+                }
+                let kh = (h + j) * hd;
+                let want = rotate(&src[kh..kh + hd]);
+                assert_close(
+                    &format!("k head {j}"),
+                    k,
+                    &want,
+                    max_abs(&want),
+                    1.0 / 128.0,
+                );
+                let vh = (h + kv + j) * hd;
+                assert_eq!(v, &src[vh..vh + hd], "V head {j} copied as is");
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_attention_matches_naive_softmax_attention() {
+    let Some(dev) = gpu() else { return };
+    for hd in [64, 128] {
+        let shape = AttnShape {
+            heads: 8,
+            kv: 2,
+            head_dim: hd,
+            capacity: 4200,
+        };
+        let (h, kv, cap) = (shape.heads, shape.kv, shape.capacity);
+        let q = randn(&dev, &[1, h * hd], 1.0);
+        let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let vc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let (qs, ks, vs) = (host(&q), host(&kc), host(&vc));
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Across one tile, several tiles of 2048 scores and a tile boundary (2049).
+        for len in [1usize, 7, 300, 2048, 2049, 4100] {
+            let pos = Tensor::new(&[len as u32 - 1], &dev).unwrap();
+            let got = host(&fused::decode_attention(&q, &kc, &vc, &pos, shape, scale).unwrap());
+            for head in 0..h {
+                let j = head / (h / kv);
+                let qh = &qs[head * hd..(head + 1) * hd];
+                let scores: Vec<f64> = (0..len)
+                    .map(|t| {
+                        let k = &ks[(j * cap + t) * hd..(j * cap + t + 1) * hd];
+                        qh.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>() * scale as f64
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                let want: Vec<f32> = (0..hd)
+                    .map(|d| {
+                        (0..len)
+                            .map(|t| e[t] * vs[(j * cap + t) * hd + d] as f64)
+                            .sum::<f64>()
+                            / z
+                    })
+                    .map(|v| v as f32)
+                    .collect();
+                assert_close(
+                    &format!("attention hd {hd} len {len} head {head}"),
+                    &got[head * hd..(head + 1) * hd],
+                    &want,
+                    max_abs(&want).max(0.05),
+                    1.0 / 64.0,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_head_picks_the_lowest_argmax_and_advances_the_position() {
+    let Some(dev) = gpu() else { return };
+    let vocab = 151_936;
+    let mut logits: Vec<f32> = (0..vocab)
+        .map(|i| ((i as f32 * 0.618).fract() - 0.5) * 8.0)
+        .collect();
+    // A tie at the maximum: the lower index wins.
+    logits[90_001] = 9.0;
+    logits[12_345] = 9.0;
+    let l = Tensor::from_vec(logits.clone(), (1, vocab), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let lb = host(&l);
+    let next = Tensor::zeros(1, DType::U32, &dev).unwrap();
+    let logprob = Tensor::zeros(1, DType::F32, &dev).unwrap();
+    let token = Tensor::zeros(1, DType::U32, &dev).unwrap();
+    let pos = Tensor::new(&[41u32], &dev).unwrap();
+    fused::greedy_head(&l, &next, &logprob, &token, &pos).unwrap();
+    assert_eq!(next.to_vec1::<u32>().unwrap(), [12_345]);
+    assert_eq!(token.to_vec1::<u32>().unwrap(), [12_345]);
+    assert_eq!(pos.to_vec1::<u32>().unwrap(), [42]);
+    let lse = 9.0
+        + lb.iter()
+            .map(|&v| ((v - 9.0) as f64).exp())
+            .sum::<f64>()
+            .ln();
+    let got = logprob.to_vec1::<f32>().unwrap()[0] as f64;
+    assert!((got - (9.0 - lse)).abs() < 1e-3, "{got} vs {}", 9.0 - lse);
+}
+
+/// Greedy decode by the ordinary forward on `dev`: f32 logits rows per step.
+fn reference_logits(m: &Transformer, prompt: &[u32], steps: usize, cap: usize) -> Vec<Vec<f32>> {
+    let dev = m.device();
+    let u = |v: &[u32]| Tensor::new(v, dev).unwrap();
+    let mut cache = m.new_cache(cap).unwrap();
+    let pos: Vec<u32> = (0..prompt.len() as u32).collect();
+    let mut logits = m
+        .forward(
+            &u(prompt),
+            &u(&pos),
+            None,
+            &mut cache,
+            &u(&[prompt.len() as u32 - 1]),
+        )
+        .unwrap();
+    let mut rows = Vec::new();
+    for _ in 0..steps {
+        let row: Vec<f32> = logits.i(0).unwrap().to_vec1().unwrap();
+        let best = argmax(&row);
+        rows.push(row);
+        let p = cache.len() as u32;
+        logits = m
+            .forward(&u(&[best]), &u(&[p]), None, &mut cache, &u(&[0]))
+            .unwrap();
+    }
+    rows
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn fused_static_step_decodes_like_the_forward_pass() {
+    let Some(dev) = gpu() else { return };
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let mut cfg = ModelConfig::preset(preset).unwrap();
+        cfg.num_hidden_layers = 3;
+        cfg.vocab_size = 8192;
+        cfg.max_position_embeddings = 2048;
+        let m = Transformer::random(cfg, 11, DType::BF16, &dev).unwrap();
+        let prompt: Vec<u32> = (0..300).map(|i| (i * 97 + 13) % 8192).collect();
+        let (cap, steps) = (512, 24);
+        // The reference runs candle's ops only; the stepper below the fused kernels (this is
+        // the one test of the file that uses the model, so the switch races with nothing).
+        fused::set_enabled(false);
+        let want = reference_logits(&m, &prompt, steps + 1, cap);
+        fused::set_enabled(true);
+
+        let mut cache = m.new_cache(cap).unwrap();
+        let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+        let pos: Vec<u32> = (0..prompt.len() as u32).collect();
+        m.forward(&u(&prompt), &u(&pos), None, &mut cache, &u(&[0]))
+            .unwrap();
+        let mut stepper = DecodeStepper::new(&m, cap).unwrap();
+        stepper.start(argmax(&want[0]), prompt.len()).unwrap();
+        let mut same = 0;
+        for (j, row) in want.iter().enumerate().skip(1) {
+            stepper.step(&m, &cache).unwrap();
+            let b = stepper.buffers();
+            let got = b.next.to_vec1::<u32>().unwrap()[0];
+            let lp = b.next_logprob.to_vec1::<f32>().unwrap()[0];
+            let best = argmax(row);
+            let spread = row[best as usize] - row.iter().cloned().fold(f32::INFINITY, f32::min);
+            // bf16 arithmetic in another order may break a near-tie the other way; anything
+            // else is a wrong kernel.
+            assert!(
+                row[best as usize] - row[got as usize] <= 0.02 * spread,
+                "{preset} step {j}: fused picked {got} ({}), forward {best} ({})",
+                row[got as usize],
+                row[best as usize]
+            );
+            let m = row[best as usize] as f64;
+            let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            let want_lp = (row[got as usize] as f64 - lse) as f32;
+            assert!(
+                (lp - want_lp).abs() < 0.05 + 0.02 * want_lp.abs(),
+                "{preset} step {j}: log-prob {lp} vs {want_lp}"
+            );
+            if got != best {
+                break; // the sequences part here; later rows no longer correspond
+            }
+            same += 1;
+        }
+        eprintln!("{preset}: {same}/{steps} fused steps identical to the forward pass");
+        assert!(same >= steps / 2, "{preset}: only {same}/{steps} identical");
+        // Every step advanced the device-side position by one.
+        let stepped = (same + 1).min(steps);
+        assert_eq!(
+            stepper.buffers().position.to_vec1::<u32>().unwrap()[0] as usize,
+            prompt.len() + stepped
+        );
+    }
+}
