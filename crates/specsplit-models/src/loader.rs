@@ -18,8 +18,9 @@ use crate::ModelError;
 pub struct LoadOptions {
     /// The device the weights are placed on.
     pub device: Device,
-    /// Activation/weight dtype for safetensors and random models; `None`: f32 on CPU, bf16 on
-    /// CUDA. GGUF models keep their quantized weights.
+    /// Activation/weight dtype; `None`: f32 on CPU, bf16 on CUDA. GGUF models keep their
+    /// quantized weights unless a dtype is given, which dequantizes them to it at load time
+    /// (dense weights: more memory, but cuBLAS products and the CUDA-graph draft step).
     pub dtype: Option<DType>,
 }
 
@@ -89,7 +90,10 @@ pub fn load_resolved(
             let ct = read_gguf(path)?;
             let mut tok = gguf_tokenizer(&ct, tokenizer.as_deref())?;
             drop(ct);
-            let model = Transformer::from_gguf(path, &opts.device)?;
+            let model = match opts.dtype {
+                Some(dt) => Transformer::from_gguf_dequantized(path, dt, &opts.device)?,
+                None => Transformer::from_gguf(path, &opts.device)?,
+            };
             tok.add_eos_token_ids(&model.config().eos_token_ids);
             (model, tok)
         }

@@ -834,6 +834,20 @@ impl Transformer {
         self.device.is_cuda() && matches!(self.lm_head, Linear::Dense { .. })
     }
 
+    /// Whether any projection keeps quantized (GGUF) weights.
+    pub fn is_quantized(&self) -> bool {
+        let quant = |l: &Linear| matches!(l, Linear::Quant { .. });
+        let proj = |p: &Proj| match p {
+            Proj::Fused { lin, .. } => quant(lin),
+            Proj::Split(ls) => ls.iter().any(quant),
+        };
+        quant(&self.lm_head)
+            || self
+                .layers
+                .iter()
+                .any(|l| proj(&l.qkv) || proj(&l.gate_up) || quant(&l.o) || quant(&l.down))
+    }
+
     /// Device buffers for [`Transformer::static_step`] over caches of `capacity` entries.
     pub fn static_step_buffers(&self, capacity: usize) -> Result<StaticStep, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;

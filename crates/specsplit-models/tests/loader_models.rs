@@ -175,3 +175,62 @@ fn tokenizer_json_beside_a_gguf_is_used_only_when_it_matches() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_explicit_dtype_dequantizes_a_gguf_into_the_same_model() {
+    let quant = load_model("smollm2", &LoadOptions::default())
+        .unwrap()
+        .model;
+    let opts = LoadOptions {
+        dtype: Some(DType::F32),
+        ..LoadOptions::default()
+    };
+    let dense = load_model("smollm2", &opts).unwrap().model;
+    assert!(quant.is_quantized());
+    assert!(!dense.is_quantized());
+    assert_eq!(dense.dtype(), DType::F32);
+    // Same weights: the next-token logits agree up to the quantized kernels' 8-bit activation
+    // rounding, and the greedy pick is the same.
+    let dev = Device::Cpu;
+    let tokens = [1u32, 19556, 28, 905, 17, 1073, 314];
+    let logits = |m: &specsplit_models::transformer::Transformer| -> Vec<f32> {
+        let mut cache = m.new_cache(16).unwrap();
+        let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+        m.forward(
+            &Tensor::new(&tokens[..], &dev).unwrap(),
+            &Tensor::new(pos.as_slice(), &dev).unwrap(),
+            None,
+            &mut cache,
+            &Tensor::new(&[tokens.len() as u32 - 1], &dev).unwrap(),
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+    };
+    let (a, b) = (logits(&quant), logits(&dense));
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|x, y| x.1.total_cmp(y.1))
+            .unwrap()
+            .0
+    };
+    assert_eq!(argmax(&a), argmax(&b));
+    let spread =
+        a.iter().cloned().fold(f32::MIN, f32::max) - a.iter().cloned().fold(f32::MAX, f32::min);
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst < 0.05 * spread,
+        "max logit difference {worst} of spread {spread}"
+    );
+    assert!(
+        worst > 0.0,
+        "the dense model computes without 8-bit activation rounding"
+    );
+}

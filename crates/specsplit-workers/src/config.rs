@@ -18,7 +18,8 @@ pub struct WorkerConfig {
     pub model: String,
     /// Device: `cpu`, `cuda` or `cuda:N`.
     pub device: String,
-    /// Weight/activation dtype (`f32`, `f16`, `bf16`); empty = f32 on CPU, bf16 on CUDA.
+    /// Weight/activation dtype (`f32`, `f16`, `bf16`); empty = f32 on CPU, bf16 on CUDA, and
+    /// GGUF weights stay quantized (a dtype dequantizes them to it at load).
     pub dtype: String,
     /// Most sessions held at once (LRU eviction beyond).
     pub max_sessions: usize,
