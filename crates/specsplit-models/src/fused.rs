@@ -45,16 +45,23 @@ pub fn applies(t: &Tensor) -> bool {
     cfg!(feature = "cuda") && t.device().is_cuda() && t.dtype() == DType::BF16
 }
 
-/// Whether `gemv(x, w, _)` can run: `x` a bf16 `(1, k)` row and `w` a contiguous bf16 `(n, k)`
-/// matrix on CUDA, `k` a multiple of 8 and both 16-byte aligned.
+/// Whether `w` can be a [`gemv`] weight: a contiguous, 16-byte aligned bf16 `(n, k)` matrix on
+/// CUDA with `k` a multiple of 8.
+pub fn weight_fits(w: &Tensor) -> bool {
+    applies(w)
+        && matches!(w.dims(), [_, k] if k.is_multiple_of(8))
+        && w.is_contiguous()
+        && imp::aligned16(w)
+}
+
+/// Whether `gemv(x, w, _)` can run: `w` [`weight_fits`] and `x` a contiguous, 16-byte aligned
+/// bf16 `(1, k)` row on CUDA of the same width.
 pub fn gemv_fits(x: &Tensor, w: &Tensor) -> bool {
     applies(x)
-        && w.dtype() == DType::BF16
-        && matches!((x.dims(), w.dims()), ([1, k], [_, kw]) if k == kw && k.is_multiple_of(8))
+        && matches!((x.dims(), w.dims()), ([1, k], [_, kw]) if k == kw)
         && x.is_contiguous()
-        && w.is_contiguous()
         && imp::aligned16(x)
-        && imp::aligned16(w)
+        && weight_fits(w)
 }
 
 /// `x W^T (+ b)` for one row: `x` `(1, k)`, `w` `(n, k)`, `b` `(n,)` → `(1, n)` bf16.

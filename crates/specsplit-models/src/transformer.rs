@@ -888,8 +888,11 @@ impl Transformer {
                 cache.spec()
             )));
         }
-        if let Some(layers) = self.fused_layers() {
-            return self.static_step_fused(&layers, b, cache);
+        // The fused step indexes the rotary tables by slot: they must cover the capacity.
+        if self.cos.dim(0)? >= cap {
+            if let Some(layers) = self.fused_layers() {
+                return self.static_step_fused(&layers, b, cache);
+            }
         }
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rep = heads / kv;
@@ -952,7 +955,7 @@ impl Transformer {
             && (c.num_attention_heads * c.head_dim).is_multiple_of(8)
             && self.cos.is_contiguous()
             && self.sin.is_contiguous()
-            && matches!(self.lm_head, Linear::Dense { b: None, .. });
+            && matches!(&self.lm_head, Linear::Dense { w, b: None } if crate::fused::weight_fits(w));
         if !fits {
             return None;
         }
@@ -960,8 +963,10 @@ impl Transformer {
             .iter()
             .map(|l| {
                 let dense = |lin: &'_ Linear| match lin {
-                    Linear::Dense { w, b } => Some((w.clone(), b.clone())),
-                    Linear::Quant { .. } => None,
+                    Linear::Dense { w, b } if crate::fused::weight_fits(w) => {
+                        Some((w.clone(), b.clone()))
+                    }
+                    _ => None,
                 };
                 let fused = |p: &'_ Proj, parts: usize| match p {
                     Proj::Fused { lin, sizes } if sizes.len() == parts => dense(lin),
