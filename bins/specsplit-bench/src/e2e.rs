@@ -558,6 +558,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,
+            "fused_kernels": specsplit_models::fused::enabled(),
             "target_only_tok_per_s": ar_tps,
         },
         "best_depth": summary,

@@ -163,7 +163,16 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         device: device.clone(),
         dtype: parse_dtype(&s.dtype)?,
     };
-    eprintln!("loading {} on {} ...", s.model, s.device);
+    eprintln!(
+        "loading {} on {} (fused one-token kernels {}) ...",
+        s.model,
+        s.device,
+        if specsplit_models::fused::enabled() {
+            "on"
+        } else {
+            "off"
+        }
+    );
     let loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
     let m = &loaded.model;
     let cfg = m.config().clone();
@@ -365,6 +374,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "spec": s.model,
             "device": s.device,
             "dtype": format!("{:?}", m.dtype()).to_lowercase(),
+            "fused_kernels": specsplit_models::fused::enabled(),
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                 "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
