@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [qwen]      (no argument = tests forward e2e)
+#   bash .device/suite.sh [tests] [forward] [e2e] [e2e2gpu] [qwen]   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). Fused kernels are compared side by side:
 # SPECSPLIT_FUSED_KERNELS=0 and =1 in the same call. `qwen` needs the pair assembled by join.sh.
 set -uo pipefail
@@ -30,6 +30,13 @@ e2e)
             --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths 2,3,4 \
             --pipelines sequential --out "$OUT" --name e2e-b08-fused$f 2>&1 | tail -20
     done ;;
+e2e2gpu)
+    # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.
+    log "e2e synthetic, draft on cuda:1, fused=1"
+    SPECSPLIT_FUSED_KERNELS=1 timeout 280 /tmp/b e2e --target random:qwen2.5-7b \
+        --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:1 \
+        --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths 2,3,4,6 \
+        --pipelines sequential,overlapped --out "$OUT" --name e2e-b08-2gpu 2>&1 | tail -20 ;;
 qwen)
     for f in 0 1; do
         log "e2e qwen-coder 0.5b -> 1.5b, dequantized bf16, fused=$f"
