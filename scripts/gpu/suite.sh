@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
 #   bash .device/suite.sh [tests] [forward] [e2e] [e2e2gpu] [qwen]   (none = tests forward e2e)
-# Every output goes to $OUT (suite.log, JSON, CSV). Fused kernels are compared side by side:
-# SPECSPLIT_FUSED_KERNELS=0 and =1 in the same call. `qwen` needs the pair assembled by join.sh.
+# Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
+# memory pool are compared side by side in the same call (CONFIGS below). `qwen` needs the pair
+# assembled by join.sh.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 gunzip -c .device/bench.gz > /tmp/b && chmod +x /tmp/b
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests forward e2e)
 log() { echo "=== $(date +%T) $*"; }
+# Side-by-side configurations: fN = SPECSPLIT_FUSED_KERNELS=N, pN = SPECSPLIT_CUDA_POOL_RETAIN=N
+# (f0p0 is the code before both changes). Override with CONFIGS="f1p1" bash .device/suite.sh ...
+CONFIGS="${CONFIGS:-f0p0 f0p1 f1p1}"
+cfg_env() { echo "SPECSPLIT_FUSED_KERNELS=${1:1:1} SPECSPLIT_CUDA_POOL_RETAIN=${1:3:1}"; }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for s in "${steps[@]}"; do case "$s" in
@@ -16,19 +21,19 @@ tests)
     gunzip -c .device/fused_kernels.gz > /tmp/t && chmod +x /tmp/t
     log "fused kernel tests"; /tmp/t --test-threads 1 --nocapture 2>&1 | tail -40 ;;
 forward)
-    for m in 0.5b 7b; do for f in 0 1; do
-        log "forward $m fused=$f"
-        SPECSPLIT_FUSED_KERNELS=$f timeout 240 /tmp/b forward --model random:qwen2.5-$m \
+    for m in 0.5b 7b; do for c in $CONFIGS; do
+        log "forward $m $c"
+        env $(cfg_env $c) timeout 240 /tmp/b forward --model random:qwen2.5-$m \
             --device cuda:0 --contexts 512,2048 --chains 1,8 --trees 32 --iters 20 \
-            --out "$OUT" --name forward-$m-fused$f 2>&1 | grep -v '^\s*$'
+            --out "$OUT" --name forward-$m-$c 2>&1 | grep -v '^\s*$'
     done; done ;;
 e2e)
-    for f in 0 1; do
-        log "e2e synthetic fused=$f"
-        SPECSPLIT_FUSED_KERNELS=$f timeout 280 /tmp/b e2e --target random:qwen2.5-7b \
+    for c in $CONFIGS; do
+        log "e2e synthetic $c"
+        env $(cfg_env $c) timeout 280 /tmp/b e2e --target random:qwen2.5-7b \
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
             --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths 2,3,4 \
-            --pipelines sequential --out "$OUT" --name e2e-b08-fused$f 2>&1 | tail -20
+            --pipelines sequential --out "$OUT" --name e2e-b08-$c 2>&1 | tail -20
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.

@@ -375,6 +375,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "device": s.device,
             "dtype": format!("{:?}", m.dtype()).to_lowercase(),
             "fused_kernels": specsplit_models::fused::enabled(),
+            "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                 "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,

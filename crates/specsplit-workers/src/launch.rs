@@ -40,19 +40,26 @@ pub enum LaunchError {
     },
 }
 
-/// Parses `cpu`, `cuda` or `cuda:N`.
+/// Parses `cpu`, `cuda` or `cuda:N`. A CUDA device's memory pool is set to keep freed memory
+/// ([`specsplit_core::device::retain_pool_memory`]; a failure there is only logged).
 pub fn parse_device(s: &str) -> Result<Device, LaunchError> {
     let bad = |e: candle_core::Error| LaunchError::Config(format!("device '{s}': {e}"));
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).map_err(bad),
+    let device = match s {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0).map_err(bad)?,
         _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => Device::new_cuda(n).map_err(bad),
-            _ => Err(LaunchError::Config(format!(
-                "unknown device '{s}': use cpu, cuda or cuda:N"
-            ))),
+            Some(Ok(n)) => Device::new_cuda(n).map_err(bad)?,
+            _ => {
+                return Err(LaunchError::Config(format!(
+                    "unknown device '{s}': use cpu, cuda or cuda:N"
+                )))
+            }
         },
+    };
+    if let Err(e) = specsplit_core::device::retain_pool_memory(&device) {
+        tracing::warn!("{s}: {e}; freed GPU memory goes back to the driver at each sync");
     }
+    Ok(device)
 }
 
 /// Parses `f32`, `f16`, `bf16`, or "" for the device default.
