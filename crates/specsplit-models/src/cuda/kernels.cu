@@ -25,40 +25,38 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ float block_sum(float v) {
+struct SumOp {
+    static __device__ __forceinline__ float identity() { return 0.f; }
+    static __device__ __forceinline__ float warp(float v) { return warp_sum(v); }
+};
+
+struct MaxOp {
+    static __device__ __forceinline__ float identity() { return -INFINITY; }
+    static __device__ __forceinline__ float warp(float v) { return warp_max(v); }
+};
+
+// Reduction over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. Called by every thread of the block.
+template <typename Op>
+__device__ float block_reduce(float v) {
     __shared__ float part[32];
     __shared__ float total;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    v = warp_sum(v);
+    v = Op::warp(v);
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float s = lane < (int)(blockDim.x / WARP) ? part[lane] : 0.f;
-        s = warp_sum(s);
+        float s = lane < (int)(blockDim.x / WARP) ? part[lane] : Op::identity();
+        s = Op::warp(s);
         if (lane == 0) total = s;
     }
     __syncthreads();
     return total;
 }
 
-__device__ float block_max(float v) {
-    __shared__ float part[32];
-    __shared__ float total;
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float s = lane < (int)(blockDim.x / WARP) ? part[lane] : -INFINITY;
-        s = warp_max(s);
-        if (lane == 0) total = s;
-    }
-    __syncthreads();
-    return total;
-}
+__device__ __forceinline__ float block_sum(float v) { return block_reduce<SumOp>(v); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce<MaxOp>(v); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
