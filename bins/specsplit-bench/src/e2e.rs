@@ -558,7 +558,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,
-            "fused_kernels": specsplit_models::fused::enabled(),
+            "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "target_only_tok_per_s": ar_tps,
         },

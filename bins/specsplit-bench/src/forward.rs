@@ -164,14 +164,10 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         dtype: parse_dtype(&s.dtype)?,
     };
     eprintln!(
-        "loading {} on {} (fused one-token kernels {}) ...",
+        "loading {} on {} (fused one-token kernels: {:?}) ...",
         s.model,
         s.device,
-        if specsplit_models::fused::enabled() {
-            "on"
-        } else {
-            "off"
-        }
+        specsplit_models::fused::scope()
     );
     let loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
     let m = &loaded.model;
@@ -374,7 +370,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "spec": s.model,
             "device": s.device,
             "dtype": format!("{:?}", m.dtype()).to_lowercase(),
-            "fused_kernels": specsplit_models::fused::enabled(),
+            "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,

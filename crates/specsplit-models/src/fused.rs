@@ -9,35 +9,77 @@
 //! ops round; results agree with them within bf16 rounding, not bit for bit.
 //!
 //! Off CUDA, or for tensors that are not bf16, [`applies`] is false and the callers keep the
-//! unfused path. The model uses the kernels only while [`enabled`]: for now they are opt-in
-//! (`SPECSPLIT_FUSED_KERNELS=1`), because they have not yet been checked on a GPU
-//! (`tests/fused_kernels.rs` is that check; run it before turning them on by default).
+//! unfused path. Where the model uses them is set by `SPECSPLIT_FUSED_KERNELS` (read once):
+//!
+//! - unset or `step` (default): the fixed-shape greedy step ([`enabled`]), which only drafts
+//!   (its tokens are proposals the target verifies), so it cannot change any output;
+//! - `all`: also every one-row dense projection ([`rows_enabled`]): the target's plain decode
+//!   steps then run the GEMV while verify passes keep cuBLAS, so bf16 near-ties can break
+//!   differently between target-only decoding and speculation (measured in docs/benchmarks.md);
+//! - `0`: nowhere.
 
 use candle_core::{DType, Result, Tensor};
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// 0: not decided yet, 1: off, 2: on.
-static ENABLED: AtomicU8 = AtomicU8::new(0);
+/// 0: not decided yet, else 1 + the [`Scope`] index.
+static SCOPE: AtomicU8 = AtomicU8::new(0);
 
-/// Whether the model's one-token paths use the fused kernels: built with `cuda` and turned on
-/// by `SPECSPLIT_FUSED_KERNELS=1` (read once) or [`set_enabled`].
-pub fn enabled() -> bool {
-    match ENABLED.load(Ordering::Relaxed) {
-        0 => {
-            let on = cfg!(feature = "cuda")
-                && std::env::var("SPECSPLIT_FUSED_KERNELS").is_ok_and(|v| v.trim() == "1");
-            ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
+/// Where the model uses the fused kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Nowhere.
+    Off,
+    /// The fixed-shape greedy (draft) step only.
+    Step,
+    /// The step and every one-row dense projection.
+    All,
+}
+
+impl Scope {
+    const ALL: [Scope; 3] = [Scope::Off, Scope::Step, Scope::All];
+
+    /// The scope `SPECSPLIT_FUSED_KERNELS` asks for (`0`, `step` or `1`, `all`; unset: step).
+    fn from_env() -> Self {
+        match std::env::var("SPECSPLIT_FUSED_KERNELS")
+            .as_deref()
+            .map(str::trim)
+        {
+            Ok("0") | Ok("off") => Scope::Off,
+            Ok("all") => Scope::All,
+            _ => Scope::Step,
         }
-        v => v == 2,
     }
 }
 
-/// Turns the model's use of the fused kernels on or off from here on (overrides the
-/// environment; `on` has no effect without the `cuda` feature).
-pub fn set_enabled(on: bool) {
-    let on = on && cfg!(feature = "cuda");
-    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+/// The scope in force: [`set_scope`]'s, else the environment's; always off without `cuda`.
+pub fn scope() -> Scope {
+    if !cfg!(feature = "cuda") {
+        return Scope::Off;
+    }
+    match SCOPE.load(Ordering::Relaxed) {
+        0 => {
+            let s = Scope::from_env();
+            set_scope(s);
+            s
+        }
+        v => Scope::ALL[(v - 1) as usize],
+    }
+}
+
+/// Sets where the model uses the fused kernels from here on (overrides the environment).
+pub fn set_scope(s: Scope) {
+    let i = Scope::ALL.iter().position(|&x| x == s).unwrap_or(0);
+    SCOPE.store(i as u8 + 1, Ordering::Relaxed);
+}
+
+/// Whether the fixed-shape greedy step uses the fused kernels.
+pub fn enabled() -> bool {
+    scope() != Scope::Off
+}
+
+/// Whether one-row dense projections use the fused GEMV.
+pub fn rows_enabled() -> bool {
+    scope() == Scope::All
 }
 
 /// Whether the fused kernels can run on `t`: built with `cuda`, on CUDA, in bf16.
@@ -542,10 +584,14 @@ mod tests {
     }
 
     #[test]
-    fn the_switch_needs_the_cuda_feature() {
-        set_enabled(true);
+    fn the_scope_needs_the_cuda_feature() {
+        set_scope(Scope::All);
+        assert_eq!(rows_enabled(), cfg!(feature = "cuda"));
         assert_eq!(enabled(), cfg!(feature = "cuda"));
-        set_enabled(false);
-        assert!(!enabled());
+        set_scope(Scope::Step);
+        assert!(!rows_enabled());
+        assert_eq!(enabled(), cfg!(feature = "cuda"));
+        set_scope(Scope::Off);
+        assert!(!enabled() && !rows_enabled());
     }
 }

@@ -31,8 +31,10 @@ impl Linear {
     /// `x`: `(n, in)` → `(n, out)`.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (y, b) = match self {
-            // One row on CUDA in bf16: the fused matrix-vector kernel, bias included.
-            Self::Dense { w, b } if crate::fused::enabled() && crate::fused::gemv_fits(x, w) => {
+            // One row on CUDA in bf16 (fused scope `all`): the GEMV kernel, bias included.
+            Self::Dense { w, b }
+                if crate::fused::rows_enabled() && crate::fused::gemv_fits(x, w) =>
+            {
                 return crate::fused::gemv(x, w, b.as_ref())
             }
             Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
@@ -877,8 +879,9 @@ impl Transformer {
     /// increments `b.position`. Nothing is copied to or from the host, and the cache's length
     /// is left alone (the caller owns that bookkeeping).
     ///
-    /// In bf16 on CUDA with [`crate::fused::enabled`] the step runs the fused kernels (about 8
-    /// launches a layer, attention over the valid slots only); otherwise candle's ops.
+    /// In bf16 on CUDA with [`crate::fused::enabled`] (the default) the step runs the fused
+    /// kernels (about 8 launches a layer, attention over the valid slots only); otherwise
+    /// candle's ops.
     pub fn static_step(&self, b: &StaticStep, cache: &SessionCache) -> Result<(), ModelError> {
         let c = &self.config;
         let cap = b.capacity;

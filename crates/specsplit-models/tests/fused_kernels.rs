@@ -1,7 +1,7 @@
 //! The fused bf16 CUDA kernels (`specsplit_models::fused`) against f32 references computed on
 //! the host from the same bf16 inputs, and the fused one-token step against the ordinary
 //! forward pass. Needs the `cuda` feature and a GPU; without a GPU every test says so and
-//! returns. The kernels run whether or not the model uses them (`fused::enabled`).
+//! returns. The kernels run whatever scope the model uses them in (`fused::scope`).
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, IndexOp, Tensor};
@@ -409,7 +409,7 @@ fn fused_static_step_decodes_like_the_forward_pass() {
         // cache follows the stepper's tokens with candle's ops (the fused switch is off for
         // it), so every step is compared on the same sequence even after a near-tie went the
         // other way. This is the only test of the file that uses the switch.
-        fused::set_enabled(false);
+        fused::set_scope(fused::Scope::Off);
         let mut reference = m.new_cache(cap).unwrap();
         let mut row = forward_last(&m, &mut reference, &prompt);
         let mut cache = m.new_cache(cap).unwrap();
@@ -419,9 +419,9 @@ fn fused_static_step_decodes_like_the_forward_pass() {
         stepper.start(token, prompt.len()).unwrap();
         let mut same = 0;
         for j in 1..=steps {
-            fused::set_enabled(true);
+            fused::set_scope(fused::Scope::Step);
             stepper.step(&m, &cache).unwrap();
-            fused::set_enabled(false);
+            fused::set_scope(fused::Scope::Off);
             row = forward_last(&m, &mut reference, &[token]);
             let b = stepper.buffers();
             let got = b.next.to_vec1::<u32>().unwrap()[0];
