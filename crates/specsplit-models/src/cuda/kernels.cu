@@ -25,6 +25,19 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Largest (v, i) over the warp, the lowest i among equal v; every lane gets the result.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
 struct SumOp {
     static __device__ __forceinline__ float identity() { return 0.f; }
     static __device__ __forceinline__ float warp(float v) { return warp_sum(v); }
@@ -306,15 +319,7 @@ extern "C" __global__ void specsplit_greedy_head_bf16(const bf16* __restrict__ l
             bi = i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
+    warp_argmax(bv, bi);
     if (lane == 0) {
         best_v[warp] = bv;
         best_i[warp] = bi;
@@ -323,15 +328,7 @@ extern "C" __global__ void specsplit_greedy_head_bf16(const bf16* __restrict__ l
     if (warp == 0) {
         bv = lane < (int)(blockDim.x / WARP) ? best_v[lane] : -INFINITY;
         bi = lane < (int)(blockDim.x / WARP) ? best_i[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_argmax(bv, bi);
         if (lane == 0) {
             best_v[0] = bv;
             best_i[0] = bi;
