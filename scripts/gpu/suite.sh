@@ -10,13 +10,14 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 gunzip -c .device/bench.gz > /tmp/b && chmod +x /tmp/b
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests forward e2e)
 log() { echo "=== $(date +%T) $*"; }
-# Side-by-side configurations: f0 / f1 / fA = SPECSPLIT_FUSED_KERNELS=0 / step / all,
-# pN = SPECSPLIT_CUDA_POOL_RETAIN=N (f0p0 is the code before both). Override with
-# CONFIGS="f1p1 fAp1" bash .device/suite.sh ...
-CONFIGS="${CONFIGS:-f0p0 f1p1 fAp1}"
+# Side-by-side configurations: fF pP bB = SPECSPLIT_FUSED_KERNELS (0 / 1 = step / A = all),
+# SPECSPLIT_CUDA_POOL_RETAIN=P, SPECSPLIT_BATCH_INVARIANT=B (b defaults to 1 when left out).
+# Override with CONFIGS="f1p1b0 f1p1b1" bash .device/suite.sh ...
+CONFIGS="${CONFIGS:-f1p1b0 f1p1b1}"
 cfg_env() {
     local f="${1:1:1}"; [ "$f" = A ] && f=all; [ "$f" = 1 ] && f=step
-    echo "SPECSPLIT_FUSED_KERNELS=$f SPECSPLIT_CUDA_POOL_RETAIN=${1:3:1}"
+    local b="${1:5:1}"; [ -z "$b" ] && b=1
+    echo "SPECSPLIT_FUSED_KERNELS=$f SPECSPLIT_CUDA_POOL_RETAIN=${1:3:1} SPECSPLIT_BATCH_INVARIANT=$b"
 }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -41,19 +42,19 @@ e2e)
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.
-    log "e2e synthetic, draft on cuda:1, fused=step"
-    SPECSPLIT_FUSED_KERNELS=step timeout 280 /tmp/b e2e --target random:qwen2.5-7b \
+    log "e2e synthetic, draft on cuda:1, defaults"
+    timeout 280 /tmp/b e2e --target random:qwen2.5-7b \
         --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:1 \
         --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths 2,3,4,6 \
         --pipelines sequential,overlapped --out "$OUT" --name e2e-b08-2gpu 2>&1 | tail -20 ;;
 qwen)
-    for f in 0 step; do
-        log "e2e qwen-coder 0.5b -> 1.5b, dequantized bf16, fused=$f"
-        SPECSPLIT_MODELS_DIR=/tmp/models SPECSPLIT_FUSED_KERNELS=$f timeout 280 /tmp/b e2e \
+    for c in $CONFIGS; do
+        log "e2e qwen-coder 0.5b -> 1.5b, dequantized bf16, $c"
+        env SPECSPLIT_MODELS_DIR=/tmp/models $(cfg_env $c) timeout 280 /tmp/b e2e \
             --target qwen-coder-1.5b --draft qwen-coder-0.5b --dtype bf16 \
             --device-target cuda:0 --device-draft cuda:0 --num-prompts 8 --max-tokens 64 \
             --depths 2,4,6 --trees "3,2,1" --pipelines sequential,overlapped \
-            --out "$OUT" --name e2e-qwen-bf16-fused$f 2>&1 | tail -20
+            --out "$OUT" --name e2e-qwen-bf16-$c 2>&1 | tail -20
     done ;;
 *) echo "unknown step $s" ;;
 esac; done

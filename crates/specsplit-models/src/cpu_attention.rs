@@ -69,6 +69,25 @@ impl RowKeys {
         }
         Ok(Self(keys))
     }
+
+    /// Per row: the length `lead` of its leading run of visible slots `0..lead`, and its
+    /// visible slots after that run (ascending).
+    pub fn split_rows(&self) -> Vec<(usize, &[u32])> {
+        self.0
+            .iter()
+            .map(|k| match k {
+                Keys::Leading(len) => (*len, &[][..]),
+                Keys::Gather(idx) => {
+                    let lead = idx
+                        .iter()
+                        .enumerate()
+                        .take_while(|(a, &b)| *a as u32 == b)
+                        .count();
+                    (lead, &idx[lead..])
+                }
+            })
+            .collect()
+    }
 }
 
 /// Attention of `q` (1, heads, n, hd) over the cache views `k`, `v` (1, kv, total, hd), with
@@ -171,6 +190,27 @@ mod tests {
                     / z) as f32
             })
             .collect()
+    }
+
+    #[test]
+    fn split_rows_gives_each_rows_leading_run_and_the_slots_after_it() {
+        let dev = Device::Cpu;
+        let ninf = f32::NEG_INFINITY;
+        // Three cached tokens, then a tree: node 0, node 1 (child of 0), node 2 (sibling of 0).
+        let mask = Tensor::new(
+            &[
+                [0f32, 0., 0., 0., ninf, ninf],
+                [0., 0., 0., 0., 0., ninf],
+                [0., 0., 0., ninf, ninf, 0.],
+            ],
+            &dev,
+        )
+        .unwrap();
+        let keys = RowKeys::new(Visibility::Mask(&mask), 3).unwrap();
+        let rows = keys.split_rows();
+        assert_eq!(rows, vec![(4, &[][..]), (5, &[][..]), (3, &[5u32][..])]);
+        let causal = RowKeys::new(Visibility::Causal { past: 2 }, 2).unwrap();
+        assert_eq!(causal.split_rows(), vec![(3, &[][..]), (4, &[][..])]);
     }
 
     #[test]

@@ -204,6 +204,143 @@ pub fn greedy_head(
     imp::greedy_head(logits, next, logprob, token, pos)
 }
 
+/// 0: not decided yet, 1: off, 2: on.
+static BATCH_INVARIANT: AtomicU8 = AtomicU8::new(0);
+
+/// The most rows a pass may have for the model to run it with the batch-invariant kernels
+/// ([`bi_matmul`], [`rows_attention`]); longer passes (prompt prefills) keep cuBLAS.
+pub const BI_MAX_ROWS: usize = 64;
+
+/// Whether dense bf16 passes of at most [`BI_MAX_ROWS`] rows on CUDA run the batch-invariant
+/// kernels, so that a token decoded alone and the same token verified among tree nodes get
+/// bit-identical logits (greedy speculation then emits exactly what the target alone emits).
+/// `SPECSPLIT_BATCH_INVARIANT=0` (or `off`) turns it off; always false without `cuda`.
+pub fn batch_invariant() -> bool {
+    if !cfg!(feature = "cuda") {
+        return false;
+    }
+    match BATCH_INVARIANT.load(Ordering::Relaxed) {
+        0 => {
+            let on = !matches!(
+                std::env::var("SPECSPLIT_BATCH_INVARIANT")
+                    .as_deref()
+                    .map(str::trim),
+                Ok("0") | Ok("off")
+            );
+            set_batch_invariant(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Turns the batch-invariant kernels on or off from here on (overrides the environment).
+pub fn set_batch_invariant(on: bool) {
+    BATCH_INVARIANT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether `bi_matmul(x, w, _)` can run: `w` [`weight_fits`] with a width that is a multiple
+/// of 32, and `x` a contiguous, 16-byte aligned bf16 `(m, k)` matrix on CUDA with `m >= 1`.
+pub fn bi_matmul_fits(x: &Tensor, w: &Tensor) -> bool {
+    applies(x)
+        && matches!((x.dims(), w.dims()), ([m, k], [_, kw]) if *m >= 1 && k == kw && k.is_multiple_of(32))
+        && x.is_contiguous()
+        && imp::aligned16(x)
+        && weight_fits(w)
+}
+
+/// `x W^T (+ b)` on tensor cores with each row's result independent of the other rows: `x`
+/// `(m, k)`, `w` `(n, k)`, `b` `(n,)` → `(m, n)` bf16. Fails unless [`bi_matmul_fits`].
+pub fn bi_matmul(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if !bi_matmul_fits(x, w) {
+        return Err(unfit("bi_matmul", &[x, w]));
+    }
+    imp::bi_matmul(x, w, b)
+}
+
+/// The most query heads one KV head may serve in [`rows_attention`].
+pub const RA_MAX_REP: usize = 8;
+
+/// The cache slots each row of one pass attends to, on the device for [`rows_attention`]:
+/// a leading run `0..lead` and then listed slots (a tree node's ancestors), in order.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct PassKeys {
+    /// `(rows, 2)` u32: the leading run's length and the number of listed slots, per row.
+    meta: Tensor,
+    /// `(rows, max_extra)` u32: the listed slots of each row (at least one column).
+    extra: Tensor,
+    max_extra: usize,
+    rows: usize,
+    /// One past the highest slot any row reads.
+    end: usize,
+    /// The most keys any row sees.
+    max_len: usize,
+}
+
+impl PassKeys {
+    /// Uploads `rows` (per row: the leading run's length and the slots after it, ascending and
+    /// all at or past the run) to `dev`. Every row must see at least one slot.
+    pub fn new(rows: &[(usize, &[u32])], dev: &candle_core::Device) -> Result<Self> {
+        let max_extra = rows.iter().map(|(_, e)| e.len()).max().unwrap_or(0).max(1);
+        let mut meta = Vec::with_capacity(rows.len() * 2);
+        let mut extra = vec![0u32; rows.len() * max_extra];
+        let mut end = 0usize;
+        let mut max_len = 0usize;
+        for (r, (lead, ex)) in rows.iter().enumerate() {
+            max_len = max_len.max(lead + ex.len());
+            if *lead == 0 && ex.is_empty() {
+                return Err(candle_core::Error::Msg(format!("row {r} sees no key")));
+            }
+            let mut prev = lead.checked_sub(1).map(|p| p as u64);
+            for &e in ex.iter() {
+                if prev.is_some_and(|p| u64::from(e) <= p) {
+                    return Err(candle_core::Error::Msg(format!(
+                        "row {r}: listed slot {e} is not after the slots before it"
+                    )));
+                }
+                prev = Some(u64::from(e));
+            }
+            end = end.max(prev.map_or(0, |p| p as usize + 1));
+            meta.extend([*lead as u32, ex.len() as u32]);
+            extra[r * max_extra..r * max_extra + ex.len()].copy_from_slice(ex);
+        }
+        Ok(Self {
+            meta: Tensor::from_vec(meta, (rows.len(), 2), dev)?,
+            extra: Tensor::from_vec(extra, (rows.len(), max_extra), dev)?,
+            max_extra,
+            rows: rows.len(),
+            end,
+            max_len,
+        })
+    }
+
+    /// Rows of the pass.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Batch-invariant attention of the `n` rows of one pass: `q` `(1, heads, n, head_dim)`
+/// (rotated, contiguous) over the caches `(1, kv, capacity, head_dim)`, row `r` over the slots
+/// `keys` gives it, scaled by `scale`: `(n, heads * head_dim)` bf16. A row's result depends
+/// only on its query and its visible keys, in order, so a token decoded alone and the same
+/// token inside a tree get the same bits. `head_dim` must be 64 or 128, and a KV head may serve
+/// at most [`RA_MAX_REP`] query heads.
+pub fn rows_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    keys: &PassKeys,
+    shape: AttnShape,
+    scale: f32,
+) -> Result<Tensor> {
+    if !applies(q) || !matches!(shape.head_dim, 64 | 128) {
+        return Err(unfit("rows_attention", &[q]));
+    }
+    imp::rows_attention(q, k_cache, v_cache, keys, shape, scale)
+}
+
 fn unfit(kernel: &str, ts: &[&Tensor]) -> candle_core::Error {
     let what: Vec<String> = ts
         .iter()
@@ -279,6 +416,40 @@ mod imp {
 
     /// Launches `name` on `dev`'s stream with `grid` × `block` threads and `args` in order.
     fn launch(dev: &CudaDevice, name: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        launch_2d(dev, name, (grid, 1), block, 0, args)
+    }
+
+    /// [`launch`] over a `(x, y)` grid with `smem` bytes of dynamic shared memory a block.
+    fn launch_2d(
+        dev: &CudaDevice,
+        name: &str,
+        grid: (u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        launch_cfg(dev, name, (grid.0, grid.1, 1), block, smem, args)
+    }
+
+    /// [`launch`] over a `(x, y, z)` grid.
+    fn launch_3d(
+        dev: &CudaDevice,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        launch_cfg(dev, name, grid, block, 0, args)
+    }
+
+    fn launch_cfg(
+        dev: &CudaDevice,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut b = func.builder();
         for a in args {
@@ -289,9 +460,9 @@ mod imp {
             };
         }
         let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
+            grid_dim: grid,
             block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         // SAFETY: every kernel of kernels.cu takes exactly the arguments its caller below
         // passes, in order, with addresses of live allocations of the sizes it indexes.
@@ -466,6 +637,104 @@ mod imp {
         Ok(y)
     }
 
+    pub(super) fn bi_matmul(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        const ROWS: usize = 64;
+        const COLS: usize = 16;
+        let (n, k) = w.dims2()?;
+        let m = x.dim(0)?;
+        if let Some(b) = b {
+            check(b.dims() == [n] && b.dtype() == DType::BF16, || {
+                format!("matmul bias {:?} {:?} for {n} columns", b.dims(), b.dtype())
+            })?;
+        }
+        let y = empty(&[m, n], DType::BF16, x)?;
+        let pb = b.map(ptr).transpose()?.unwrap_or(0);
+        let blocks = n.div_ceil(COLS);
+        // Warps sharing a block's k: enough warps in flight to stream the weights, a function
+        // of (n, k) only so that no row's rounding depends on m.
+        let splits = 2048usize.div_ceil(blocks).clamp(1, 8).min(k / 32).max(1);
+        let args = [
+            P(ptr(x)?),
+            P(ptr(w)?),
+            P(pb),
+            P(ptr(&y)?),
+            I(m as i32),
+            I(n as i32),
+            I(k as i32),
+            I(splits as i32),
+        ];
+        let smem = (splits * ROWS * COLS * 4) as u32;
+        let grid = (blocks as u32, m.div_ceil(ROWS) as u32);
+        launch_2d(
+            cuda(x)?,
+            "specsplit_bi_matmul_bf16",
+            grid,
+            (splits * 32) as u32,
+            smem,
+            &args,
+        )?;
+        Ok(y)
+    }
+
+    pub(super) fn rows_attention(
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        keys: &super::PassKeys,
+        s: AttnShape,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let n = keys.rows;
+        check(
+            q.dims() == [1, s.heads, n, s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
+            || format!("queries {:?} for {n} rows do not match {s:?}", q.dims()),
+        )?;
+        check(keys.end <= s.capacity, || {
+            format!(
+                "rows read slot {} of a {}-slot cache",
+                keys.end - 1,
+                s.capacity
+            )
+        })?;
+        check_cache(k_cache, s)?;
+        check_cache(v_cache, s)?;
+        check(s.heads / s.kv <= super::RA_MAX_REP, || {
+            format!(
+                "{} query heads a KV head (at most {})",
+                s.heads / s.kv,
+                super::RA_MAX_REP
+            )
+        })?;
+        // Keys a chunk: RA_CHUNK of kernels.cu.
+        const CHUNK: usize = 64;
+        let chunks = keys.max_len.div_ceil(CHUNK);
+        let hd = s.head_dim;
+        let part = empty(&[n, s.heads, chunks, hd + 2], DType::F32, q)?;
+        let mut args = pointers(&[q, k_cache, v_cache, &keys.meta, &keys.extra, &part])?;
+        args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra, chunks].map(|v| I(v as i32)));
+        args.push(F(scale));
+        let name = if hd == 64 {
+            "specsplit_rows_attention_part_bf16_hd64"
+        } else {
+            "specsplit_rows_attention_part_bf16_hd128"
+        };
+        let dev = cuda(q)?;
+        let grid = (s.kv as u32, n as u32, chunks as u32);
+        launch_3d(dev, name, grid, CHUNK as u32, &args)?;
+        let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
+        let mut args = pointers(&[&part, &keys.meta, &y])?;
+        args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
+        launch_2d(
+            dev,
+            "specsplit_rows_attention_merge_bf16",
+            (s.heads as u32, n as u32),
+            hd as u32,
+            0,
+            &args,
+        )?;
+        Ok(y)
+    }
+
     pub(super) fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
         let (rows, two_n) = gate_up.dims2()?;
         check(two_n.is_multiple_of(2), || {
@@ -552,6 +821,19 @@ mod imp {
     ) -> Result<Tensor> {
         Err(off())
     }
+    pub(super) fn bi_matmul(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
+        Err(off())
+    }
+    pub(super) fn rows_attention(
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &super::PassKeys,
+        _: AttnShape,
+        _: f32,
+    ) -> Result<Tensor> {
+        Err(off())
+    }
     pub(super) fn silu_mul(_: &Tensor) -> Result<Tensor> {
         Err(off())
     }
@@ -581,6 +863,34 @@ mod tests {
         assert!(e.contains("needs bf16 on CUDA"), "{e}");
         assert!(silu_mul(&x).is_err());
         assert!(add_rmsnorm(&x, None, &w.get(0).unwrap(), 1e-6).is_err());
+    }
+
+    #[test]
+    fn pass_keys_refuse_rows_that_see_nothing_or_slots_out_of_order() {
+        let dev = Device::Cpu;
+        let ok =
+            PassKeys::new(&[(3, &[][..]), (2, &[5u32, 9][..]), (0, &[4u32][..])], &dev).unwrap();
+        assert_eq!(ok.rows(), 3);
+        assert_eq!((ok.end, ok.max_len, ok.max_extra), (10, 4, 2));
+        assert_eq!(ok.extra.to_vec2::<u32>().unwrap(), [[0, 0], [5, 9], [4, 0]]);
+        assert_eq!(ok.meta.to_vec2::<u32>().unwrap(), [[3, 0], [2, 2], [0, 1]]);
+        let e = PassKeys::new(&[(0, &[][..])], &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sees no key"), "{e}");
+        // A listed slot inside the leading run, or a repeated slot.
+        assert!(PassKeys::new(&[(5, &[4u32][..])], &dev).is_err());
+        assert!(PassKeys::new(&[(0, &[7u32, 7][..])], &dev).is_err());
+    }
+
+    #[test]
+    fn batch_invariance_needs_the_cuda_feature() {
+        set_batch_invariant(true);
+        assert_eq!(batch_invariant(), cfg!(feature = "cuda"));
+        let x = Tensor::zeros((2, 64), DType::BF16, &Device::Cpu).unwrap();
+        let w = Tensor::zeros((16, 64), DType::BF16, &Device::Cpu).unwrap();
+        assert!(!bi_matmul_fits(&x, &w));
+        assert!(bi_matmul(&x, &w, None).is_err());
     }
 
     #[test]

@@ -31,6 +31,11 @@ impl Linear {
     /// `x`: `(n, in)` → `(n, out)`.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (y, b) = match self {
+            // A pass of a few rows on CUDA in bf16: the batch-invariant product, so a row's
+            // result does not depend on how many rows share the pass.
+            Self::Dense { w, b } if bi_wanted(x, w) => {
+                return crate::fused::bi_matmul(&x.contiguous()?, w, b.as_ref())
+            }
             // One row on CUDA in bf16 (fused scope `all`): the GEMV kernel, bias included.
             Self::Dense { w, b }
                 if crate::fused::rows_enabled() && crate::fused::gemv_fits(x, w) =>
@@ -46,6 +51,15 @@ impl Linear {
             None => Ok(y),
         }
     }
+}
+
+/// Whether `x W^T` runs [`crate::fused::bi_matmul`]: batch invariance on, a bf16 CUDA pass of
+/// at most [`crate::fused::BI_MAX_ROWS`] rows, and a weight whose width is a multiple of 32.
+fn bi_wanted(x: &Tensor, w: &Tensor) -> bool {
+    crate::fused::batch_invariant()
+        && crate::fused::applies(x)
+        && matches!((x.dims(), w.dims()), ([m, k], [_, kw]) if *m <= crate::fused::BI_MAX_ROWS && k == kw && k.is_multiple_of(32))
+        && crate::fused::weight_fits(w)
 }
 
 /// Several projections of the same input: fused into one matrix when every part is dense (one
@@ -186,6 +200,16 @@ pub struct StaticStep {
     hidden: Tensor,
     one: Tensor,
     capacity: usize,
+}
+
+/// How one pass computes attention.
+enum AttnPath<'a> {
+    /// Batched matmuls under an optional additive mask (cuBLAS or candle's CPU gemm).
+    Batched(Option<&'a Tensor>),
+    /// One product per row over its visible keys ([`crate::cpu_attention`]).
+    PerRow(&'a RowKeys),
+    /// The batch-invariant CUDA kernel over each row's visible slots.
+    Fused(&'a crate::fused::PassKeys),
 }
 
 /// A layer's dense weights and biases for [`Transformer::static_step`]'s fused kernels.
@@ -764,6 +788,7 @@ impl Transformer {
         }
         let past = cache.len();
         let total = past + n;
+        let gpu_exact = self.gpu_batch_invariant(n);
         if total > cache.capacity() {
             return Err(specsplit_core::cache::CacheError::CapacityExceeded {
                 needed: total,
@@ -781,14 +806,14 @@ impl Transformer {
                 }
                 Some(m.to_dtype(self.dtype)?)
             }
-            None if n == 1 || self.exact_attention() => None,
+            None if n == 1 || self.exact_attention() || gpu_exact => None,
             None => Some(self.causal_mask(n, past)?),
         };
         let cos = self.cos.index_select(positions, 0)?;
         let sin = self.sin.index_select(positions, 0)?;
         let eps = c.rms_norm_eps as f32;
         // The batch-invariant path needs each row's visible keys: read them once per pass.
-        let row_keys = if self.exact_attention() {
+        let row_keys = if self.exact_attention() || gpu_exact {
             Some(RowKeys::new(
                 match &mask {
                     Some(m) => Visibility::Mask(m),
@@ -799,18 +824,22 @@ impl Transformer {
         } else {
             None
         };
+        let pass_keys = match &row_keys {
+            Some(keys) if gpu_exact => Some(crate::fused::PassKeys::new(
+                &keys.split_rows(),
+                &self.device,
+            )?),
+            _ => None,
+        };
+        let path = match (&pass_keys, &row_keys) {
+            (Some(keys), _) => AttnPath::Fused(keys),
+            (None, Some(keys)) => AttnPath::PerRow(keys),
+            (None, None) => AttnPath::Batched(mask.as_ref()),
+        };
         let mut x = self.embed.forward(tokens, self.dtype)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let a = self.attention(
-                i,
-                layer,
-                &h,
-                (&cos, &sin),
-                mask.as_ref(),
-                row_keys.as_ref(),
-                cache,
-            )?;
+            let a = self.attention(i, layer, &h, (&cos, &sin), &path, cache)?;
             x = (x + a)?;
             x = (&x + layer.mlp(&x, eps)?)?;
         }
@@ -1047,15 +1076,30 @@ impl Transformer {
         self.device.is_cpu() || matches!(self.lm_head, Linear::Quant { .. })
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Whether a CUDA pass of `n` rows runs the batch-invariant kernels end to end (products
+    /// and attention): [`crate::fused::batch_invariant`] on, a dense bf16 model whose widths
+    /// the kernels take, and `n` at most [`crate::fused::BI_MAX_ROWS`].
+    fn gpu_batch_invariant(&self, n: usize) -> bool {
+        let c = &self.config;
+        n <= crate::fused::BI_MAX_ROWS
+            && crate::fused::batch_invariant()
+            && crate::fused::applies(&self.norm)
+            && matches!(c.head_dim, 64 | 128)
+            && c.num_key_value_heads > 0
+            && c.num_attention_heads / c.num_key_value_heads <= crate::fused::RA_MAX_REP
+            && c.hidden_size.is_multiple_of(32)
+            && c.intermediate_size.is_multiple_of(32)
+            && (c.num_attention_heads * c.head_dim).is_multiple_of(32)
+            && !self.is_quantized()
+    }
+
     fn attention(
         &self,
         index: usize,
         layer: &Layer,
         h: &Tensor,
         (cos, sin): (&Tensor, &Tensor),
-        mask: Option<&Tensor>,
-        row_keys: Option<&RowKeys>,
+        path: &AttnPath<'_>,
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
         let c = &self.config;
@@ -1074,6 +1118,28 @@ impl Transformer {
         let (k_all, v_all) = cache.append(index, &k, &v)?;
         let total = k_all.dim(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
+        let (mask, row_keys) = match path {
+            AttnPath::Fused(keys) => {
+                let (kb, vb) = cache.buffers(index)?;
+                let shape = crate::fused::AttnShape {
+                    heads,
+                    kv,
+                    head_dim: hd,
+                    capacity: cache.capacity(),
+                };
+                let y = crate::fused::rows_attention(
+                    &q.contiguous()?,
+                    kb,
+                    vb,
+                    keys,
+                    shape,
+                    scale as f32,
+                )?;
+                return Ok(layer.o.forward(&y)?);
+            }
+            AttnPath::PerRow(keys) => (None, Some(*keys)),
+            AttnPath::Batched(mask) => (*mask, None),
+        };
         let k_t = k_all.t()?;
         let y = if let Some(keys) = row_keys {
             // Batch-invariant attention (CPU; quantized models on CUDA): a token is computed

@@ -468,3 +468,299 @@ fn fused_static_step_decodes_like_the_forward_pass() {
         );
     }
 }
+
+/// The row-major f32 product `x[r] . w[c] (+ b[c])` for the listed rows, from bf16 inputs, with
+/// the product rounded to bf16 before the bias like the kernels.
+fn matmul_rows(x: &[f32], w: &[f32], b: Option<&[f32]>, k: usize, rows: &[usize]) -> Vec<f32> {
+    let n = w.len() / k;
+    let mut out = Vec::with_capacity(rows.len() * n);
+    for &r in rows {
+        let xr = &x[r * k..(r + 1) * k];
+        for c in 0..n {
+            let dot: f64 = xr
+                .iter()
+                .zip(&w[c * k..(c + 1) * k])
+                .map(|(a, b)| (*a as f64) * (*b as f64))
+                .sum();
+            out.push(match b {
+                Some(b) => bf16_round(dot as f32) + b[c],
+                None => dot as f32,
+            });
+        }
+    }
+    out
+}
+
+#[test]
+fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
+    let Some(dev) = gpu() else { return };
+    for (n, k, bias) in [
+        (16, 32, false),
+        (37, 96, true),
+        (1152, 896, true),
+        (200, 4864, false),
+        (4608, 3584, true),
+    ] {
+        let m = 100;
+        let x = randn(&dev, &[m, k], 1.0);
+        let w = randn(&dev, &[n, k], 0.05);
+        let b = bias.then(|| randn(&dev, &[n], 0.5));
+        let full = fused::bi_matmul(&x, &w, b.as_ref()).unwrap();
+        assert_eq!(full.dims(), [m, n]);
+        let fh = host(&full);
+        let (xs, ws) = (host(&x), host(&w));
+        let bs = b.as_ref().map(host);
+        let check_rows = [0usize, 1, 15, 16, 17, 63, 64, 99];
+        let want = matmul_rows(&xs, &ws, bs.as_deref(), k, &check_rows);
+        let got: Vec<f32> = check_rows
+            .iter()
+            .flat_map(|&r| fh[r * n..(r + 1) * n].to_vec())
+            .collect();
+        let scale = (k as f32).sqrt() * 0.05;
+        assert_close(
+            &format!("bi_matmul {n}x{k}"),
+            &got,
+            &want,
+            scale,
+            1.0 / 64.0,
+        );
+        // The leading m rows of the pass, and any row alone, give the same bits.
+        for rows in [1usize, 2, 15, 16, 17, 33, 64, 65] {
+            let part =
+                host(&fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref()).unwrap());
+            assert_eq!(
+                part[..],
+                fh[..rows * n],
+                "{n}x{k}: first {rows} rows differ"
+            );
+        }
+        for r in [0usize, 5, 16, 47, 64, 99] {
+            let alone =
+                host(&fused::bi_matmul(&x.narrow(0, r, 1).unwrap(), &w, b.as_ref()).unwrap());
+            assert_eq!(
+                alone[..],
+                fh[r * n..(r + 1) * n],
+                "{n}x{k}: row {r} alone differs"
+            );
+        }
+    }
+}
+
+#[test]
+fn bi_matmul_refuses_what_it_cannot_run() {
+    let Some(dev) = gpu() else { return };
+    let w = randn(&dev, &[64, 48], 1.0);
+    let x = randn(&dev, &[3, 48], 1.0);
+    // 48 is not a multiple of 32.
+    assert!(!fused::bi_matmul_fits(&x, &w));
+    let e = fused::bi_matmul(&x, &w, None).unwrap_err().to_string();
+    assert!(e.contains("bi_matmul"), "{e}");
+    let w = randn(&dev, &[64, 64], 1.0);
+    assert!(!fused::bi_matmul_fits(&randn(&dev, &[3, 32], 1.0), &w));
+}
+
+/// Naive softmax attention of one query over the listed key/value rows (f32 host data).
+fn naive_attention(q: &[f32], ks: &[&[f32]], vs: &[&[f32]], scale: f32) -> Vec<f32> {
+    let s: Vec<f64> = ks
+        .iter()
+        .map(|k| q.iter().zip(*k).map(|(a, b)| (a * b) as f64).sum::<f64>() * scale as f64)
+        .collect();
+    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    (0..q.len())
+        .map(|d| (e.iter().zip(vs).map(|(w, v)| w * v[d] as f64).sum::<f64>() / z) as f32)
+        .collect()
+}
+
+#[test]
+fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
+    let Some(dev) = gpu() else { return };
+    for hd in [64, 128] {
+        let shape = AttnShape {
+            heads: 8,
+            kv: 2,
+            head_dim: hd,
+            capacity: 4200,
+        };
+        let (h, kv, cap) = (shape.heads, shape.kv, shape.capacity);
+        let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let vc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let (ks, vs) = (host(&kc), host(&vc));
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Rows: leading runs (one tile, across the 2048 tile boundary) and tree-like rows with
+        // listed slots after their run.
+        let extras: [Vec<u32>; 5] = [
+            vec![],
+            vec![2100, 2105],
+            vec![3, 10, 4000],
+            vec![],
+            vec![4100, 4101, 4150],
+        ];
+        let leads = [300usize, 2049, 0, 1, 4090];
+        let rows: Vec<(usize, &[u32])> = leads
+            .iter()
+            .zip(&extras)
+            .map(|(l, e)| (*l, e.as_slice()))
+            .collect();
+        let n = rows.len();
+        let keys = fused::PassKeys::new(&rows, &dev).unwrap();
+        let q = randn(&dev, &[1, h, n, hd], 1.0);
+        let qs = host(&q);
+        let got = host(&fused::rows_attention(&q, &kc, &vc, &keys, shape, scale).unwrap());
+        for (r, (lead, ex)) in rows.iter().enumerate() {
+            let slots: Vec<usize> = (0..*lead).chain(ex.iter().map(|&e| e as usize)).collect();
+            // The same keys laid out contiguously from slot 0, as when the row's token is
+            // decoded after exactly these tokens: the row alone must give the same bits.
+            let idx = Tensor::new(
+                slots
+                    .iter()
+                    .map(|&s| s as u32)
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                &dev,
+            )
+            .unwrap();
+            let pad = cap - slots.len();
+            let lay = |c: &Tensor| {
+                let g = c.index_select(&idx, 2).unwrap();
+                let z = Tensor::zeros((1, kv, pad, hd), DType::BF16, &dev).unwrap();
+                Tensor::cat(&[&g, &z], 2).unwrap().contiguous().unwrap()
+            };
+            let (kc1, vc1) = (lay(&kc), lay(&vc));
+            let q1 = q.narrow(2, r, 1).unwrap().contiguous().unwrap();
+            let alone_keys = fused::PassKeys::new(&[(slots.len(), &[][..])], &dev).unwrap();
+            let alone =
+                host(&fused::rows_attention(&q1, &kc1, &vc1, &alone_keys, shape, scale).unwrap());
+            assert_eq!(
+                alone[..],
+                got[r * h * hd..(r + 1) * h * hd],
+                "hd {hd} row {r}: decoded alone differs from the batch"
+            );
+            for head in 0..h {
+                let j = head / (h / kv);
+                let kr: Vec<&[f32]> = slots
+                    .iter()
+                    .map(|&s| &ks[(j * cap + s) * hd..(j * cap + s + 1) * hd])
+                    .collect();
+                let vr: Vec<&[f32]> = slots
+                    .iter()
+                    .map(|&s| &vs[(j * cap + s) * hd..(j * cap + s + 1) * hd])
+                    .collect();
+                let qh = &qs[(head * n + r) * hd..(head * n + r + 1) * hd];
+                let want = naive_attention(qh, &kr, &vr, scale);
+                let at = (r * h + head) * hd;
+                assert_close(
+                    &format!("rows attention hd {hd} row {r} head {head}"),
+                    &got[at..at + hd],
+                    &want,
+                    max_abs(&want).max(0.05),
+                    1.0 / 64.0,
+                );
+            }
+        }
+    }
+    // Rows that see nothing, or slots out of order, are refused.
+    assert!(fused::PassKeys::new(&[(0, &[][..])], &dev).is_err());
+    assert!(fused::PassKeys::new(&[(5, &[3u32][..])], &dev).is_err());
+    assert!(fused::PassKeys::new(&[(0, &[7u32, 7][..])], &dev).is_err());
+}
+
+/// Logits rows as f32 on the host.
+fn rows_of(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_vec2().unwrap()
+}
+
+#[test]
+fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
+    let Some(dev) = gpu() else { return };
+    assert!(
+        fused::batch_invariant(),
+        "batch invariance is on by default"
+    );
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let mut cfg = ModelConfig::preset(preset).unwrap();
+        cfg.num_hidden_layers = 3;
+        cfg.vocab_size = 8192;
+        cfg.max_position_embeddings = 2048;
+        let m = Transformer::random(cfg, 5, DType::BF16, &dev).unwrap();
+        let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+        // A prompt longer than the batch-invariant limit (prefilled with cuBLAS, the same way
+        // in both runs) and five tokens after it.
+        let prompt: Vec<u32> = (0..100).map(|i| (i * 31 + 7) % 8192).collect();
+        let next = [11u32, 4000, 77, 8000, 5];
+        let p = prompt.len();
+
+        // Target alone: the prompt, then one token a pass.
+        let mut alone = m.new_cache(256).unwrap();
+        forward_last(&m, &mut alone, &prompt);
+        let decoded: Vec<Vec<f32>> = next
+            .iter()
+            .map(|&t| forward_last(&m, &mut alone, &[t]))
+            .collect();
+
+        // Speculation: the prompt, then one pass over a tree holding the first four tokens as a
+        // path with a sibling at each level (pass order t1 y1 t2 y2 t3 t4), then the path
+        // kept and the fifth token decoded.
+        let mut spec = m.new_cache(256).unwrap();
+        forward_last(&m, &mut spec, &prompt);
+        let tokens = [next[0], 900, next[1], 901, next[2], next[3]];
+        let parent: [Option<usize>; 6] = [None, None, Some(0), Some(0), Some(2), Some(4)];
+        let depth = |mut i: usize| {
+            let mut d = 0;
+            while let Some(q) = parent[i] {
+                i = q;
+                d += 1;
+            }
+            d
+        };
+        let total = p + tokens.len();
+        let mut mask = vec![f32::NEG_INFINITY; tokens.len() * total];
+        for i in 0..tokens.len() {
+            mask[i * total..i * total + p].fill(0.0);
+            let mut a = Some(i);
+            while let Some(j) = a {
+                mask[i * total + p + j] = 0.0;
+                a = parent[j];
+            }
+        }
+        let mask = Tensor::from_vec(mask, (tokens.len(), total), &dev).unwrap();
+        let pos: Vec<u32> = (0..tokens.len()).map(|i| (p + depth(i)) as u32).collect();
+        let all: Vec<u32> = (0..tokens.len() as u32).collect();
+        let tree = rows_of(
+            &m.forward(&u(&tokens), &u(&pos), Some(&mask), &mut spec, &u(&all))
+                .unwrap(),
+        );
+        for (t, row) in [0usize, 2, 4, 5].iter().enumerate() {
+            assert!(
+                tree[*row] == decoded[t],
+                "{preset}: tree node {row} (token {t} of the path) differs from decoding it alone"
+            );
+        }
+        spec.compact(p, &[p, p + 2, p + 4, p + 5]).unwrap();
+        let after = forward_last(&m, &mut spec, &[next[4]]);
+        assert!(
+            after == decoded[4],
+            "{preset}: the token after the kept path differs"
+        );
+
+        // A chain of four tokens in one causal pass, as a verified chain.
+        let mut chain = m.new_cache(256).unwrap();
+        forward_last(&m, &mut chain, &prompt);
+        let cpos: Vec<u32> = (p as u32..p as u32 + 4).collect();
+        let rows = rows_of(
+            &m.forward(
+                &u(&next[..4]),
+                &u(&cpos),
+                None,
+                &mut chain,
+                &u(&[0, 1, 2, 3]),
+            )
+            .unwrap(),
+        );
+        for t in 0..4 {
+            assert!(rows[t] == decoded[t], "{preset}: chain row {t} differs");
+        }
+        eprintln!("{preset}: tree, chain and compacted decode match decoding alone bit for bit");
+    }
+}

@@ -185,25 +185,42 @@ extern "C" __global__ void specsplit_qkv_rope_cache_bf16(
 #define ATT_THREADS 256
 #define ATT_TILE 2048
 
-// Attention of one query token over cache slots 0..=*pos: q (heads * hd), caches (kv, cap, hd),
-// query head h reads KV head h / (heads / kv). One block of ATT_THREADS per head; the context
-// is walked in tiles of ATT_TILE scores kept in shared memory, merged with a running max.
-template <int HD>
-__device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                 const bf16* __restrict__ vc, const uint32_t* __restrict__ pos,
-                                 bf16* __restrict__ out, int heads, int kv, int cap, float scale) {
+// The cache slots a query attends to, in order: slots 0..len (one decoded token).
+struct LeadingKeys {
+    int len;
+    __device__ __forceinline__ int operator()(int t) const { return t; }
+};
+
+// The cache slots one row of a pass attends to, in order: slots 0..lead, then `len - lead`
+// listed slots (a tree node's ancestors among the pass's own tokens).
+struct ListedKeys {
+    int lead;
+    int len;
+    const uint32_t* extra;
+    __device__ __forceinline__ int operator()(int t) const {
+        return t < lead ? t : (int)extra[t - lead];
+    }
+};
+
+// Attention of one query head `q` (HD values) over the slots `keys` of one KV head's caches
+// kh / vh (slot-major, HD values a slot), written to `out`. One block of ATT_THREADS; the keys
+// are walked in tiles of ATT_TILE scores kept in shared memory, merged with a running max.
+// Every reduction is ordered by a key's index in `keys` alone, so the result depends only on
+// the query and the sequence of visible keys (not on where they sit in the cache or on other
+// rows of the pass).
+template <int HD, typename Keys>
+__device__ void attend(const bf16* __restrict__ q, const bf16* __restrict__ kh,
+                       const bf16* __restrict__ vh, Keys keys, bf16* __restrict__ out,
+                       float scale) {
     constexpr int WARPS = ATT_THREADS / WARP;
     constexpr int PER = HD / WARP;  // values of a V row per lane
     __shared__ float qs[HD];
     __shared__ float score[ATT_TILE];
+    __shared__ int slot[ATT_TILE];
     __shared__ float acc_part[WARPS][HD];
-    const int h = blockIdx.x;
-    const int j = h / (heads / kv);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int len = min((int)*pos + 1, cap);
-    const bf16* kh = kc + (size_t)j * cap * HD;
-    const bf16* vh = vc + (size_t)j * cap * HD;
-    for (int d = threadIdx.x; d < HD; d += ATT_THREADS) qs[d] = __bfloat162float(q[(size_t)h * HD + d]);
+    const int len = keys.len;
+    for (int d = threadIdx.x; d < HD; d += ATT_THREADS) qs[d] = __bfloat162float(q[d]);
     __syncthreads();
     float run_max = -INFINITY, run_sum = 0.f;
     float acc[PER];
@@ -211,10 +228,12 @@ __device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restr
     for (int e = 0; e < PER; ++e) acc[e] = 0.f;
     for (int start = 0; start < len; start += ATT_TILE) {
         const int n = min(ATT_TILE, len - start);
-        // Scores: one thread per slot, the whole K row read as 16-byte words.
+        // Scores: one thread per key, the whole K row read as 16-byte words.
         float local_max = -INFINITY;
         for (int t = threadIdx.x; t < n; t += ATT_THREADS) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kh + (size_t)(start + t) * HD);
+            const int sl = keys(start + t);
+            slot[t] = sl;
+            const uint4* kr = reinterpret_cast<const uint4*>(kh + (size_t)sl * HD);
             uint4 words[HD / 8];
 #pragma unroll
             for (int c = 0; c < HD / 8; ++c) words[c] = kr[c];
@@ -244,13 +263,13 @@ __device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restr
         }
         run_sum = run_sum * corr + block_sum(local_sum);
         run_max = new_max;
-        // V: warp w takes slots w, w + WARPS, ...; lane owns values lane * PER .. + PER.
+        // V: warp w takes keys w, w + WARPS, ...; lane owns values lane * PER .. + PER.
 #pragma unroll
         for (int e = 0; e < PER; ++e) acc[e] *= corr;
 #pragma unroll 4
         for (int t = warp; t < n; t += WARPS) {
             const float p = score[t];
-            const bf16* vr = vh + (size_t)(start + t) * HD + lane * PER;
+            const bf16* vr = vh + (size_t)slot[t] * HD + lane * PER;
 #pragma unroll
             for (int e = 0; e < PER; e += 2) {
                 const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vr + e));
@@ -268,8 +287,21 @@ __device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restr
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += acc_part[w][d];
-        out[(size_t)h * HD + d] = __float2bfloat16(s * inv);
+        out[d] = __float2bfloat16(s * inv);
     }
+}
+
+// Attention of one query token over cache slots 0..=*pos: q (heads * hd), caches (kv, cap, hd),
+// query head h reads KV head h / (heads / kv). One block of ATT_THREADS per head.
+template <int HD>
+__device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                 const bf16* __restrict__ vc, const uint32_t* __restrict__ pos,
+                                 bf16* __restrict__ out, int heads, int kv, int cap, float scale) {
+    const int h = blockIdx.x;
+    const int j = h / (heads / kv);
+    const LeadingKeys keys{min((int)*pos + 1, cap)};
+    attend<HD>(q + (size_t)h * HD, kc + (size_t)j * cap * HD, vc + (size_t)j * cap * HD, keys,
+               out + (size_t)h * HD, scale);
 }
 
 extern "C" __global__ void specsplit_decode_attention_bf16_hd64(
@@ -284,6 +316,295 @@ extern "C" __global__ void specsplit_decode_attention_bf16_hd128(
     const uint32_t* __restrict__ pos, bf16* __restrict__ out, int heads, int kv, int cap,
     float scale) {
     decode_attention<128>(q, kc, vc, pos, out, heads, kv, cap, scale);
+}
+
+// Batch-invariant attention of the n rows of one pass, in two kernels. Row r attends to slots
+// 0..meta[2r], then to the meta[2r + 1] slots listed in extra[r * max_extra ..]; its key list is
+// cut into chunks of RA_CHUNK keys by list index. The first kernel computes, per (KV head, row,
+// chunk), every query head's chunk maximum, exp-sum and exp-weighted V sum; the second merges a
+// row's chunks in chunk order. Every reduction is ordered by list index alone, so a row gets
+// the same bits whether it is decoded alone or verified among tree nodes.
+
+#define RA_CHUNK 64   // keys a chunk (= threads of a partial block, two warps)
+#define RA_MAX_REP 8  // query heads a KV head serves, at most
+
+// part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
+template <int HD>
+__device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                    const bf16* __restrict__ vc, const uint32_t* __restrict__ meta,
+                                    const uint32_t* __restrict__ extra, float* __restrict__ part,
+                                    int heads, int kv, int n, int cap, int max_extra, int chunks,
+                                    float scale) {
+    constexpr int PER = HD / WARP;  // values of a V row per lane
+    __shared__ float qs[RA_MAX_REP][HD];
+    __shared__ float prob[RA_MAX_REP][RA_CHUNK];
+    __shared__ int slot[RA_CHUNK];
+    __shared__ float red[2][RA_MAX_REP];
+    __shared__ float vsum[RA_MAX_REP][HD];
+    const int j = blockIdx.x, r = blockIdx.y, c = blockIdx.z;
+    const int rep = heads / kv;
+    const int lead = (int)meta[2 * r];
+    const ListedKeys keys{lead, lead + (int)meta[2 * r + 1], extra + (size_t)r * max_extra};
+    if (c * RA_CHUNK >= keys.len) return;  // past this row's keys: the merge never reads it
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    for (int e = t; e < rep * HD; e += RA_CHUNK) {
+        const int h = j * rep + e / HD;
+        qs[e / HD][e % HD] = __bfloat162float(q[((size_t)h * n + r) * HD + e % HD]);
+    }
+    const int i = c * RA_CHUNK + t;
+    const bool valid = i < keys.len;
+    const int sl = valid ? keys(i) : 0;
+    slot[t] = sl;
+    __syncthreads();
+    const bf16* kh = kc + (size_t)j * cap * HD;
+    const bf16* vh = vc + (size_t)j * cap * HD;
+    float s[RA_MAX_REP];
+#pragma unroll
+    for (int h = 0; h < RA_MAX_REP; ++h) s[h] = -INFINITY;
+    if (valid) {
+        const uint4* kr = reinterpret_cast<const uint4*>(kh + (size_t)sl * HD);
+        uint4 words[HD / 8];
+#pragma unroll
+        for (int w = 0; w < HD / 8; ++w) words[w] = kr[w];
+#pragma unroll
+        for (int h = 0; h < RA_MAX_REP; ++h) {
+            if (h >= rep) break;
+            float d = 0.f;
+#pragma unroll
+            for (int w = 0; w < HD / 8; ++w) {
+                const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&words[w]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __bfloat1622float2(k2[e]);
+                    d = fmaf(qs[h][8 * w + 2 * e], f.x, d);
+                    d = fmaf(qs[h][8 * w + 2 * e + 1], f.y, d);
+                }
+            }
+            s[h] = d * scale;
+        }
+    }
+    // Chunk maximum per head: each warp's, then warp 0's and warp 1's.
+    float mx[RA_MAX_REP];
+#pragma unroll
+    for (int h = 0; h < RA_MAX_REP; ++h) {
+        mx[h] = warp_max(s[h]);
+        if (lane == 0) red[warp][h] = mx[h];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < RA_MAX_REP; ++h) mx[h] = fmaxf(red[0][h], red[1][h]);
+    __syncthreads();
+    float sum[RA_MAX_REP];
+#pragma unroll
+    for (int h = 0; h < RA_MAX_REP; ++h) {
+        const float p = valid && h < rep ? __expf(s[h] - mx[h]) : 0.f;
+        prob[h][t] = p;
+        sum[h] = warp_sum(p);
+        if (lane == 0) red[warp][h] = sum[h];
+    }
+    __syncthreads();
+    // V: warp w takes keys w, w + 2, ...; lane owns values lane * PER .. + PER of every head.
+    float acc[RA_MAX_REP][PER];
+#pragma unroll
+    for (int h = 0; h < RA_MAX_REP; ++h)
+#pragma unroll
+        for (int e = 0; e < PER; ++e) acc[h][e] = 0.f;
+    const int last = min(RA_CHUNK, keys.len - c * RA_CHUNK);
+    for (int k = warp; k < last; k += 2) {
+        const bf16* vr = vh + (size_t)slot[k] * HD + lane * PER;
+        float v[PER];
+#pragma unroll
+        for (int e = 0; e < PER; e += 2) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vr + e));
+            v[e] = f.x;
+            v[e + 1] = f.y;
+        }
+#pragma unroll
+        for (int h = 0; h < RA_MAX_REP; ++h) {
+            if (h >= rep) break;
+            const float p = prob[h][k];
+#pragma unroll
+            for (int e = 0; e < PER; ++e) acc[h][e] = fmaf(p, v[e], acc[h][e]);
+        }
+    }
+    if (warp == 1) {
+#pragma unroll
+        for (int h = 0; h < RA_MAX_REP; ++h)
+#pragma unroll
+            for (int e = 0; e < PER; ++e) vsum[h][lane * PER + e] = acc[h][e];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int h = 0; h < RA_MAX_REP; ++h) {
+            if (h >= rep) break;
+            float* out = part + (((size_t)r * heads + j * rep + h) * chunks + c) * (HD + 2);
+#pragma unroll
+            for (int e = 0; e < PER; ++e) out[lane * PER + e] = acc[h][e] + vsum[h][lane * PER + e];
+            if (lane == 0) {
+                out[HD] = mx[h];
+                out[HD + 1] = red[0][h] + red[1][h];
+            }
+        }
+    }
+}
+
+extern "C" __global__ void specsplit_rows_attention_part_bf16_hd64(
+    const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+    const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra, float* __restrict__ part,
+    int heads, int kv, int n, int cap, int max_extra, int chunks, float scale) {
+    rows_attention_part<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
+                            scale);
+}
+
+extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(
+    const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+    const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra, float* __restrict__ part,
+    int heads, int kv, int n, int cap, int max_extra, int chunks, float scale) {
+    rows_attention_part<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
+                             scale);
+}
+
+// Merges row r's chunks of head h in chunk order into out (n, heads * hd) bf16. Grid
+// (heads, n), hd threads.
+extern "C" __global__ void specsplit_rows_attention_merge_bf16(
+    const float* __restrict__ part, const uint32_t* __restrict__ meta, bf16* __restrict__ out,
+    int heads, int chunks, int hd) {
+    const int h = blockIdx.x, r = blockIdx.y, d = threadIdx.x;
+    const int len = (int)(meta[2 * r] + meta[2 * r + 1]);
+    const int used = (len + RA_CHUNK - 1) / RA_CHUNK;
+    const float* p = part + ((size_t)r * heads + h) * chunks * (hd + 2);
+    float m = -INFINITY;
+    for (int c = 0; c < used; ++c) m = fmaxf(m, p[(size_t)c * (hd + 2) + hd]);
+    float l = 0.f, o = 0.f;
+    for (int c = 0; c < used; ++c) {
+        const float* pc = p + (size_t)c * (hd + 2);
+        const float w = __expf(pc[hd] - m);
+        l = fmaf(pc[hd + 1], w, l);
+        o = fmaf(pc[d], w, o);
+    }
+    out[((size_t)r * heads + h) * hd + d] = __float2bfloat16(o / l);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch-invariant matrix product on tensor cores.
+//
+// y = x W^T (+ bias) for x (m, k), W (n, k), k % 32 == 0. A block computes BI_COLS output
+// columns for up to BI_ROWS rows; its `splits` warps each take a fixed share of k and their
+// partial sums are added in warp order. Each output is the same sequence of mma.sync steps
+// whatever m is and wherever its row sits in the tile (rows never mix in an mma), and `splits`
+// depends on (n, k) only, so a row's result does not depend on the batch: one token decoded
+// alone and the same token verified among tree nodes get bit-identical products.
+
+#define BI_ROWS 64
+#define BI_COLS 16
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One 32-wide k chunk for MT row tiles: lane (g = lane / 4, t = lane % 4) holds elements
+// t * 8 .. t * 8 + 8 of the chunk for rows g and g + 8 of each tile (lo / hi) and for columns
+// g and g + 8 (b0 / b1). The k order inside the chunk is permuted identically for x and W (a
+// sum does not depend on which products the mma pairs up, only on the fixed order of steps).
+template <int MT>
+__device__ __forceinline__ void bi_chunk(const uint4* const (&xa)[4][2], int c, uint4 b0,
+                                         uint4 b1, float (&acc)[4][2][4]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const uint4 lo = __ldg(xa[i][0] + c * 4), hi = __ldg(xa[i][1] + c * 4);
+        mma_bf16(acc[i][0], lo.x, hi.x, lo.y, hi.y, b0.x, b0.y);
+        mma_bf16(acc[i][1], lo.x, hi.x, lo.y, hi.y, b1.x, b1.y);
+        mma_bf16(acc[i][0], lo.z, hi.z, lo.w, hi.w, b0.z, b0.w);
+        mma_bf16(acc[i][1], lo.z, hi.z, lo.w, hi.w, b1.z, b1.w);
+    }
+}
+
+// Chunks [c0, c1) of the block's tile into acc, four weight chunks in flight per lane.
+template <int MT>
+__device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* wb0, const uint4* wb1,
+                              int c0, int c1, float (&acc)[4][2][4]) {
+    int c = c0;
+    for (; c + 3 < c1; c += 4) {
+        uint4 b0[4], b1[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            b0[u] = load_stream(wb0 + (c + u) * 4);
+            b1[u] = load_stream(wb1 + (c + u) * 4);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) bi_chunk<MT>(xa, c + u, b0[u], b1[u], acc);
+    }
+    for (; c < c1; ++c) bi_chunk<MT>(xa, c, load_stream(wb0 + c * 4), load_stream(wb1 + c * 4), acc);
+}
+
+// Grid (ceil(n / BI_COLS), ceil(m / BI_ROWS)), block 32 * splits threads (splits <= chunks),
+// dynamic shared memory splits * BI_ROWS * BI_COLS floats. x, W 16-byte aligned.
+extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
+                                                    const bf16* __restrict__ w,
+                                                    const bf16* __restrict__ bias,
+                                                    bf16* __restrict__ y, int m, int n, int k,
+                                                    int splits) {
+    extern __shared__ float red[];  // [splits][BI_ROWS][BI_COLS]
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = blockIdx.x * BI_COLS, m0 = blockIdx.y * BI_ROWS;
+    const int rows = min(BI_ROWS, m - m0);
+    const int tiles = (rows + 15) / 16;
+    const int chunks = k / 32;
+    const int c0 = (int)((long long)chunks * warp / splits);
+    const int c1 = (int)((long long)chunks * (warp + 1) / splits);
+    // Rows past m and columns past n read a valid row (rows and columns never mix in an mma)
+    // and are not stored.
+    const uint4* wb0 = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + g, n - 1) * k) + t;
+    const uint4* wb1 = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + 8 + g, n - 1) * k) + t;
+    const uint4* xa[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        xa[i][0] = reinterpret_cast<const uint4*>(x + (size_t)min(m0 + 16 * i + g, m - 1) * k) + t;
+        xa[i][1] = reinterpret_cast<const uint4*>(x + (size_t)min(m0 + 16 * i + 8 + g, m - 1) * k) + t;
+    }
+    float acc[4][2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][s][e] = 0.f;
+    switch (tiles) {
+        case 1: bi_accumulate<1>(xa, wb0, wb1, c0, c1, acc); break;
+        case 2: bi_accumulate<2>(xa, wb0, wb1, c0, c1, acc); break;
+        case 3: bi_accumulate<3>(xa, wb0, wb1, c0, c1, acc); break;
+        default: bi_accumulate<4>(xa, wb0, wb1, c0, c1, acc); break;
+    }
+    float* part = red + (size_t)warp * BI_ROWS * BI_COLS;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (i >= tiles) break;
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            const int col = s * 8 + t * 2, row = 16 * i + g;
+            part[row * BI_COLS + col] = acc[i][s][0];
+            part[row * BI_COLS + col + 1] = acc[i][s][1];
+            part[(row + 8) * BI_COLS + col] = acc[i][s][2];
+            part[(row + 8) * BI_COLS + col + 1] = acc[i][s][3];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * BI_COLS; e += blockDim.x) {
+        const int r = e / BI_COLS, col = e % BI_COLS;
+        if (n0 + col >= n) continue;
+        float s = red[r * BI_COLS + col];
+        for (int p = 1; p < splits; ++p) s += red[((size_t)p * BI_ROWS + r) * BI_COLS + col];
+        // The unfused path rounds the product to bf16 before adding the bias.
+        if (bias != nullptr) s = round_bf16(s) + __bfloat162float(bias[n0 + col]);
+        y[(size_t)(m0 + r) * n + n0 + col] = __float2bfloat16(s);
+    }
 }
 
 // SwiGLU gate: gu is (rows, 2 * n) = [gate | up]; out (rows, n) = silu(gate) * up, rounded to
