@@ -559,6 +559,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,
             "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
+            "batch_invariant": specsplit_models::fused::batch_invariant(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "target_only_tok_per_s": ar_tps,
         },

@@ -371,6 +371,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "device": s.device,
             "dtype": format!("{:?}", m.dtype()).to_lowercase(),
             "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
+            "batch_invariant": specsplit_models::fused::batch_invariant(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,

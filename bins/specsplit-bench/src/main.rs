@@ -5,12 +5,14 @@
 //! - `e2e`: target-only vs speculative decoding end to end over loopback gRPC, with an optional
 //!   synthetic drafter of fixed acceptance β;
 //! - `plot`: PNG plots from the JSON reports;
-//! - `rpc`: per-RPC cost on loopback beyond the workers' own handling time.
+//! - `rpc`: per-RPC cost on loopback beyond the workers' own handling time;
+//! - `kernels`: the batch-invariant CUDA kernels against cuBLAS, per projection and pass size.
 //!
 //! Every subcommand writes `<out>/<name>.json` and `<out>/<name>.csv`.
 
 mod e2e;
 mod forward;
+mod kernels;
 mod plot;
 mod report;
 mod rpc;
@@ -40,6 +42,8 @@ enum Command {
     Plot(PlotArgs),
     /// Per-RPC cost on loopback beyond the workers' own handling time.
     Rpc(rpc::RpcArgs),
+    /// The batch-invariant CUDA kernels against cuBLAS, per projection and pass size.
+    Kernels(kernels::KernelArgs),
 }
 
 #[derive(Args, Debug)]
@@ -249,5 +253,6 @@ fn main() -> Result<()> {
         Command::E2e(a) => e2e(a),
         Command::Plot(a) => plot::run(&a.input, &a.out, a.font.as_deref()),
         Command::Rpc(a) => rpc::main(a),
+        Command::Kernels(a) => kernels::main(a),
     }
 }

@@ -329,6 +329,7 @@ extern "C" __global__ void specsplit_decode_attention_bf16_hd128(
 #define RA_MAX_REP 8  // query heads a KV head serves, at most
 
 // part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
+// Grid (kv, n, chunks), RA_CHUNK threads.
 template <int HD>
 __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                     const bf16* __restrict__ vc, const uint32_t* __restrict__ meta,
@@ -341,12 +342,13 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
     __shared__ int slot[RA_CHUNK];
     __shared__ float red[2][RA_MAX_REP];
     __shared__ float vsum[RA_MAX_REP][HD];
-    const int j = blockIdx.x, r = blockIdx.y, c = blockIdx.z;
+    const int j = blockIdx.x, c = blockIdx.z;
     const int rep = heads / kv;
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    const int r = blockIdx.y;
     const int lead = (int)meta[2 * r];
     const ListedKeys keys{lead, lead + (int)meta[2 * r + 1], extra + (size_t)r * max_extra};
     if (c * RA_CHUNK >= keys.len) return;  // past this row's keys: the merge never reads it
-    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
     for (int e = t; e < rep * HD; e += RA_CHUNK) {
         const int h = j * rep + e / HD;
         qs[e / HD][e % HD] = __bfloat162float(q[((size_t)h * n + r) * HD + e % HD]);
@@ -410,21 +412,34 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
 #pragma unroll
         for (int e = 0; e < PER; ++e) acc[h][e] = 0.f;
     const int last = min(RA_CHUNK, keys.len - c * RA_CHUNK);
-    for (int k = warp; k < last; k += 2) {
-        const bf16* vr = vh + (size_t)slot[k] * HD + lane * PER;
-        float v[PER];
+    constexpr int VU = 8;  // V rows in flight per warp
+    for (int k0 = warp; k0 < last; k0 += 2 * VU) {
+        float v[VU][PER];
 #pragma unroll
-        for (int e = 0; e < PER; e += 2) {
-            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vr + e));
-            v[e] = f.x;
-            v[e + 1] = f.y;
+        for (int u = 0; u < VU; ++u) {
+            const int k = k0 + 2 * u;
+            if (k < last) {
+                const bf16* vr = vh + (size_t)slot[k] * HD + lane * PER;
+#pragma unroll
+                for (int e = 0; e < PER; e += 2) {
+                    const float2 f =
+                        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vr + e));
+                    v[u][e] = f.x;
+                    v[u][e + 1] = f.y;
+                }
+            }
         }
 #pragma unroll
-        for (int h = 0; h < RA_MAX_REP; ++h) {
-            if (h >= rep) break;
-            const float p = prob[h][k];
+        for (int u = 0; u < VU; ++u) {
+            const int k = k0 + 2 * u;
+            if (k >= last) break;
 #pragma unroll
-            for (int e = 0; e < PER; ++e) acc[h][e] = fmaf(p, v[e], acc[h][e]);
+            for (int h = 0; h < RA_MAX_REP; ++h) {
+                if (h >= rep) break;
+                const float p = prob[h][k];
+#pragma unroll
+                for (int e = 0; e < PER; ++e) acc[h][e] = fmaf(p, v[u][e], acc[h][e]);
+            }
         }
     }
     if (warp == 1) {
@@ -487,17 +502,10 @@ extern "C" __global__ void specsplit_rows_attention_merge_bf16(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Batch-invariant matrix product on tensor cores.
-//
-// y = x W^T (+ bias) for x (m, k), W (n, k), k % 32 == 0. A block computes BI_COLS output
-// columns for up to BI_ROWS rows; its `splits` warps each take a fixed share of k and their
-// partial sums are added in warp order. Each output is the same sequence of mma.sync steps
-// whatever m is and wherever its row sits in the tile (rows never mix in an mma), and `splits`
-// depends on (n, k) only, so a row's result does not depend on the batch: one token decoded
-// alone and the same token verified among tree nodes get bit-identical products.
+// Batch-invariant matrix product on tensor cores (the kernel is at the end of this section).
 
 #define BI_ROWS 64
-#define BI_COLS 16
+#define BI_MAX_COLS 32
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -508,103 +516,139 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One 32-wide k chunk for MT row tiles: lane (g = lane / 4, t = lane % 4) holds elements
-// t * 8 .. t * 8 + 8 of the chunk for rows g and g + 8 of each tile (lo / hi) and for columns
-// g and g + 8 (b0 / b1). The k order inside the chunk is permuted identically for x and W (a
-// sum does not depend on which products the mma pairs up, only on the fixed order of steps).
-template <int MT>
-__device__ __forceinline__ void bi_chunk(const uint4* const (&xa)[4][2], int c, uint4 b0,
-                                         uint4 b1, float (&acc)[4][2][4]) {
+// One 32-wide k chunk for MT row tiles and NT column tiles of 8: lane (g = lane / 4,
+// t = lane % 4) holds elements t * 8 .. t * 8 + 8 of the chunk for rows g and g + 8 of each
+// row tile (lo / hi) and for column g of each column tile (b[s]). The k order inside the chunk
+// is permuted identically for x and W: an output's sum is the same fixed sequence of mma
+// steps, whichever rows and columns share them.
+template <int MT, int NT>
+__device__ __forceinline__ void bi_chunk(const uint4* const (&xa)[4][2], int c,
+                                         const uint4 (&b)[NT], float (&acc)[4][NT][4]) {
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const uint4 lo = __ldg(xa[i][0] + c * 4), hi = __ldg(xa[i][1] + c * 4);
-        mma_bf16(acc[i][0], lo.x, hi.x, lo.y, hi.y, b0.x, b0.y);
-        mma_bf16(acc[i][1], lo.x, hi.x, lo.y, hi.y, b1.x, b1.y);
-        mma_bf16(acc[i][0], lo.z, hi.z, lo.w, hi.w, b0.z, b0.w);
-        mma_bf16(acc[i][1], lo.z, hi.z, lo.w, hi.w, b1.z, b1.w);
+#pragma unroll
+        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.x, hi.x, lo.y, hi.y, b[s].x, b[s].y);
+#pragma unroll
+        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.z, hi.z, lo.w, hi.w, b[s].z, b[s].w);
     }
 }
 
-// Chunks [c0, c1) of the block's tile into acc, four weight chunks in flight per lane.
-template <int MT>
-__device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* wb0, const uint4* wb1,
-                              int c0, int c1, float (&acc)[4][2][4]) {
+// Chunks [c0, c1) into acc, U weight chunks in flight per lane.
+template <int MT, int NT>
+__device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const (&wb)[NT],
+                              int c0, int c1, float (&acc)[4][NT][4]) {
+    constexpr int U = NT == 2 ? 4 : 2;
     int c = c0;
-    for (; c + 3 < c1; c += 4) {
-        uint4 b0[4], b1[4];
+    for (; c + U - 1 < c1; c += U) {
+        uint4 b[U][NT];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            b0[u] = load_stream(wb0 + (c + u) * 4);
-            b1[u] = load_stream(wb1 + (c + u) * 4);
-        }
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int u = 0; u < 4; ++u) bi_chunk<MT>(xa, c + u, b0[u], b1[u], acc);
+            for (int s = 0; s < NT; ++s) b[u][s] = load_stream(wb[s] + (c + u) * 4);
+#pragma unroll
+        for (int u = 0; u < U; ++u) bi_chunk<MT, NT>(xa, c + u, b[u], acc);
     }
-    for (; c < c1; ++c) bi_chunk<MT>(xa, c, load_stream(wb0 + c * 4), load_stream(wb1 + c * 4), acc);
+    for (; c < c1; ++c) {
+        uint4 b[NT];
+#pragma unroll
+        for (int s = 0; s < NT; ++s) b[s] = load_stream(wb[s] + c * 4);
+        bi_chunk<MT, NT>(xa, c, b, acc);
+    }
 }
 
-// Grid (ceil(n / BI_COLS), ceil(m / BI_ROWS)), block 32 * splits threads (splits <= chunks),
-// dynamic shared memory splits * BI_ROWS * BI_COLS floats. x, W 16-byte aligned.
-extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
-                                                    const bf16* __restrict__ w,
-                                                    const bf16* __restrict__ bias,
-                                                    bf16* __restrict__ y, int m, int n, int k,
-                                                    int splits) {
-    extern __shared__ float red[];  // [splits][BI_ROWS][BI_COLS]
+// The block's tile: NT * 8 columns from n0, up to BI_ROWS rows from m0. Warp w takes chunks
+// [chunks * w / splits, chunks * (w + 1) / splits); the warps' partial sums are added in warp
+// order in `red` (shared, BI_ROWS * BI_MAX_COLS floats).
+template <int MT, int NT>
+__device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                        const bf16* __restrict__ bias, bf16* __restrict__ y, int m, int n, int k,
+                        int splits, int n0, int m0, int rows, float* __restrict__ red) {
+    constexpr int COLS = NT * 8;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int g = lane / 4, t = lane % 4;
-    const int n0 = blockIdx.x * BI_COLS, m0 = blockIdx.y * BI_ROWS;
-    const int rows = min(BI_ROWS, m - m0);
-    const int tiles = (rows + 15) / 16;
     const int chunks = k / 32;
     const int c0 = (int)((long long)chunks * warp / splits);
     const int c1 = (int)((long long)chunks * (warp + 1) / splits);
     // Rows past m and columns past n read a valid row (rows and columns never mix in an mma)
     // and are not stored.
-    const uint4* wb0 = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + g, n - 1) * k) + t;
-    const uint4* wb1 = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + 8 + g, n - 1) * k) + t;
+    const uint4* wb[NT];
+#pragma unroll
+    for (int s = 0; s < NT; ++s)
+        wb[s] = reinterpret_cast<const uint4*>(w + (size_t)min(n0 + 8 * s + g, n - 1) * k) + t;
     const uint4* xa[4][2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         xa[i][0] = reinterpret_cast<const uint4*>(x + (size_t)min(m0 + 16 * i + g, m - 1) * k) + t;
         xa[i][1] = reinterpret_cast<const uint4*>(x + (size_t)min(m0 + 16 * i + 8 + g, m - 1) * k) + t;
     }
-    float acc[4][2][4];
+    float acc[4][NT][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < NT; ++s)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][s][e] = 0.f;
-    switch (tiles) {
-        case 1: bi_accumulate<1>(xa, wb0, wb1, c0, c1, acc); break;
-        case 2: bi_accumulate<2>(xa, wb0, wb1, c0, c1, acc); break;
-        case 3: bi_accumulate<3>(xa, wb0, wb1, c0, c1, acc); break;
-        default: bi_accumulate<4>(xa, wb0, wb1, c0, c1, acc); break;
+    bi_accumulate<MT, NT>(xa, wb, c0, c1, acc);
+    for (int p = 0; p < splits; ++p) {
+        if (warp == p) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int s = 0; s < NT; ++s)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = 16 * i + g + (e >= 2 ? 8 : 0);
+                        const int col = s * 8 + t * 2 + (e & 1);
+                        float& dst = red[row * COLS + col];
+                        dst = p == 0 ? acc[i][s][e] : dst + acc[i][s][e];
+                    }
+        }
+        __syncthreads();
     }
-    float* part = red + (size_t)warp * BI_ROWS * BI_COLS;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        if (i >= tiles) break;
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            const int col = s * 8 + t * 2, row = 16 * i + g;
-            part[row * BI_COLS + col] = acc[i][s][0];
-            part[row * BI_COLS + col + 1] = acc[i][s][1];
-            part[(row + 8) * BI_COLS + col] = acc[i][s][2];
-            part[(row + 8) * BI_COLS + col + 1] = acc[i][s][3];
+    for (int e = threadIdx.x; e < rows * COLS; e += blockDim.x) {
+        const int r = e / COLS, col = e % COLS;
+        if (n0 + col >= n) continue;
+        float v = red[r * COLS + col];
+        // The unfused path rounds the product to bf16 before adding the bias.
+        if (bias != nullptr) v = round_bf16(v) + __bfloat162float(bias[n0 + col]);
+        y[(size_t)(m0 + r) * n + n0 + col] = __float2bfloat16(v);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// y = x W^T (+ bias) on tensor cores for x (m, k), W (n, k), k % 32 == 0, x and W 16-byte
+// aligned. Grid (ceil(n / (8 * nt)), ceil(m / BI_ROWS)), 32 * splits threads (splits <= k / 32);
+// nt is 2 or 4 column tiles of 8 a warp. An output is the same sequence of mma.sync steps over
+// its warp's share of k whatever m and nt are and wherever its row and column sit in the tile,
+// and splits depends on (n, k) only, so a row's result does not depend on the batch: one token
+// decoded alone and the same token verified among tree nodes get bit-identical products.
+extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
+                                                    const bf16* __restrict__ w,
+                                                    const bf16* __restrict__ bias,
+                                                    bf16* __restrict__ y, int m, int n, int k,
+                                                    int splits, int nt) {
+    __shared__ float red[BI_ROWS * BI_MAX_COLS];
+    const int n0 = blockIdx.x * 8 * nt, m0 = blockIdx.y * BI_ROWS;
+    const int rows = min(BI_ROWS, m - m0);
+    const int tiles = (rows + 15) / 16;
+#define BI_CASE(MT, NT) bi_tile<MT, NT>(x, w, bias, y, m, n, k, splits, n0, m0, rows, red)
+    if (nt == 2) {
+        switch (tiles) {
+            case 1: BI_CASE(1, 2); break;
+            case 2: BI_CASE(2, 2); break;
+            case 3: BI_CASE(3, 2); break;
+            default: BI_CASE(4, 2); break;
+        }
+    } else {
+        switch (tiles) {
+            case 1: BI_CASE(1, 4); break;
+            case 2: BI_CASE(2, 4); break;
+            case 3: BI_CASE(3, 4); break;
+            default: BI_CASE(4, 4); break;
         }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < rows * BI_COLS; e += blockDim.x) {
-        const int r = e / BI_COLS, col = e % BI_COLS;
-        if (n0 + col >= n) continue;
-        float s = red[r * BI_COLS + col];
-        for (int p = 1; p < splits; ++p) s += red[((size_t)p * BI_ROWS + r) * BI_COLS + col];
-        // The unfused path rounds the product to bf16 before adding the bias.
-        if (bias != nullptr) s = round_bf16(s) + __bfloat162float(bias[n0 + col]);
-        y[(size_t)(m0 + r) * n + n0 + col] = __float2bfloat16(s);
-    }
+#undef BI_CASE
 }
 
 // SwiGLU gate: gu is (rows, 2 * n) = [gate | up]; out (rows, n) = silu(gate) * up, rounded to

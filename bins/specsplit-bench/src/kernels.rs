@@ -1,0 +1,158 @@
+//! `kernels`: the batch-invariant CUDA kernels against cuBLAS, per projection of a model shape
+//! and per pass size, and the batch-invariant attention per pass size and context. Each figure
+//! is the median time of one launch, from `batch` launches enqueued back to back then one
+//! synchronisation (the GPU time of a launch that the host keeps fed), over `iters` samples.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use serde_json::{json, Map, Value};
+use specsplit_models::config::ModelConfig;
+use specsplit_models::fused::{self, AttnShape, PassKeys};
+
+use crate::{report, util};
+
+/// Arguments of `kernels`.
+#[derive(Args, Debug)]
+pub struct KernelArgs {
+    /// Model shape preset (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, …): random weights.
+    #[arg(long, default_value = "qwen2.5-7b")]
+    shape: String,
+    /// Device: cuda or cuda:N.
+    #[arg(long, default_value = "cuda:0")]
+    device: String,
+    /// Rows of a pass (1 = decoding one token, K + 1 = verifying K nodes).
+    #[arg(long, value_delimiter = ',', default_value = "1,9,33")]
+    rows: Vec<usize>,
+    /// Cached tokens before the pass, for attention.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    contexts: Vec<usize>,
+    /// Timed samples per figure.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Launches per sample.
+    #[arg(long, default_value_t = 10)]
+    batch: usize,
+    /// Output directory.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Base name of the output files.
+    #[arg(long, default_value = "kernels")]
+    name: String,
+}
+
+/// Median milliseconds of one `f` call, `batch` calls a sample, after two warm-up samples.
+fn per_launch_ms(
+    dev: &Device,
+    iters: usize,
+    batch: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    let batch = batch.max(1);
+    let mut ms = Vec::with_capacity(iters);
+    for i in 0..iters.max(1) + 2 {
+        let t = std::time::Instant::now();
+        for _ in 0..batch {
+            f()?;
+        }
+        dev.synchronize()?;
+        if i >= 2 {
+            ms.push(t.elapsed().as_secs_f64() * 1e3 / batch as f64);
+        }
+    }
+    Ok(util::summarize(&ms).median)
+}
+
+/// Runs the `kernels` subcommand.
+pub fn main(a: KernelArgs) -> Result<()> {
+    let c = ModelConfig::preset(&a.shape)
+        .with_context(|| format!("unknown shape preset {:?}", a.shape))?;
+    let dev = specsplit_workers::launch::parse_device(&a.device)?;
+    if !dev.is_cuda() || !cfg!(feature = "cuda") {
+        bail!("kernels needs a CUDA device and a build with the `cuda` feature");
+    }
+    let bf = |shape: &[usize], scale: f64| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1f32, shape, &dev)?
+            .affine(scale, 0.0)?
+            .to_dtype(DType::BF16)?)
+    };
+    let (h, hd, kvh) = (c.hidden_size, c.head_dim, c.num_key_value_heads);
+    let qh = c.num_attention_heads;
+    let projections = [
+        ("qkv", (qh + 2 * kvh) * hd, h),
+        ("o", h, qh * hd),
+        ("gate_up", 2 * c.intermediate_size, h),
+        ("down", h, c.intermediate_size),
+        ("lm_head", c.vocab_size, h),
+    ];
+    let mut rows_out: Vec<Map<String, Value>> = Vec::new();
+    println!(
+        "{} shape, per launch (ms): cuBLAS vs batch-invariant",
+        a.shape
+    );
+    for (name, n, k) in projections {
+        let w = bf(&[n, k], 0.02)?;
+        for &m in &a.rows {
+            let x = bf(&[m, k], 1.0)?;
+            let wt = w.t()?;
+            let cublas = per_launch_ms(&dev, a.iters, a.batch, || {
+                x.matmul(&wt)?;
+                Ok(())
+            })?;
+            let bi = per_launch_ms(&dev, a.iters, a.batch, || {
+                fused::bi_matmul(&x, &w, None)?;
+                Ok(())
+            })?;
+            let gbs = (n * k * 2) as f64 / (bi / 1e3) / 1e9;
+            println!(
+                "  {name:8} {n:6}x{k:5} rows {m:3}: cuBLAS {cublas:.4}  bi {bi:.4}  ({:.2}x; bi {gbs:.0} GB/s of weights)",
+                bi / cublas
+            );
+            let mut r = Map::new();
+            r.insert("op".into(), json!(name));
+            r.insert("n".into(), json!(n));
+            r.insert("k".into(), json!(k));
+            r.insert("rows".into(), json!(m));
+            r.insert("cublas_ms".into(), json!(cublas));
+            r.insert("bi_ms".into(), json!(bi));
+            rows_out.push(r);
+        }
+    }
+    for &ctx in &a.contexts {
+        let cap = ctx + a.rows.iter().copied().max().unwrap_or(1);
+        let kc = bf(&[1, kvh, cap, hd], 1.0)?;
+        let vc = bf(&[1, kvh, cap, hd], 1.0)?;
+        let shape = AttnShape {
+            heads: qh,
+            kv: kvh,
+            head_dim: hd,
+            capacity: cap,
+        };
+        for &m in &a.rows {
+            let q = bf(&[1, qh, m, hd], 1.0)?;
+            let leads: Vec<(usize, &[u32])> = (0..m).map(|i| (ctx + i + 1, &[][..])).collect();
+            let keys = PassKeys::new(&leads, &dev)?;
+            let scale = 1.0 / (hd as f32).sqrt();
+            let ms = per_launch_ms(&dev, a.iters, a.batch, || {
+                fused::rows_attention(&q, &kc, &vc, &keys, shape, scale)?;
+                Ok(())
+            })?;
+            println!("  attention ctx {ctx:5} rows {m:3}: bi {ms:.4}");
+            let mut r = Map::new();
+            r.insert("op".into(), json!("attention"));
+            r.insert("context".into(), json!(ctx));
+            r.insert("rows".into(), json!(m));
+            r.insert("bi_ms".into(), json!(ms));
+            rows_out.push(r);
+        }
+    }
+    let doc = json!({
+        "meta": { "shape": a.shape, "device": a.device, "iters": a.iters, "batch": a.batch },
+        "rows": rows_out,
+    });
+    let (j, c) = report::write(&a.out, &a.name, &doc)?;
+    println!("wrote {} and {}", j.display(), c.display());
+    Ok(())
+}
