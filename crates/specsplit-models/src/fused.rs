@@ -13,10 +13,17 @@
 //!
 //! - unset or `step` (default): the fixed-shape greedy step ([`enabled`]), which only drafts
 //!   (its tokens are proposals the target verifies), so it cannot change any output;
-//! - `all`: also every one-row dense projection ([`rows_enabled`]): the target's plain decode
-//!   steps then run the GEMV while verify passes keep cuBLAS, so bf16 near-ties can break
-//!   differently between target-only decoding and speculation (measured in docs/benchmarks.md);
+//! - `all`: also every one-row dense projection ([`rows_enabled`]) that the batch-invariant
+//!   kernels below do not take: the target's plain decode steps then run the GEMV while verify
+//!   passes keep cuBLAS, so bf16 near-ties can break differently between target-only decoding
+//!   and speculation (measured in docs/benchmarks.md);
 //! - `0`: nowhere.
+//!
+//! The same PTX holds the batch-invariant kernels ([`bi_matmul`], [`rows_attention`]) that every
+//! dense bf16 pass of at most [`BI_MAX_ROWS`] rows runs while [`batch_invariant`] is on (the
+//! default; `SPECSPLIT_BATCH_INVARIANT=0` turns it off): a token's logits are then bit-identical
+//! whether it is decoded alone or verified among tree nodes, so greedy speculation emits exactly
+//! the target-only output.
 
 use candle_core::{DType, Result, Tensor};
 use std::sync::atomic::{AtomicU8, Ordering};
