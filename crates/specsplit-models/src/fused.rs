@@ -170,6 +170,38 @@ pub fn qkv_rope_cache(
     imp::qkv_rope_cache(qkv, cos, sin, pos, k_cache, v_cache, shape, interleaved)
 }
 
+/// [`qkv_rope_cache`] for the `n` rows of one pass: the fused Q|K|V rows `(n, (heads + 2 kv) *
+/// head_dim)`, rotary at the positions `(n,)` u32 (each below the tables' length), K and V
+/// written into the caches at slots `past..past + n`; returns the rotated Q as
+/// `(1, heads, n, head_dim)`, the layout [`rows_attention`] reads.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_rows(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    past: usize,
+    shape: AttnShape,
+    interleaved: bool,
+) -> Result<Tensor> {
+    if !applies(qkv) {
+        return Err(unfit("qkv_rope_rows", &[qkv]));
+    }
+    imp::qkv_rope_rows(
+        qkv,
+        cos,
+        sin,
+        positions,
+        k_cache,
+        v_cache,
+        past,
+        shape,
+        interleaved,
+    )
+}
+
 /// Attention of one query `(1, heads * head_dim)` over cache slots `0..=pos` of the caches
 /// `(1, kv, capacity, head_dim)`, scaled by `scale`: `(1, heads * head_dim)` bf16. `head_dim`
 /// must be 64 or 128.
@@ -616,6 +648,56 @@ mod imp {
         Ok(q)
     }
 
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qkv_rope_rows(
+        qkv: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        positions: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        past: usize,
+        s: AttnShape,
+        interleaved: bool,
+    ) -> Result<Tensor> {
+        let hd = s.head_dim;
+        let (n, width) = qkv.dims2()?;
+        check(
+            width == (s.heads + 2 * s.kv) * hd && hd.is_multiple_of(2) && hd <= 2048,
+            || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
+        )?;
+        check(
+            positions.dims() == [n] && positions.dtype() == DType::U32,
+            || format!("positions {:?} for {n} rows", positions.dims()),
+        )?;
+        check(past + n <= s.capacity, || {
+            format!("{n} rows after {past} do not fit {} slots", s.capacity)
+        })?;
+        for t in [cos, sin] {
+            check(
+                t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
+                || format!("rotary table {:?} for head size {hd}", t.dims()),
+            )?;
+        }
+        check_cache(k_cache, s)?;
+        check_cache(v_cache, s)?;
+        let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
+        let mut args = pointers(&[qkv, cos, sin, positions, k_cache, v_cache, &q])?;
+        args.extend(
+            [s.heads, s.kv, hd, s.capacity, n, past, interleaved as usize].map(|v| I(v as i32)),
+        );
+        let grid = ((s.heads + 2 * s.kv) as u32, n as u32);
+        launch_2d(
+            cuda(qkv)?,
+            "specsplit_qkv_rope_rows_bf16",
+            grid,
+            (hd / 2) as u32,
+            0,
+            &args,
+        )?;
+        Ok(q)
+    }
+
     pub(super) fn decode_attention(
         q: &Tensor,
         k_cache: &Tensor,
@@ -825,6 +907,20 @@ mod imp {
         _: &Tensor,
         _: &Tensor,
         _: &Tensor,
+        _: AttnShape,
+        _: bool,
+    ) -> Result<Tensor> {
+        Err(off())
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qkv_rope_rows(
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: usize,
         _: AttnShape,
         _: bool,
     ) -> Result<Tensor> {

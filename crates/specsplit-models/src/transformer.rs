@@ -809,8 +809,6 @@ impl Transformer {
             None if n == 1 || self.exact_attention() || gpu_exact => None,
             None => Some(self.causal_mask(n, past)?),
         };
-        let cos = self.cos.index_select(positions, 0)?;
-        let sin = self.sin.index_select(positions, 0)?;
         let eps = c.rms_norm_eps as f32;
         // The batch-invariant path needs each row's visible keys: read them once per pass.
         let row_keys = if self.exact_attention() || gpu_exact {
@@ -831,6 +829,13 @@ impl Transformer {
             )?),
             _ => None,
         };
+        if let Some(keys) = &pass_keys {
+            if let Some(layers) = self.fused_layers() {
+                return self.forward_fused_rows(&layers, tokens, positions, keys, cache, rows);
+            }
+        }
+        let cos = self.cos.index_select(positions, 0)?;
+        let sin = self.sin.index_select(positions, 0)?;
         let path = match (&pass_keys, &row_keys) {
             (Some(keys), _) => AttnPath::Fused(keys),
             (None, Some(keys)) => AttnPath::PerRow(keys),
@@ -847,6 +852,66 @@ impl Transformer {
         let x = x.index_select(rows, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`Transformer::forward`] of a batch-invariant pass with the fused kernels: per layer one
+    /// add+RMSNorm, the Q|K|V product, rotary with the cache write, attention, the output
+    /// product, add+RMSNorm, the gate|up product, the SwiGLU gate and the down product (about
+    /// 10 launches a layer instead of about 19). Every kernel computes a row from that row
+    /// alone, so the pass stays batch-invariant.
+    fn forward_fused_rows(
+        &self,
+        layers: &[FusedLayer<'_>],
+        tokens: &Tensor,
+        positions: &Tensor,
+        keys: &crate::fused::PassKeys,
+        cache: &mut SessionCache,
+        rows: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        use crate::fused;
+        let c = &self.config;
+        let eps = c.rms_norm_eps as f32;
+        let past = cache.len();
+        let shape = fused::AttnShape {
+            heads: c.num_attention_heads,
+            kv: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            capacity: cache.capacity(),
+        };
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let x = self.embed.forward(tokens, self.dtype)?;
+        let first_norm = layers.first().map_or(&self.norm, |l| &l.layer.attn_norm);
+        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps)?;
+        for (i, l) in layers.iter().enumerate() {
+            let qkv = fused::bi_matmul(&h, &l.qkv.0, l.qkv.1.as_ref())?;
+            let (kb, vb) = cache.buffers(i)?;
+            let q = fused::qkv_rope_rows(
+                &qkv,
+                &self.cos,
+                &self.sin,
+                positions,
+                kb,
+                vb,
+                past,
+                shape,
+                self.rope_interleaved,
+            )?;
+            let y = fused::rows_attention(&q, kb, vb, keys, shape, scale)?;
+            let a = fused::bi_matmul(&y, &l.o.0, l.o.1.as_ref())?;
+            (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps)?;
+            let gu = fused::bi_matmul(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
+            let m = fused::bi_matmul(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
+            let next_norm = layers.get(i + 1).map_or(&self.norm, |n| &n.layer.attn_norm);
+            (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps)?;
+        }
+        cache.advance(tokens.dim(0)?)?;
+        let Linear::Dense { w: head, .. } = &self.lm_head else {
+            return Err(ModelError::Unsupported(
+                "fused rows with a quantized head".into(),
+            ));
+        };
+        let h = h.index_select(rows, 0)?;
+        Ok(fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?)
     }
 
     /// Rotary embedding of `x` `(1, heads, n, head_dim)` with gathered `(n, head_dim / 2)`

@@ -678,89 +678,113 @@ fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
         fused::batch_invariant(),
         "batch invariance is on by default"
     );
-    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
-        let mut cfg = ModelConfig::preset(preset).unwrap();
-        cfg.num_hidden_layers = 3;
-        cfg.vocab_size = 8192;
-        cfg.max_position_embeddings = 2048;
-        let m = Transformer::random(cfg, 5, DType::BF16, &dev).unwrap();
-        let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
-        // A prompt longer than the batch-invariant limit (prefilled with cuBLAS, the same way
-        // in both runs) and five tokens after it.
-        let prompt: Vec<u32> = (0..100).map(|i| (i * 31 + 7) % 8192).collect();
-        let next = [11u32, 4000, 77, 8000, 5];
-        let p = prompt.len();
+    // With the fused kernels (the default scope: about 10 launches a layer) and without them
+    // (candle's ops around the batch-invariant products and attention); both must be exact,
+    // and they agree within bf16 rounding.
+    let mut first_decoded: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (si, scope) in [fused::Scope::Step, fused::Scope::Off]
+        .into_iter()
+        .enumerate()
+    {
+        fused::set_scope(scope);
+        for (pi, preset) in ["qwen2.5-0.5b", "qwen2.5-7b"].into_iter().enumerate() {
+            let mut cfg = ModelConfig::preset(preset).unwrap();
+            cfg.num_hidden_layers = 3;
+            cfg.vocab_size = 8192;
+            cfg.max_position_embeddings = 2048;
+            let m = Transformer::random(cfg, 5, DType::BF16, &dev).unwrap();
+            let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+            // A prompt longer than the batch-invariant limit (prefilled with cuBLAS, the same way
+            // in both runs) and five tokens after it.
+            let prompt: Vec<u32> = (0..100).map(|i| (i * 31 + 7) % 8192).collect();
+            let next = [11u32, 4000, 77, 8000, 5];
+            let p = prompt.len();
 
-        // Target alone: the prompt, then one token a pass.
-        let mut alone = m.new_cache(256).unwrap();
-        forward_last(&m, &mut alone, &prompt);
-        let decoded: Vec<Vec<f32>> = next
-            .iter()
-            .map(|&t| forward_last(&m, &mut alone, &[t]))
-            .collect();
+            // Target alone: the prompt, then one token a pass.
+            let mut alone = m.new_cache(256).unwrap();
+            forward_last(&m, &mut alone, &prompt);
+            let decoded: Vec<Vec<f32>> = next
+                .iter()
+                .map(|&t| forward_last(&m, &mut alone, &[t]))
+                .collect();
 
-        // Speculation: the prompt, then one pass over a tree holding the first four tokens as a
-        // path with a sibling at each level (pass order t1 y1 t2 y2 t3 t4), then the path
-        // kept and the fifth token decoded.
-        let mut spec = m.new_cache(256).unwrap();
-        forward_last(&m, &mut spec, &prompt);
-        let tokens = [next[0], 900, next[1], 901, next[2], next[3]];
-        let parent: [Option<usize>; 6] = [None, None, Some(0), Some(0), Some(2), Some(4)];
-        let depth = |mut i: usize| {
-            let mut d = 0;
-            while let Some(q) = parent[i] {
-                i = q;
-                d += 1;
+            // Speculation: the prompt, then one pass over a tree holding the first four tokens as a
+            // path with a sibling at each level (pass order t1 y1 t2 y2 t3 t4), then the path
+            // kept and the fifth token decoded.
+            let mut spec = m.new_cache(256).unwrap();
+            forward_last(&m, &mut spec, &prompt);
+            let tokens = [next[0], 900, next[1], 901, next[2], next[3]];
+            let parent: [Option<usize>; 6] = [None, None, Some(0), Some(0), Some(2), Some(4)];
+            let depth = |mut i: usize| {
+                let mut d = 0;
+                while let Some(q) = parent[i] {
+                    i = q;
+                    d += 1;
+                }
+                d
+            };
+            let total = p + tokens.len();
+            let mut mask = vec![f32::NEG_INFINITY; tokens.len() * total];
+            for i in 0..tokens.len() {
+                mask[i * total..i * total + p].fill(0.0);
+                let mut a = Some(i);
+                while let Some(j) = a {
+                    mask[i * total + p + j] = 0.0;
+                    a = parent[j];
+                }
             }
-            d
-        };
-        let total = p + tokens.len();
-        let mut mask = vec![f32::NEG_INFINITY; tokens.len() * total];
-        for i in 0..tokens.len() {
-            mask[i * total..i * total + p].fill(0.0);
-            let mut a = Some(i);
-            while let Some(j) = a {
-                mask[i * total + p + j] = 0.0;
-                a = parent[j];
-            }
-        }
-        let mask = Tensor::from_vec(mask, (tokens.len(), total), &dev).unwrap();
-        let pos: Vec<u32> = (0..tokens.len()).map(|i| (p + depth(i)) as u32).collect();
-        let all: Vec<u32> = (0..tokens.len() as u32).collect();
-        let tree = rows_of(
-            &m.forward(&u(&tokens), &u(&pos), Some(&mask), &mut spec, &u(&all))
-                .unwrap(),
-        );
-        for (t, row) in [0usize, 2, 4, 5].iter().enumerate() {
-            assert!(
+            let mask = Tensor::from_vec(mask, (tokens.len(), total), &dev).unwrap();
+            let pos: Vec<u32> = (0..tokens.len()).map(|i| (p + depth(i)) as u32).collect();
+            let all: Vec<u32> = (0..tokens.len() as u32).collect();
+            let tree = rows_of(
+                &m.forward(&u(&tokens), &u(&pos), Some(&mask), &mut spec, &u(&all))
+                    .unwrap(),
+            );
+            for (t, row) in [0usize, 2, 4, 5].iter().enumerate() {
+                assert!(
                 tree[*row] == decoded[t],
                 "{preset}: tree node {row} (token {t} of the path) differs from decoding it alone"
             );
-        }
-        spec.compact(p, &[p, p + 2, p + 4, p + 5]).unwrap();
-        let after = forward_last(&m, &mut spec, &[next[4]]);
-        assert!(
-            after == decoded[4],
-            "{preset}: the token after the kept path differs"
-        );
+            }
+            spec.compact(p, &[p, p + 2, p + 4, p + 5]).unwrap();
+            let after = forward_last(&m, &mut spec, &[next[4]]);
+            assert!(
+                after == decoded[4],
+                "{preset}: the token after the kept path differs"
+            );
 
-        // A chain of four tokens in one causal pass, as a verified chain.
-        let mut chain = m.new_cache(256).unwrap();
-        forward_last(&m, &mut chain, &prompt);
-        let cpos: Vec<u32> = (p as u32..p as u32 + 4).collect();
-        let rows = rows_of(
-            &m.forward(
-                &u(&next[..4]),
-                &u(&cpos),
-                None,
-                &mut chain,
-                &u(&[0, 1, 2, 3]),
-            )
-            .unwrap(),
-        );
-        for t in 0..4 {
-            assert!(rows[t] == decoded[t], "{preset}: chain row {t} differs");
+            // A chain of four tokens in one causal pass, as a verified chain.
+            let mut chain = m.new_cache(256).unwrap();
+            forward_last(&m, &mut chain, &prompt);
+            let cpos: Vec<u32> = (p as u32..p as u32 + 4).collect();
+            let rows = rows_of(
+                &m.forward(
+                    &u(&next[..4]),
+                    &u(&cpos),
+                    None,
+                    &mut chain,
+                    &u(&[0, 1, 2, 3]),
+                )
+                .unwrap(),
+            );
+            for t in 0..4 {
+                assert!(rows[t] == decoded[t], "{preset}: chain row {t} differs");
+            }
+            eprintln!("{preset} ({scope:?}): tree, chain and compacted rows equal decoding alone");
+            if si == 0 {
+                first_decoded.push(decoded);
+            } else {
+                for (t, (a, b)) in first_decoded[pi].iter().zip(&decoded).enumerate() {
+                    assert_close(
+                        &format!("{preset} token {t}: fused vs unfused rows"),
+                        a,
+                        b,
+                        max_abs(b),
+                        1.0 / 16.0,
+                    );
+                }
+            }
         }
-        eprintln!("{preset}: tree, chain and compacted decode match decoding alone bit for bit");
     }
+    fused::set_scope(fused::Scope::Step);
 }
