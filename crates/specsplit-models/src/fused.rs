@@ -12,7 +12,9 @@
 //! unfused path. Where the model uses them is set by `SPECSPLIT_FUSED_KERNELS` (read once):
 //!
 //! - unset or `step` (default): the fixed-shape greedy step ([`enabled`]), which only drafts
-//!   (its tokens are proposals the target verifies), so it cannot change any output;
+//!   (its tokens are proposals the target verifies), so it cannot change any output, and the
+//!   passes that run the batch-invariant kernels below (whose fused kernels compute each row
+//!   from that row alone, so they stay batch-invariant);
 //! - `all`: also every one-row dense projection ([`rows_enabled`]) that the batch-invariant
 //!   kernels below do not take: the target's plain decode steps then run the GEMV while verify
 //!   passes keep cuBLAS, so bf16 near-ties can break differently between target-only decoding
@@ -79,7 +81,7 @@ pub fn set_scope(s: Scope) {
     SCOPE.store(i as u8 + 1, Ordering::Relaxed);
 }
 
-/// Whether the fixed-shape greedy step uses the fused kernels.
+/// Whether the fixed-shape greedy step, and the batch-invariant passes, use the fused kernels.
 pub fn enabled() -> bool {
     scope() != Scope::Off
 }
