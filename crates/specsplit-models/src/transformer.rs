@@ -854,11 +854,10 @@ impl Transformer {
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
-    /// [`Transformer::forward`] of a batch-invariant pass with the fused kernels: per layer one
-    /// add+RMSNorm, the Q|K|V product, rotary with the cache write, attention, the output
-    /// product, add+RMSNorm, the gate|up product, the SwiGLU gate and the down product (about
-    /// 10 launches a layer instead of about 19). Every kernel computes a row from that row
-    /// alone, so the pass stays batch-invariant.
+    /// [`Transformer::forward`] of a batch-invariant pass with the fused kernels
+    /// ([`Transformer::fused_stack`] with the batch-invariant product, rotary and cache write
+    /// for all rows, and the rows' attention): about 10 launches a layer instead of about 19.
+    /// Every kernel computes a row from that row alone, so the pass stays batch-invariant.
     fn forward_fused_rows(
         &self,
         layers: &[FusedLayer<'_>],
@@ -869,24 +868,13 @@ impl Transformer {
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
         use crate::fused;
-        let c = &self.config;
-        let eps = c.rms_norm_eps as f32;
         let past = cache.len();
-        let shape = fused::AttnShape {
-            heads: c.num_attention_heads,
-            kv: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            capacity: cache.capacity(),
-        };
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let x = self.embed.forward(tokens, self.dtype)?;
-        let first_norm = layers.first().map_or(&self.norm, |l| &l.layer.attn_norm);
-        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps)?;
-        for (i, l) in layers.iter().enumerate() {
-            let qkv = fused::bi_matmul(&h, &l.qkv.0, l.qkv.1.as_ref())?;
-            let (kb, vb) = cache.buffers(i)?;
+        let (shape, scale) = self.fused_attn_shape(cache.capacity());
+        let store: &SessionCache = cache;
+        let (h, head) = self.fused_stack(layers, tokens, fused::bi_matmul, |i, qkv| {
+            let (kb, vb) = store.buffers(i)?;
             let q = fused::qkv_rope_rows(
-                &qkv,
+                qkv,
                 &self.cos,
                 &self.sin,
                 positions,
@@ -896,22 +884,59 @@ impl Transformer {
                 shape,
                 self.rope_interleaved,
             )?;
-            let y = fused::rows_attention(&q, kb, vb, keys, shape, scale)?;
-            let a = fused::bi_matmul(&y, &l.o.0, l.o.1.as_ref())?;
+            Ok(fused::rows_attention(&q, kb, vb, keys, shape, scale)?)
+        })?;
+        cache.advance(tokens.dim(0)?)?;
+        let h = h.index_select(rows, 0)?;
+        Ok(fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?)
+    }
+
+    /// The attention shape of the fused kernels over caches of `capacity` slots, and the
+    /// attention scale.
+    fn fused_attn_shape(&self, capacity: usize) -> (crate::fused::AttnShape, f32) {
+        let c = &self.config;
+        let shape = crate::fused::AttnShape {
+            heads: c.num_attention_heads,
+            kv: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            capacity,
+        };
+        (shape, 1.0 / (c.head_dim as f32).sqrt())
+    }
+
+    /// The fused layer stack shared by the graph step and the batch-invariant passes: embeds
+    /// `tokens`, then per layer add+RMSNorm, the Q|K|V product, `attend(layer, qkv)` (rotary,
+    /// cache write and attention), the output product, add+RMSNorm, the gate|up product, the
+    /// SwiGLU gate and the down product, with `product` for every dense product. Returns the
+    /// final-normed hidden rows and the head's weight.
+    fn fused_stack<'a>(
+        &'a self,
+        layers: &[FusedLayer<'_>],
+        tokens: &Tensor,
+        product: fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
+        mut attend: impl FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<(Tensor, &'a Tensor), ModelError> {
+        use crate::fused;
+        let Linear::Dense { w: head, .. } = &self.lm_head else {
+            return Err(ModelError::Unsupported(
+                "fused kernels with a quantized head".into(),
+            ));
+        };
+        let eps = self.config.rms_norm_eps as f32;
+        let x = self.embed.forward(tokens, self.dtype)?;
+        let first_norm = layers.first().map_or(&self.norm, |l| &l.layer.attn_norm);
+        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps)?;
+        for (i, l) in layers.iter().enumerate() {
+            let qkv = product(&h, &l.qkv.0, l.qkv.1.as_ref())?;
+            let y = attend(i, &qkv)?;
+            let a = product(&y, &l.o.0, l.o.1.as_ref())?;
             (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps)?;
-            let gu = fused::bi_matmul(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
-            let m = fused::bi_matmul(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
+            let gu = product(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
+            let m = product(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
             let next_norm = layers.get(i + 1).map_or(&self.norm, |n| &n.layer.attn_norm);
             (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps)?;
         }
-        cache.advance(tokens.dim(0)?)?;
-        let Linear::Dense { w: head, .. } = &self.lm_head else {
-            return Err(ModelError::Unsupported(
-                "fused rows with a quantized head".into(),
-            ));
-        };
-        let h = h.index_select(rows, 0)?;
-        Ok(fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?)
+        Ok((h, head))
     }
 
     /// Rotary embedding of `x` `(1, heads, n, head_dim)` with gathered `(n, head_dim / 2)`
@@ -1080,10 +1105,10 @@ impl Transformer {
             .collect()
     }
 
-    /// [`Transformer::static_step`] with the fused kernels: per layer one add+RMSNorm, the
-    /// Q|K|V product, rotary with the cache write, attention, the output product, add+RMSNorm,
-    /// the gate|up product, the SwiGLU gate and the down product; then the head and the greedy
-    /// pick, which also advances `b.token` / `b.position`.
+    /// [`Transformer::static_step`] with the fused kernels ([`Transformer::fused_stack`] with
+    /// the GEMV, rotary and cache write at the device-side position, and single-query
+    /// attention); then the head and the greedy pick, which also advances `b.token` /
+    /// `b.position`.
     fn static_step_fused(
         &self,
         layers: &[FusedLayer<'_>],
@@ -1091,23 +1116,11 @@ impl Transformer {
         cache: &SessionCache,
     ) -> Result<(), ModelError> {
         use crate::fused;
-        let c = &self.config;
-        let eps = c.rms_norm_eps as f32;
-        let shape = fused::AttnShape {
-            heads: c.num_attention_heads,
-            kv: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            capacity: b.capacity,
-        };
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let x = self.embed.forward(&b.token, self.dtype)?;
-        let first_norm = layers.first().map_or(&self.norm, |l| &l.layer.attn_norm);
-        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps)?;
-        for (i, l) in layers.iter().enumerate() {
-            let qkv = fused::gemv(&h, &l.qkv.0, l.qkv.1.as_ref())?;
+        let (shape, scale) = self.fused_attn_shape(b.capacity);
+        let (h, head) = self.fused_stack(layers, &b.token, fused::gemv, |i, qkv| {
             let (kb, vb) = cache.buffers(i)?;
             let q = fused::qkv_rope_cache(
-                &qkv,
+                qkv,
                 &self.cos,
                 &self.sin,
                 &b.position,
@@ -1116,19 +1129,15 @@ impl Transformer {
                 shape,
                 self.rope_interleaved,
             )?;
-            let y = fused::decode_attention(&q, kb, vb, &b.position, shape, scale)?;
-            let a = fused::gemv(&y, &l.o.0, l.o.1.as_ref())?;
-            (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps)?;
-            let gu = fused::gemv(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
-            let m = fused::gemv(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
-            let next_norm = layers.get(i + 1).map_or(&self.norm, |n| &n.layer.attn_norm);
-            (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps)?;
-        }
-        let Linear::Dense { w: head, .. } = &self.lm_head else {
-            return Err(ModelError::Unsupported(
-                "fused step with a quantized head".into(),
-            ));
-        };
+            Ok(fused::decode_attention(
+                &q,
+                kb,
+                vb,
+                &b.position,
+                shape,
+                scale,
+            )?)
+        })?;
         let logits = fused::gemv(&h, head, None)?;
         fused::greedy_head(&logits, &b.next, &b.next_logprob, &b.token, &b.position)?;
         Ok(())

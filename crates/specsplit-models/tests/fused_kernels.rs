@@ -306,24 +306,10 @@ fn decode_attention_matches_naive_softmax_attention() {
             for head in 0..h {
                 let j = head / (h / kv);
                 let qh = &qs[head * hd..(head + 1) * hd];
-                let scores: Vec<f64> = (0..len)
-                    .map(|t| {
-                        let k = &ks[(j * cap + t) * hd..(j * cap + t + 1) * hd];
-                        qh.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>() * scale as f64
-                    })
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                let want: Vec<f32> = (0..hd)
-                    .map(|d| {
-                        (0..len)
-                            .map(|t| e[t] * vs[(j * cap + t) * hd + d] as f64)
-                            .sum::<f64>()
-                            / z
-                    })
-                    .map(|v| v as f32)
-                    .collect();
+                let at = |t: usize| (j * cap + t) * hd..(j * cap + t + 1) * hd;
+                let kr: Vec<&[f32]> = (0..len).map(|t| &ks[at(t)]).collect();
+                let vr: Vec<&[f32]> = (0..len).map(|t| &vs[at(t)]).collect();
+                let want = naive_attention(qh, &kr, &vr, scale);
                 assert_close(
                     &format!("attention hd {hd} len {len} head {head}"),
                     &got[head * hd..(head + 1) * hd],
