@@ -105,14 +105,16 @@ pub fn weight_fits(w: &Tensor) -> bool {
         && imp::aligned16(w)
 }
 
+/// Whether `x` (an input whose shape the caller checks) and `w` can feed a product kernel:
+/// `x` contiguous, 16-byte aligned bf16 on CUDA, and `w` [`weight_fits`].
+fn operands_fit(x: &Tensor, w: &Tensor) -> bool {
+    applies(x) && x.is_contiguous() && imp::aligned16(x) && weight_fits(w)
+}
+
 /// Whether `gemv(x, w, _)` can run: `w` [`weight_fits`] and `x` a contiguous, 16-byte aligned
 /// bf16 `(1, k)` row on CUDA of the same width.
 pub fn gemv_fits(x: &Tensor, w: &Tensor) -> bool {
-    applies(x)
-        && matches!((x.dims(), w.dims()), ([1, k], [_, kw]) if k == kw)
-        && x.is_contiguous()
-        && imp::aligned16(x)
-        && weight_fits(w)
+    matches!((x.dims(), w.dims()), ([1, k], [_, kw]) if k == kw) && operands_fit(x, w)
 }
 
 /// `x W^T (+ b)` for one row: `x` `(1, k)`, `w` `(n, k)`, `b` `(n,)` → `(1, n)` bf16.
@@ -283,11 +285,8 @@ pub fn set_batch_invariant(on: bool) {
 /// Whether `bi_matmul(x, w, _)` can run: `w` [`weight_fits`] with a width that is a multiple
 /// of 32, and `x` a contiguous, 16-byte aligned bf16 `(m, k)` matrix on CUDA with `m >= 1`.
 pub fn bi_matmul_fits(x: &Tensor, w: &Tensor) -> bool {
-    applies(x)
-        && matches!((x.dims(), w.dims()), ([m, k], [_, kw]) if *m >= 1 && k == kw && k.is_multiple_of(32))
-        && x.is_contiguous()
-        && imp::aligned16(x)
-        && weight_fits(w)
+    matches!((x.dims(), w.dims()), ([m, k], [_, kw]) if *m >= 1 && k == kw && k.is_multiple_of(32))
+        && operands_fit(x, w)
 }
 
 /// `x W^T (+ b)` on tensor cores with each row's result independent of the other rows: `x`

@@ -283,16 +283,22 @@ fn qkv_rope_cache_rotates_q_and_k_and_writes_only_slot_pos() {
     }
 }
 
+/// The attention tests' shape: 8 query heads over 2 KV heads, a 4200-slot cache (past two
+/// tiles of 2048 scores).
+fn test_attn_shape(head_dim: usize) -> AttnShape {
+    AttnShape {
+        heads: 8,
+        kv: 2,
+        head_dim,
+        capacity: 4200,
+    }
+}
+
 #[test]
 fn decode_attention_matches_naive_softmax_attention() {
     let Some(dev) = gpu() else { return };
     for hd in [64, 128] {
-        let shape = AttnShape {
-            heads: 8,
-            kv: 2,
-            head_dim: hd,
-            capacity: 4200,
-        };
+        let shape = test_attn_shape(hd);
         let (h, kv, cap) = (shape.heads, shape.kv, shape.capacity);
         let q = randn(&dev, &[1, h * hd], 1.0);
         let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
@@ -563,12 +569,7 @@ fn naive_attention(q: &[f32], ks: &[&[f32]], vs: &[&[f32]], scale: f32) -> Vec<f
 fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
     let Some(dev) = gpu() else { return };
     for hd in [64, 128] {
-        let shape = AttnShape {
-            heads: 8,
-            kv: 2,
-            head_dim: hd,
-            capacity: 4200,
-        };
+        let shape = test_attn_shape(hd);
         let (h, kv, cap) = (shape.heads, shape.kv, shape.capacity);
         let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
         let vc = randn(&dev, &[1, kv, cap, hd], 1.0);

@@ -5,6 +5,10 @@
 // stays within bf16 rounding of the unfused one (tests/fused_kernels.rs checks that on a GPU).
 // Nothing here synchronises with the host: positions are read from device memory, so a step
 // built from these kernels can be captured into a CUDA graph and replayed.
+//
+// The second half holds the batch-invariant kernels (rows attention, tensor-core matmul) that
+// every dense bf16 pass of up to 64 rows runs: each computes a row's result in an order that
+// does not depend on the other rows of the pass.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
