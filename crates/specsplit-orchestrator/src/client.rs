@@ -154,8 +154,9 @@ impl Orchestrator {
     }
 
     /// Generates up to `cfg.max_tokens` tokens after `prompt`, calling `on_tokens` with each
-    /// round's emitted tokens as soon as they are known. Both workers' sessions are ended on
-    /// every exit path.
+    /// round's emitted tokens as soon as they are known (in the caller's task, in order, all
+    /// before this returns; the round loop does not wait for it). Both workers' sessions are
+    /// ended on every exit path.
     pub async fn generate(
         &self,
         prompt: &[u32],
@@ -174,10 +175,37 @@ impl Orchestrator {
             ));
         }
         let session = format!("gen-{:032x}", rand::random::<u128>());
-        let result = Run::new(self, &session, cfg).run(prompt, on_tokens).await;
-        // End the sessions whatever happened (best effort: a dead worker holds none anyway).
+        // The round loop runs as a task of its own on the runtime's worker threads when there
+        // is a runtime: a caller polled outside them (`block_on`, `#[tokio::main]`'s main
+        // thread) would otherwise take two cross-thread wake-ups per RPC (its request handed to
+        // the channel's tasks on a worker, the response handed back), each a futex wake of a
+        // parked thread. On a worker, the RPC's client-side tasks run where the loop runs.
+        // The caller still calls `on_tokens` itself, with every round's tokens, in order, before
+        // the result.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return run_and_end(self, &session, cfg, prompt, on_tokens).await;
+        };
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u32>>();
+        let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
+        let task = AbortOnDrop(rt.spawn(async move {
+            run_and_end(&o, &session, &cfg, &prompt, move |t| {
+                // The receiver is gone only when the caller was dropped (and aborts us).
+                let _ = tx.send(t.to_vec());
+            })
+            .await
+        }));
+        let mut on_tokens = on_tokens;
+        // The channel closes when the round loop returns (the sender is dropped with it).
+        while let Some(t) = rx.recv().await {
+            on_tokens(&t);
+        }
+        task.join().await
+    }
+
+    /// Ends `session` on both workers (best effort: a dead worker holds none anyway).
+    async fn end_sessions(&self, session: &str) {
         let end = EndSessionRequest {
-            session_id: session.clone(),
+            session_id: session.to_string(),
         };
         let mut target = self.target.clone();
         let _ = tokio::time::timeout(Duration::from_secs(5), target.end_session(end.clone())).await;
@@ -185,7 +213,41 @@ impl Orchestrator {
             let mut d = d.clone();
             let _ = tokio::time::timeout(Duration::from_secs(5), d.end_session(end)).await;
         }
-        result
+    }
+}
+
+/// Runs a generation's round loop, then ends its sessions whatever happened.
+async fn run_and_end(
+    o: &Orchestrator,
+    session: &str,
+    cfg: &GenerateConfig,
+    prompt: &[u32],
+    on_tokens: impl FnMut(&[u32]),
+) -> Result<Generation, OrchestratorError> {
+    let result = Run::new(o, session, cfg).run(prompt, on_tokens).await;
+    o.end_sessions(session).await;
+    result
+}
+
+/// A spawned generation, aborted when its caller stops waiting for it (e.g. the caller's
+/// future was dropped on Ctrl-C), as the loop itself would have stopped before.
+struct AbortOnDrop(tokio::task::JoinHandle<Result<Generation, OrchestratorError>>);
+
+impl AbortOnDrop {
+    /// The generation's result; a panic of the loop becomes an error.
+    async fn join(mut self) -> Result<Generation, OrchestratorError> {
+        match (&mut self.0).await {
+            Ok(r) => r,
+            Err(e) => Err(OrchestratorError::Protocol(format!(
+                "the generation task failed: {e}"
+            ))),
+        }
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
