@@ -12,7 +12,8 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests forward e2e)
 log() { echo "=== $(date +%T) $*"; }
 # Side-by-side configurations: fF pP bB = SPECSPLIT_FUSED_KERNELS (0 / 1 = step / A = all),
 # SPECSPLIT_CUDA_POOL_RETAIN=P, SPECSPLIT_BATCH_INVARIANT=B (b defaults to 1 when left out).
-# Override with CONFIGS="f1p1b0 f1p1b1" bash .device/suite.sh ...
+# Override with CONFIGS="f1p1b0 f1p1b1" bash .device/suite.sh ...; the e2e steps take
+# DEPTHS (2,3,4) and PIPELINES (sequential) too.
 CONFIGS="${CONFIGS:-f1p1b0 f1p1b1}"
 cfg_env() {
     local f="${1:1:1}"; [ "$f" = A ] && f=all; [ "$f" = 1 ] && f=step
@@ -37,8 +38,8 @@ e2e)
         log "e2e synthetic $c"
         env $(cfg_env $c) timeout 280 /tmp/b e2e --target random:qwen2.5-7b \
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
-            --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths 2,3,4 \
-            --pipelines sequential --out "$OUT" --name e2e-b08-$c 2>&1 | tail -20
+            --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths "${DEPTHS:-2,3,4}" \
+            --pipelines "${PIPELINES:-sequential}" --out "$OUT" --name e2e-b08-$c 2>&1 | tail -20
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.

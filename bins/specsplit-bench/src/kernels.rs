@@ -35,6 +35,16 @@ pub struct KernelArgs {
     /// Launches per sample.
     #[arg(long, default_value_t = 10)]
     batch: usize,
+    /// Load depths of the batch-invariant product to compare (1 = base, 2 = twice the weight
+    /// chunks in flight; 0 = the built-in choice per shape).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    depths: Vec<u8>,
+    /// Warps sharing k to compare (1..=8; 0 = the built-in rule, a function of the shape).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    splits: Vec<usize>,
+    /// Column tiles of 8 a warp to compare (2 or 4; 0 = the built-in rule).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    col_tiles: Vec<usize>,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -63,6 +73,17 @@ fn per_launch_ms(
         }
     }
     Ok(util::summarize(&ms).median)
+}
+
+/// `depth D splits S tiles T`, `-` for a built-in choice.
+fn tuning_label(t: fused::BiTuning) -> String {
+    let f = |v: Option<usize>| v.map_or("-".to_string(), |v| v.to_string());
+    format!(
+        "depth {} splits {} tiles {}",
+        f(t.depth.map(usize::from)),
+        f(t.splits),
+        f(t.col_tiles)
+    )
 }
 
 /// Runs the `kernels` subcommand.
@@ -101,23 +122,61 @@ pub fn main(a: KernelArgs) -> Result<()> {
                 x.matmul(&wt)?;
                 Ok(())
             })?;
-            let bi = per_launch_ms(&dev, a.iters, a.batch, || {
-                fused::bi_matmul(&x, &w, None)?;
-                Ok(())
-            })?;
-            let gbs = (n * k * 2) as f64 / (bi / 1e3) / 1e9;
-            println!(
-                "  {name:8} {n:6}x{k:5} rows {m:3}: cuBLAS {cublas:.4}  bi {bi:.4}  ({:.2}x; bi {gbs:.0} GB/s of weights)",
-                bi / cublas
-            );
-            let mut r = Map::new();
-            r.insert("op".into(), json!(name));
-            r.insert("n".into(), json!(n));
-            r.insert("k".into(), json!(k));
-            r.insert("rows".into(), json!(m));
-            r.insert("cublas_ms".into(), json!(cublas));
-            r.insert("bi_ms".into(), json!(bi));
-            rows_out.push(r);
+            let mut combos = Vec::new();
+            for &depth in &a.depths {
+                for &splits in &a.splits {
+                    for &tiles in &a.col_tiles {
+                        combos.push(fused::BiTuning {
+                            depth: (depth > 0).then_some(depth),
+                            splits: (splits > 0).then_some(splits),
+                            col_tiles: (tiles > 0).then_some(tiles),
+                        });
+                    }
+                }
+            }
+            let mut best: Option<(f64, fused::BiTuning)> = None;
+            let mut builtin = None;
+            for t in combos.iter().copied() {
+                fused::set_bi_matmul_tuning(t);
+                let bi = per_launch_ms(&dev, a.iters, a.batch, || {
+                    fused::bi_matmul(&x, &w, None)?;
+                    Ok(())
+                })?;
+                let label = tuning_label(t);
+                if combos.len() <= 4 {
+                    let gbs = (n * k * 2) as f64 / (bi / 1e3) / 1e9;
+                    println!(
+                        "  {name:8} {n:6}x{k:5} rows {m:3} {label}: cuBLAS {cublas:.4}  bi {bi:.4}  ({:.2}x; bi {gbs:.0} GB/s of weights)",
+                        bi / cublas
+                    );
+                }
+                if t == fused::BiTuning::default() {
+                    builtin = Some(bi);
+                }
+                if best.is_none_or(|(b, _)| bi < b) {
+                    best = Some((bi, t));
+                }
+                let mut r = Map::new();
+                r.insert("op".into(), json!(name));
+                r.insert("n".into(), json!(n));
+                r.insert("k".into(), json!(k));
+                r.insert("rows".into(), json!(m));
+                r.insert("tuning".into(), json!(label));
+                r.insert("cublas_ms".into(), json!(cublas));
+                r.insert("bi_ms".into(), json!(bi));
+                rows_out.push(r);
+            }
+            fused::set_bi_matmul_tuning(fused::BiTuning::default());
+            if combos.len() > 4 {
+                if let Some((b, t)) = best {
+                    let gbs = (n * k * 2) as f64 / (b / 1e3) / 1e9;
+                    let base = builtin.map_or(String::new(), |d| format!("built-in {d:.4}, "));
+                    println!(
+                        "  {name:8} {n:6}x{k:5} rows {m:3}: cuBLAS {cublas:.4}  {base}best {b:.4} ({gbs:.0} GB/s) with {}",
+                        tuning_label(t)
+                    );
+                }
+            }
         }
     }
     for &ctx in &a.contexts {

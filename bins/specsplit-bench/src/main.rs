@@ -141,6 +141,9 @@ struct E2eArgs {
     /// Ignore EOS so every generation runs max-tokens (always on for random models).
     #[arg(long)]
     ignore_eos: bool,
+    /// Tokio worker threads of the in-process workers and orchestrator (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    worker_threads: usize,
     /// Seed of the pseudo-random prompts.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -241,10 +244,11 @@ fn e2e(a: E2eArgs) -> Result<()> {
     if s.depths.contains(&0) {
         bail!("--depths must be positive");
     }
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(e2e::run(&s))
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if a.worker_threads > 0 {
+        rt.worker_threads(a.worker_threads);
+    }
+    rt.enable_all().build()?.block_on(e2e::run(&s))
 }
 
 fn main() -> Result<()> {

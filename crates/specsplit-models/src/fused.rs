@@ -28,7 +28,7 @@
 //! the target-only output.
 
 use candle_core::{DType, Result, Tensor};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 
 /// 0: not decided yet, else 1 + the [`Scope`] index.
 static SCOPE: AtomicU8 = AtomicU8::new(0);
@@ -280,6 +280,64 @@ pub fn batch_invariant() -> bool {
 /// Turns the batch-invariant kernels on or off from here on (overrides the environment).
 pub fn set_batch_invariant(on: bool) {
     BATCH_INVARIANT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Overrides of [`bi_matmul`]'s launch shape, for side-by-side tuning; `None` keeps the
+/// built-in choice. `depth` (1 or 2: the weight chunks each lane keeps in flight, base or twice)
+/// and `col_tiles` (2 or 4 column tiles of 8 a warp) change the speed only. `splits` (warps
+/// sharing k) changes the rounding: with it set, a row's result is still the same at every pass
+/// size, but differs from the built-in choice's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BiTuning {
+    /// Weight chunks in flight per lane: 1 (base) or 2 (twice).
+    pub depth: Option<u8>,
+    /// Warps sharing each output's k (1..=8, at most k / 32).
+    pub splits: Option<usize>,
+    /// Column tiles of 8 a warp: 2 or 4.
+    pub col_tiles: Option<usize>,
+}
+
+/// The current [`BiTuning`], packed: depth | splits << 8 | col_tiles << 16 (0 = built-in).
+static BI_TUNING: AtomicU32 = AtomicU32::new(0);
+
+/// Sets the [`BiTuning`] from here on (process-wide; the default is all `None`).
+pub fn set_bi_matmul_tuning(t: BiTuning) {
+    let depth = t.depth.map_or(0, |d| u32::from(d.clamp(1, 2)));
+    let splits = t.splits.map_or(0, |s| s.clamp(1, 8) as u32);
+    let tiles = t.col_tiles.map_or(0, |c| if c >= 4 { 4 } else { 2 });
+    BI_TUNING.store(depth | splits << 8 | tiles << 16, Ordering::Relaxed);
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn bi_tuning() -> BiTuning {
+    let v = BI_TUNING.load(Ordering::Relaxed);
+    let field = |shift: u32| (v >> shift) & 0xff;
+    BiTuning {
+        depth: (field(0) > 0).then(|| field(0) as u8),
+        splits: (field(8) > 0).then(|| field(8) as usize),
+        col_tiles: (field(16) > 0).then(|| field(16) as usize),
+    }
+}
+
+/// Warps sharing each output's k in `bi_matmul` for a `(n, k)` weight: a function of the
+/// shape only, so that no row's rounding depends on the pass. The larger of: the most (a
+/// power of two) that still leaves each warp 48 chunks of 32, and the fewest that give
+/// about 896 warps at 16 columns a warp; at most 8 and at most `k / 32`. Measured on the
+/// H200 at the Qwen2.5 1.5B and 7B shapes, 1 to 33 rows: within 10% of the best split
+/// for every projection, 15% less time than the rule before it at 7B.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn bi_splits(n: usize, k: usize) -> usize {
+    let chunks = k / 32;
+    let tiles = n.div_ceil(16);
+    let mut by_chunks = 1;
+    while by_chunks < 8 && chunks / (by_chunks * 2) >= 48 {
+        by_chunks *= 2;
+    }
+    let mut by_warps = 1;
+    while by_warps < 8 && tiles * by_warps < 896 {
+        by_warps *= 2;
+    }
+    by_chunks.max(by_warps).min(8).min(chunks).max(1)
 }
 
 /// Whether `bi_matmul(x, w, _)` can run: `w` [`weight_fits`] with a width that is a multiple
@@ -739,22 +797,20 @@ mod imp {
         }
         let y = empty(&[m, n], DType::BF16, x)?;
         let pb = b.map(ptr).transpose()?.unwrap_or(0);
-        // Warps sharing a block's k: enough warps in flight to stream the weights at 16 columns
-        // a block; a function of (n, k) only, so that no row's rounding depends on m.
-        let splits = 2048usize
-            .div_ceil(n.div_ceil(16))
-            .clamp(1, 8)
+        let tune = super::bi_tuning();
+        let splits = tune
+            .splits
+            .unwrap_or_else(|| super::bi_splits(n, k))
             .min(k / 32)
             .max(1);
-        // Column tiles of 8 a warp: 4 for several row tiles of a large product, so each row
-        // fragment loaded serves more columns (this changes no output's arithmetic). Measured
-        // on the H100 at the 7B shape with 33 rows: faster for the gate|up, down and head
-        // products, slower for the Q|K|V and output ones (too few blocks).
-        let nt = if m > 16 && (n >= 16_384 || k >= 8_192) {
-            4
-        } else {
-            2
-        };
+        // Column tiles of 8 a warp and the loads in flight: these change no output's
+        // arithmetic. Measured (`specsplit-bench kernels --splits … --col-tiles … --depths …`,
+        // H200, Qwen2.5 1.5B and 7B shapes): 4 tiles pay when they still leave about 560 warps;
+        // twice the loads in flight pay for a single row tile.
+        let nt = tune
+            .col_tiles
+            .unwrap_or(if n.div_ceil(32) * splits >= 560 { 4 } else { 2 });
+        let deep = tune.depth.unwrap_or(if m <= 16 { 2 } else { 1 });
         let args = [
             P(ptr(x)?),
             P(ptr(w)?),
@@ -765,6 +821,7 @@ mod imp {
             I(k as i32),
             I(splits as i32),
             I(nt as i32),
+            I(i32::from(deep)),
         ];
         let grid = (n.div_ceil(8 * nt) as u32, m.div_ceil(ROWS) as u32);
         launch_2d(
@@ -966,6 +1023,36 @@ mod imp {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn bi_splits_keep_long_warps_and_enough_of_them() {
+        // The shapes it was measured on: (n, k) of Q|K|V, O, gate|up, down, head.
+        let seven_b = [
+            (4608, 3584),
+            (3584, 3584),
+            (37888, 3584),
+            (3584, 18944),
+            (152064, 3584),
+        ];
+        let got: Vec<usize> = seven_b.iter().map(|&(n, k)| bi_splits(n, k)).collect();
+        assert_eq!(got, [4, 4, 2, 8, 2]);
+        let one_5b = [
+            (2048, 1536),
+            (1536, 1536),
+            (17920, 1536),
+            (1536, 8960),
+            (151936, 1536),
+        ];
+        let got: Vec<usize> = one_5b.iter().map(|&(n, k)| bi_splits(n, k)).collect();
+        assert_eq!(got, [8, 8, 1, 8, 1]);
+        for n in [1usize, 7, 16, 100, 1000, 5000, 50_000] {
+            for k in [32usize, 64, 96, 512, 4096, 20_000] {
+                let s = bi_splits(n, k);
+                assert!((1..=8).contains(&s) && s <= k / 32, "{n}x{k}: {s}");
+                assert!(s.is_power_of_two() || s == k / 32, "{n}x{k}: {s}");
+            }
+        }
+    }
     use super::*;
     use candle_core::Device;
 

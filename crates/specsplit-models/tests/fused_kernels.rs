@@ -535,6 +535,25 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
                 "{n}x{k}: row {r} alone differs"
             );
         }
+        // Either load depth and column tiling give the same bits, alone or in the pass.
+        for depth in [1u8, 2] {
+            fused::set_bi_matmul_tuning(fused::BiTuning {
+                depth: Some(depth),
+                col_tiles: Some(if depth == 1 { 4 } else { 2 }),
+                splits: None,
+            });
+            for rows in [1usize, 17, 100] {
+                let part = host(
+                    &fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref()).unwrap(),
+                );
+                assert_eq!(
+                    part[..],
+                    fh[..rows * n],
+                    "{n}x{k}: depth {depth}, first {rows} rows differ"
+                );
+            }
+        }
+        fused::set_bi_matmul_tuning(fused::BiTuning::default());
     }
 }
 

@@ -366,6 +366,7 @@ extern "C" __global__ void specsplit_decode_attention_bf16_hd128(
 
 #define RA_CHUNK 64   // keys a chunk (= threads of a partial block, two warps)
 #define RA_MAX_REP 8  // query heads a KV head serves, at most
+#define RA_MERGE 64   // chunks the merge stages in shared memory at a time (<= its threads)
 
 // part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
 // Grid (kv, n, chunks), RA_CHUNK threads.
@@ -376,7 +377,7 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
                                     int heads, int kv, int n, int cap, int max_extra, int chunks,
                                     float scale) {
     constexpr int PER = HD / WARP;  // values of a V row per lane
-    __shared__ float qs[RA_MAX_REP][HD];
+    __shared__ __align__(16) float qs[RA_MAX_REP][HD];
     __shared__ float prob[RA_MAX_REP][RA_CHUNK];
     __shared__ int slot[RA_CHUNK];
     __shared__ float red[2][RA_MAX_REP];
@@ -388,9 +389,26 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
     const int lead = (int)meta[2 * r];
     const ListedKeys keys{lead, lead + (int)meta[2 * r + 1], extra + (size_t)r * max_extra};
     if (c * RA_CHUNK >= keys.len) return;  // past this row's keys: the merge never reads it
-    for (int e = t; e < rep * HD; e += RA_CHUNK) {
-        const int h = j * rep + e / HD;
-        qs[e / HD][e % HD] = __bfloat162float(q[((size_t)h * n + r) * HD + e % HD]);
+    // The rep query heads' values, 8 a load, all loads issued before any is used; heads past
+    // rep are zero (their scores are computed and dropped).
+    constexpr int QW = RA_MAX_REP * HD / 8;  // 16-byte words of RA_MAX_REP heads
+#pragma unroll
+    for (int e0 = 0; e0 < QW; e0 += RA_CHUNK) {
+        const int e = e0 + t;
+        if (e < QW) {
+            const int hh = e / (HD / 8), d0 = e % (HD / 8) * 8;
+            uint4 word = make_uint4(0, 0, 0, 0);
+            if (hh < rep)
+                word = *reinterpret_cast<const uint4*>(
+                    q + ((size_t)(j * rep + hh) * n + r) * HD + d0);
+            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&word);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __bfloat1622float2(w2[i]);
+                qs[hh][d0 + 2 * i] = f.x;
+                qs[hh][d0 + 2 * i + 1] = f.y;
+            }
+        }
     }
     const int i = c * RA_CHUNK + t;
     const bool valid = i < keys.len;
@@ -407,22 +425,34 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
         uint4 words[HD / 8];
 #pragma unroll
         for (int w = 0; w < HD / 8; ++w) words[w] = kr[w];
+        // Every head's dot product is the same sequence of fmaf over the values in order; the
+        // heads' sequences are interleaved so that they run side by side.
+        float d[RA_MAX_REP];
 #pragma unroll
-        for (int h = 0; h < RA_MAX_REP; ++h) {
-            if (h >= rep) break;
-            float d = 0.f;
+        for (int h = 0; h < RA_MAX_REP; ++h) d[h] = 0.f;
 #pragma unroll
-            for (int w = 0; w < HD / 8; ++w) {
-                const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&words[w]);
+        for (int w = 0; w < HD / 8; ++w) {
+            const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&words[w]);
+            float2 f[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 f = __bfloat1622float2(k2[e]);
-                    d = fmaf(qs[h][8 * w + 2 * e], f.x, d);
-                    d = fmaf(qs[h][8 * w + 2 * e + 1], f.y, d);
-                }
+            for (int e = 0; e < 4; ++e) f[e] = __bfloat1622float2(k2[e]);
+#pragma unroll
+            for (int h = 0; h < RA_MAX_REP; ++h) {
+                const float4 qa = *reinterpret_cast<const float4*>(&qs[h][8 * w]);
+                const float4 qb = *reinterpret_cast<const float4*>(&qs[h][8 * w + 4]);
+                d[h] = fmaf(qa.x, f[0].x, d[h]);
+                d[h] = fmaf(qa.y, f[0].y, d[h]);
+                d[h] = fmaf(qa.z, f[1].x, d[h]);
+                d[h] = fmaf(qa.w, f[1].y, d[h]);
+                d[h] = fmaf(qb.x, f[2].x, d[h]);
+                d[h] = fmaf(qb.y, f[2].y, d[h]);
+                d[h] = fmaf(qb.z, f[3].x, d[h]);
+                d[h] = fmaf(qb.w, f[3].y, d[h]);
             }
-            s[h] = d * scale;
         }
+#pragma unroll
+        for (int h = 0; h < RA_MAX_REP; ++h)
+            if (h < rep) s[h] = d[h] * scale;
     }
     // Chunk maximum per head: each warp's, then warp 0's and warp 1's.
     float mx[RA_MAX_REP];
@@ -524,18 +554,35 @@ extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(
 extern "C" __global__ void specsplit_rows_attention_merge_bf16(
     const float* __restrict__ part, const uint32_t* __restrict__ meta, bf16* __restrict__ out,
     int heads, int chunks, int hd) {
+    // Each chunk's max and exp-sum, loaded by all threads at once; the chunks are merged in
+    // order, RA_MERGE at a time from shared memory.
+    __shared__ float cm[RA_MERGE], cl[RA_MERGE];
     const int h = blockIdx.x, r = blockIdx.y, d = threadIdx.x;
     const int len = (int)(meta[2 * r] + meta[2 * r + 1]);
     const int used = (len + RA_CHUNK - 1) / RA_CHUNK;
     const float* p = part + ((size_t)r * heads + h) * chunks * (hd + 2);
     float m = -INFINITY;
-    for (int c = 0; c < used; ++c) m = fmaxf(m, p[(size_t)c * (hd + 2) + hd]);
+    for (int c0 = 0; c0 < used; c0 += RA_MERGE) {
+        const int c = c0 + d;
+        const float mc = c < used && d < RA_MERGE ? p[(size_t)c * (hd + 2) + hd] : -INFINITY;
+        m = fmaxf(m, block_max(mc));
+    }
     float l = 0.f, o = 0.f;
-    for (int c = 0; c < used; ++c) {
-        const float* pc = p + (size_t)c * (hd + 2);
-        const float w = __expf(pc[hd] - m);
-        l = fmaf(pc[hd + 1], w, l);
-        o = fmaf(pc[d], w, o);
+    for (int c0 = 0; c0 < used; c0 += RA_MERGE) {
+        const int nc = min(RA_MERGE, used - c0);
+        __syncthreads();
+        if (d < nc) {
+            const float* pc = p + (size_t)(c0 + d) * (hd + 2);
+            cm[d] = __expf(pc[hd] - m);
+            cl[d] = pc[hd + 1];
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int i = 0; i < nc; ++i) {
+            const float w = cm[i];
+            l = fmaf(cl[i], w, l);
+            o = fmaf(p[(size_t)(c0 + i) * (hd + 2) + d], w, o);
+        }
     }
     out[((size_t)r * heads + h) * hd + d] = __float2bfloat16(o / l);
 }
@@ -573,11 +620,11 @@ __device__ __forceinline__ void bi_chunk(const uint4* const (&xa)[4][2], int c,
     }
 }
 
-// Chunks [c0, c1) into acc, U weight chunks in flight per lane.
-template <int MT, int NT>
+// Chunks [c0, c1) into acc, U weight chunks in flight per lane (U changes only how far the
+// loads run ahead, never the order of the mma steps).
+template <int MT, int NT, int U>
 __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const (&wb)[NT],
                               int c0, int c1, float (&acc)[4][NT][4]) {
-    constexpr int U = NT == 2 ? 4 : 2;
     int c = c0;
     for (; c + U - 1 < c1; c += U) {
         uint4 b[U][NT];
@@ -599,7 +646,7 @@ __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const
 // The block's tile: NT * 8 columns from n0, up to BI_ROWS rows from m0. Warp w takes chunks
 // [chunks * w / splits, chunks * (w + 1) / splits); the warps' partial sums are added in warp
 // order in `red` (shared, BI_ROWS * BI_MAX_COLS floats).
-template <int MT, int NT>
+template <int MT, int NT, int U>
 __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                         const bf16* __restrict__ bias, bf16* __restrict__ y, int m, int n, int k,
                         int splits, int n0, int m0, int rows, float* __restrict__ red) {
@@ -628,7 +675,7 @@ __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
         for (int s = 0; s < NT; ++s)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][s][e] = 0.f;
-    bi_accumulate<MT, NT>(xa, wb, c0, c1, acc);
+    bi_accumulate<MT, NT, U>(xa, wb, c0, c1, acc);
     for (int p = 0; p < splits; ++p) {
         if (warp == p) {
 #pragma unroll
@@ -658,35 +705,42 @@ __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
 // ---------------------------------------------------------------------------------------------
 // y = x W^T (+ bias) on tensor cores for x (m, k), W (n, k), k % 32 == 0, x and W 16-byte
 // aligned. Grid (ceil(n / (8 * nt)), ceil(m / BI_ROWS)), 32 * splits threads (splits <= k / 32);
-// nt is 2 or 4 column tiles of 8 a warp. An output is the same sequence of mma.sync steps over
-// its warp's share of k whatever m and nt are and wherever its row and column sit in the tile,
-// and splits depends on (n, k) only, so a row's result does not depend on the batch: one token
-// decoded alone and the same token verified among tree nodes get bit-identical products.
+// nt is 2 or 4 column tiles of 8 a warp; deep (1 or 2) multiplies the weight chunks each lane
+// keeps in flight (4 / 2 for nt 2 / 4). An output is the same sequence of mma.sync steps over
+// its warp's share of k whatever m, nt and deep are and wherever its row and column sit in the
+// tile, and splits depends on (n, k) only, so a row's result does not depend on the batch: one
+// token decoded alone and the same token verified among tree nodes get bit-identical products.
 extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
                                                     const bf16* __restrict__ w,
                                                     const bf16* __restrict__ bias,
                                                     bf16* __restrict__ y, int m, int n, int k,
-                                                    int splits, int nt) {
+                                                    int splits, int nt, int deep) {
     __shared__ float red[BI_ROWS * BI_MAX_COLS];
     const int n0 = blockIdx.x * 8 * nt, m0 = blockIdx.y * BI_ROWS;
     const int rows = min(BI_ROWS, m - m0);
     const int tiles = (rows + 15) / 16;
-#define BI_CASE(MT, NT) bi_tile<MT, NT>(x, w, bias, y, m, n, k, splits, n0, m0, rows, red)
+#define BI_CASE(MT, NT, U) bi_tile<MT, NT, U>(x, w, bias, y, m, n, k, splits, n0, m0, rows, red)
+#define BI_TILES(NT, U)                    \
+    switch (tiles) {                       \
+        case 1: BI_CASE(1, NT, U); break;  \
+        case 2: BI_CASE(2, NT, U); break;  \
+        case 3: BI_CASE(3, NT, U); break;  \
+        default: BI_CASE(4, NT, U); break; \
+    }
     if (nt == 2) {
-        switch (tiles) {
-            case 1: BI_CASE(1, 2); break;
-            case 2: BI_CASE(2, 2); break;
-            case 3: BI_CASE(3, 2); break;
-            default: BI_CASE(4, 2); break;
+        if (deep == 2) {
+            BI_TILES(2, 8)
+        } else {
+            BI_TILES(2, 4)
         }
     } else {
-        switch (tiles) {
-            case 1: BI_CASE(1, 4); break;
-            case 2: BI_CASE(2, 4); break;
-            case 3: BI_CASE(3, 4); break;
-            default: BI_CASE(4, 4); break;
+        if (deep == 2) {
+            BI_TILES(4, 4)
+        } else {
+            BI_TILES(4, 2)
         }
     }
+#undef BI_TILES
 #undef BI_CASE
 }
 
