@@ -12,7 +12,8 @@
 //! is the order the same tokens have when decoded one by one. So a token's result depends only
 //! on its query and its visible keys' values, never on the batch.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
+use specsplit_core::mask::TreeMask;
 
 use crate::ModelError;
 
@@ -23,39 +24,104 @@ pub enum Visibility<'a> {
         /// Tokens in the cache before this pass.
         past: usize,
     },
-    /// An additive mask `(n, total)`: 0 where visible, -inf where hidden.
+    /// An additive mask `(n, total)`: 0 where visible, -inf where hidden (read back to the host).
     Mask(&'a Tensor),
+    /// Rows of a token tree, described on the host (no device mask is read).
+    Tree(TreeRows<'a>),
 }
 
-/// The keys one row attends to: a leading range of the cache, or an explicit ascending list.
-enum Keys {
-    Leading(usize),
-    Gather(Vec<u32>),
+/// The rows `first_row..first_row + n` of a token tree whose nodes sit in the cache right after
+/// `prefix` slots, node `j` at slot `prefix + j`: row `i` sees slots `0..prefix` and the slots of
+/// node `first_row + i`'s ancestors and itself. A whole tree verified in one pass has
+/// `first_row` 0; one level of a tree drafted level by level starts at that level's first node.
+#[derive(Debug, Clone, Copy)]
+pub struct TreeRows<'a> {
+    /// The tree's visibility.
+    pub mask: &'a TreeMask,
+    /// Cache slots before the tree's first node.
+    pub prefix: usize,
+    /// The tree node of the pass's first row.
+    pub first_row: usize,
+}
+
+impl TreeRows<'_> {
+    /// The additive mask `(n, prefix + first_row + n)` of these rows, for passes that need one
+    /// on the device.
+    pub fn to_tensor(&self, n: usize, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.mask
+            .to_tensor(self.prefix, dtype, dev)?
+            .narrow(0, self.first_row, n)?
+            .narrow(1, 0, self.prefix + self.first_row + n)
+    }
+}
+
+/// The keys one row attends to: slots `0..lead`, then the ascending slots `extra` (each past
+/// `lead`).
+struct Keys {
+    lead: usize,
+    extra: Vec<u32>,
+}
+
+impl Keys {
+    /// From an ascending list of visible slots.
+    fn from_slots(idx: Vec<u32>) -> Self {
+        let lead = idx
+            .iter()
+            .enumerate()
+            .take_while(|(a, &b)| *a as u32 == b)
+            .count();
+        Self {
+            lead,
+            extra: idx[lead..].to_vec(),
+        }
+    }
 }
 
 /// The visible keys of every row of one forward pass, computed once per pass (reading a mask
-/// costs a device-to-host copy) and shared by all layers.
+/// costs a device-to-host copy; a causal pass or a host-side tree costs none) and shared by all
+/// layers.
 pub struct RowKeys(Vec<Keys>);
 
 impl RowKeys {
     /// The visible keys of the `n` new rows under `vis`.
     pub fn new(vis: Visibility<'_>, n: usize) -> Result<Self, ModelError> {
         let keys: Vec<Keys> = match vis {
-            Visibility::Causal { past } => (0..n).map(|i| Keys::Leading(past + i + 1)).collect(),
+            Visibility::Causal { past } => (0..n)
+                .map(|i| Keys {
+                    lead: past + i + 1,
+                    extra: Vec::new(),
+                })
+                .collect(),
             Visibility::Mask(m) => {
                 let rows: Vec<Vec<f32>> = m.to_dtype(DType::F32)?.to_vec2()?;
                 rows.iter()
                     .map(|r| {
-                        let idx: Vec<u32> = r
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, &x)| x == 0.0)
-                            .map(|(j, _)| j as u32)
-                            .collect();
-                        if idx.iter().enumerate().all(|(a, &b)| a as u32 == b) {
-                            Keys::Leading(idx.len())
-                        } else {
-                            Keys::Gather(idx)
+                        Keys::from_slots(
+                            r.iter()
+                                .enumerate()
+                                .filter(|(_, &x)| x == 0.0)
+                                .map(|(j, _)| j as u32)
+                                .collect(),
+                        )
+                    })
+                    .collect()
+            }
+            Visibility::Tree(t) => {
+                if t.first_row + n > t.mask.len() {
+                    return Err(ModelError::Input(format!(
+                        "rows {}..{} of a {}-node tree",
+                        t.first_row,
+                        t.first_row + n,
+                        t.mask.len()
+                    )));
+                }
+                (t.first_row..t.first_row + n)
+                    .map(|node| {
+                        let anc = t.mask.ancestors_and_self(node);
+                        let run = anc.iter().enumerate().take_while(|(a, &b)| *a == b).count();
+                        Keys {
+                            lead: t.prefix + run,
+                            extra: anc[run..].iter().map(|&a| (t.prefix + a) as u32).collect(),
                         }
                     })
                     .collect()
@@ -73,20 +139,7 @@ impl RowKeys {
     /// Per row: the length `lead` of its leading run of visible slots `0..lead`, and its
     /// visible slots after that run (ascending).
     pub fn split_rows(&self) -> Vec<(usize, &[u32])> {
-        self.0
-            .iter()
-            .map(|k| match k {
-                Keys::Leading(len) => (*len, &[][..]),
-                Keys::Gather(idx) => {
-                    let lead = idx
-                        .iter()
-                        .enumerate()
-                        .take_while(|(a, &b)| *a as u32 == b)
-                        .count();
-                    (lead, &idx[lead..])
-                }
-            })
-            .collect()
+        self.0.iter().map(|k| (k.lead, &k.extra[..])).collect()
     }
 }
 
@@ -119,40 +172,37 @@ pub fn attention(
     let rep = heads / kv;
     let mut rows = Vec::with_capacity(n);
     for (i, ks) in keys.0.iter().enumerate() {
-        let (ki, vi) = match ks {
-            Keys::Leading(0) => {
-                return Err(ModelError::Input(format!("row {i} sees no key")));
+        // Copy the visible keys' maximal contiguous runs, in order: 0..lead, then extra's.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        if ks.lead > 0 {
+            runs.push((0, ks.lead));
+        }
+        let mut start = 0;
+        for e in 1..=ks.extra.len() {
+            if e == ks.extra.len() || ks.extra[e] != ks.extra[e - 1] + 1 {
+                runs.push((ks.extra[start] as usize, e - start));
+                start = e;
             }
-            Keys::Leading(len) if *len <= total => (k.narrow(2, 0, *len)?, v.narrow(2, 0, *len)?),
-            Keys::Leading(len) => {
-                return Err(ModelError::Input(format!(
-                    "row {i} sees {len} keys of {total}"
-                )));
+        }
+        if runs.is_empty() {
+            return Err(ModelError::Input(format!("row {i} sees no key")));
+        }
+        if let Some(&(from, len)) = runs.iter().find(|(from, len)| from + len > total) {
+            return Err(ModelError::Input(format!(
+                "row {i} sees key {} of {total}",
+                from + len - 1
+            )));
+        }
+        let (ki, vi) = if let [(0, len)] = runs[..] {
+            (k.narrow(2, 0, len)?, v.narrow(2, 0, len)?)
+        } else {
+            let mut kp = Vec::with_capacity(runs.len());
+            let mut vp = Vec::with_capacity(runs.len());
+            for &(from, len) in &runs {
+                kp.push(k.narrow(2, from, len)?);
+                vp.push(v.narrow(2, from, len)?);
             }
-            Keys::Gather(idx) => {
-                // Copy the visible keys' maximal contiguous runs, in order.
-                let mut ks = Vec::new();
-                let mut vs = Vec::new();
-                let mut start = 0;
-                for e in 1..=idx.len() {
-                    if e == idx.len() || idx[e] != idx[e - 1] + 1 {
-                        let (from, len) = (idx[start] as usize, e - start);
-                        if from + len > total {
-                            return Err(ModelError::Input(format!(
-                                "row {i} sees key {} of {total}",
-                                from + len - 1
-                            )));
-                        }
-                        ks.push(k.narrow(2, from, len)?);
-                        vs.push(v.narrow(2, from, len)?);
-                        start = e;
-                    }
-                }
-                if ks.is_empty() {
-                    return Err(ModelError::Input(format!("row {i} sees no key")));
-                }
-                (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?)
-            }
+            (Tensor::cat(&kp, 2)?, Tensor::cat(&vp, 2)?)
         };
         let kt = ki.t()?;
         let qi = q.narrow(2, i, 1)?.reshape((1, kv, rep, hd))?;
@@ -170,7 +220,6 @@ pub fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     /// Reference: plain attention of one row over an explicit list of keys.
     fn naive(q: &[f32], keys: &[&[f32]], vals: &[&[f32]], scale: f32) -> Vec<f32> {

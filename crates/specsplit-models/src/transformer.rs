@@ -9,7 +9,7 @@
 //! values back to the host.
 
 use crate::config::{ModelConfig, RopeScaling};
-use crate::cpu_attention::{RowKeys, Visibility};
+use crate::cpu_attention::{RowKeys, TreeRows, Visibility};
 use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
 use crate::ModelError;
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
@@ -200,6 +200,17 @@ pub struct StaticStep {
     hidden: Tensor,
     one: Tensor,
     capacity: usize,
+}
+
+/// How the rows of one pass see the cache.
+#[derive(Clone, Copy)]
+enum PassMask<'a> {
+    /// Causal over the new tokens, the whole cached prefix visible.
+    Causal,
+    /// An additive mask on the device.
+    Device(&'a Tensor),
+    /// Rows of a token tree, on the host.
+    Tree(TreeRows<'a>),
 }
 
 /// How one pass computes attention.
@@ -748,6 +759,42 @@ impl Transformer {
         cache: &mut SessionCache,
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        let vis = mask.map_or(PassMask::Causal, PassMask::Device);
+        self.forward_pass(tokens, positions, vis, cache, rows)
+    }
+
+    /// [`Transformer::forward`] of the rows of a token tree described on the host (`tree`'s
+    /// prefix must be the cached slots before its first node, `tree.prefix + tree.first_row ==
+    /// cache.len()`): what `forward` computes with `tree.to_tensor` as the mask, without reading
+    /// a device mask back to the host; the mask is only built on the device for the passes that
+    /// use one.
+    pub fn forward_tree(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        tree: TreeRows<'_>,
+        cache: &mut SessionCache,
+        rows: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        if tree.prefix + tree.first_row != cache.len() {
+            return Err(ModelError::Input(format!(
+                "the tree's rows start after {} + {} slots but the cache holds {}",
+                tree.prefix,
+                tree.first_row,
+                cache.len()
+            )));
+        }
+        self.forward_pass(tokens, positions, PassMask::Tree(tree), cache, rows)
+    }
+
+    fn forward_pass(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        vis: PassMask<'_>,
+        cache: &mut SessionCache,
+        rows: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;
         let c = &self.config;
         let n = tokens.dims1().map_err(|_| {
@@ -796,8 +843,11 @@ impl Transformer {
             }
             .into());
         }
-        let mask = match mask {
-            Some(m) => {
+        // The batch-invariant paths need each row's visible keys (computed once per pass) and
+        // no device mask; the batched path needs the mask.
+        let per_row = self.exact_attention() || gpu_exact;
+        let mask = match vis {
+            PassMask::Device(m) => {
                 if m.dims() != [n, total] {
                     return Err(ModelError::Input(format!(
                         "mask has shape {:?}, expected ({n}, {total}) = (new tokens, cached + new)",
@@ -806,16 +856,18 @@ impl Transformer {
                 }
                 Some(m.to_dtype(self.dtype)?)
             }
-            None if n == 1 || self.exact_attention() || gpu_exact => None,
-            None => Some(self.causal_mask(n, past)?),
+            PassMask::Tree(_) | PassMask::Causal if per_row => None,
+            PassMask::Tree(t) => Some(t.to_tensor(n, self.dtype, &self.device)?),
+            PassMask::Causal if n == 1 => None,
+            PassMask::Causal => Some(self.causal_mask(n, past)?),
         };
         let eps = c.rms_norm_eps as f32;
-        // The batch-invariant path needs each row's visible keys: read them once per pass.
-        let row_keys = if self.exact_attention() || gpu_exact {
+        let row_keys = if per_row {
             Some(RowKeys::new(
-                match &mask {
-                    Some(m) => Visibility::Mask(m),
-                    None => Visibility::Causal { past },
+                match (&vis, &mask) {
+                    (PassMask::Tree(t), _) => Visibility::Tree(*t),
+                    (_, Some(m)) => Visibility::Mask(m),
+                    (_, None) => Visibility::Causal { past },
                 },
                 n,
             )?)

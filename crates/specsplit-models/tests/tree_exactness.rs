@@ -288,3 +288,103 @@ fn smollm2_quantized_tree_is_bit_exact() {
     assert_eq!(s.exact, s.compared, "every comparison must be bit-exact");
     assert_eq!(s.near_ties, 0);
 }
+
+/// A random tree of `n` nodes (siblings allowed, tokens below `vocab`) in breadth-first order,
+/// as the drafters build them.
+fn breadth_first_tree(n: usize, vocab: u32, seed: u64) -> specsplit_core::tree::TokenTree {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut t = specsplit_core::tree::TokenTree::new();
+    // Parents never decrease (breadth-first order); roots come first.
+    let mut last_parent: Option<usize> = None;
+    for i in 0..n {
+        if i == 0 || last_parent.is_none() && rng.random_bool(0.3) {
+            t.push_root(rng.random_range(0..vocab), -1.0).unwrap();
+        } else {
+            let p = rng.random_range(last_parent.unwrap_or(0)..i);
+            t.push_child(p, rng.random_range(0..vocab), -1.0).unwrap();
+            last_parent = Some(p);
+        }
+    }
+    t
+}
+
+#[test]
+fn a_tree_described_on_the_host_gives_its_device_masks_logits() {
+    use specsplit_core::mask::TreeMask;
+    use specsplit_models::cpu_attention::TreeRows;
+    let cfg = ModelConfig::preset("tiny").unwrap();
+    let vocab = cfg.vocab_size as u32;
+    let model = Transformer::random(cfg, 3, DType::F32, &Device::Cpu).unwrap();
+    let dev = model.device().clone();
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % vocab).collect();
+    for seed in 0..4u64 {
+        let tree = breadth_first_tree(7 + seed as usize, vocab, seed);
+        let mask = TreeMask::new(&tree);
+        let n = tree.len();
+        // Level starts (a drafter forwards one level at a time) and the whole tree at once.
+        let mut cuts: Vec<usize> = (1..n)
+            .filter(|&i| tree.depths()[i] != tree.depths()[i - 1])
+            .collect();
+        cuts.insert(0, 0);
+        cuts.push(n);
+        for pieces in [vec![0, n], cuts] {
+            let mut by_mask = model.new_cache(64).unwrap();
+            let mut by_tree = model.new_cache(64).unwrap();
+            for c in [&mut by_mask, &mut by_tree] {
+                let p = prompt.len();
+                model
+                    .forward(
+                        &u32s(&prompt, &dev),
+                        &span(0, p, &dev),
+                        None,
+                        c,
+                        &u32s(&[0], &dev),
+                    )
+                    .unwrap();
+            }
+            for w in pieces.windows(2) {
+                let (first, rows) = (w[0], w[1] - w[0]);
+                let rows_of = TreeRows {
+                    mask: &mask,
+                    prefix: prompt.len(),
+                    first_row: first,
+                };
+                let ids = u32s(&tree.tokens()[first..first + rows], &dev);
+                let pos = u32s(&mask.positions(prompt.len())[first..first + rows], &dev);
+                let all: Vec<u32> = (0..rows as u32).collect();
+                let m = rows_of.to_tensor(rows, DType::F32, &dev).unwrap();
+                let want = model
+                    .forward(&ids, &pos, Some(&m), &mut by_mask, &u32s(&all, &dev))
+                    .unwrap();
+                let got = model
+                    .forward_tree(&ids, &pos, rows_of, &mut by_tree, &u32s(&all, &dev))
+                    .unwrap();
+                let (g, w): (Vec<f32>, Vec<f32>) = (
+                    got.flatten_all().unwrap().to_vec1().unwrap(),
+                    want.flatten_all().unwrap().to_vec1().unwrap(),
+                );
+                assert_eq!(g, w, "seed {seed}, rows {first}..{}", first + rows);
+            }
+        }
+    }
+    // The tree's rows must start where the cache ends.
+    let tree = breadth_first_tree(4, vocab, 9);
+    let mask = TreeMask::new(&tree);
+    let mut cache = model.new_cache(16).unwrap();
+    let rows_of = TreeRows {
+        mask: &mask,
+        prefix: 3,
+        first_row: 0,
+    };
+    let e = model
+        .forward_tree(
+            &u32s(tree.tokens(), &dev),
+            &u32s(&mask.positions(3), &dev),
+            rows_of,
+            &mut cache,
+            &u32s(&[0], &dev),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("cache holds 0"), "{e}");
+}

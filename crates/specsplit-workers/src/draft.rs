@@ -11,6 +11,7 @@ use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::{Distribution, TokenTree};
+use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
@@ -340,9 +341,12 @@ impl DraftEngine {
             }
             let t0 = Instant::now();
             let mask = TreeMask::new(&tree);
-            let full = mask.to_tensor(prefix_len, self.model.dtype(), &dev)?;
             let n = level_end - level_start;
-            let level_mask = full.narrow(0, level_start, n)?;
+            let level_rows = TreeRows {
+                mask: &mask,
+                prefix: prefix_len,
+                first_row: level_start,
+            };
             let positions = mask.positions(prefix_len);
             let pos = Tensor::new(&positions[level_start..level_end], &dev)?;
             let toks: Vec<u32> = (level_start..level_end).map(|i| tree.token(i)).collect();
@@ -351,7 +355,7 @@ impl DraftEngine {
             let want = Tensor::new(want.as_slice(), &dev)?;
             let logits = self
                 .model
-                .forward(&ids, &pos, Some(&level_mask), &mut s.cache, &want)?;
+                .forward_tree(&ids, &pos, level_rows, &mut s.cache, &want)?;
             level_logits = logits;
             stats.model_time += t0.elapsed();
             stats.tokens_processed += n;

@@ -11,6 +11,7 @@ use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::TokenTree;
 use specsplit_core::verify::{self, Verdict};
+use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::transformer::Transformer;
 
 use crate::draft::{common_prefix, seeded_rng};
@@ -230,15 +231,19 @@ impl TargetEngine {
         // tree gives the mask and positions of the whole pass.
         let combined = chain_then_tree(new, tree)?;
         let mask = TreeMask::new(&combined);
-        let mask_t = mask.to_tensor(keep, self.model.dtype(), &dev)?;
         let pos = Tensor::new(mask.positions(keep).as_slice(), &dev)?;
         let ids = Tensor::new(combined.tokens(), &dev)?;
         let first_row = new.len().saturating_sub(1);
         let want: Vec<u32> = (first_row..combined.len()).map(|r| r as u32).collect();
         let want = Tensor::new(want.as_slice(), &dev)?;
+        let rows_of = TreeRows {
+            mask: &mask,
+            prefix: keep,
+            first_row: 0,
+        };
         let logits = self
             .model
-            .forward(&ids, &pos, Some(&mask_t), &mut s.cache, &want)?;
+            .forward_tree(&ids, &pos, rows_of, &mut s.cache, &want)?;
         if new.is_empty() {
             let l = s.last_logits.as_ref().ok_or_else(|| {
                 EngineError::FailedPrecondition("no pending logits; resend the full prompt".into())
