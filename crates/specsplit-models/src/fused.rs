@@ -1023,6 +1023,7 @@ mod imp {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn bi_splits_keep_long_warps_and_enough_of_them() {
@@ -1053,7 +1054,6 @@ mod tests {
             }
         }
     }
-    use super::*;
     use candle_core::Device;
 
     #[test]
