@@ -18,6 +18,7 @@ use specsplit_core::mask::TreeMask;
 use crate::ModelError;
 
 /// Which cached keys each new row may attend to.
+#[derive(Clone, Copy)]
 pub enum Visibility<'a> {
     /// Row `i` sees keys `0..past + i + 1` (a causal pass after `past` cached tokens).
     Causal {

@@ -202,17 +202,6 @@ pub struct StaticStep {
     capacity: usize,
 }
 
-/// How the rows of one pass see the cache.
-#[derive(Clone, Copy)]
-enum PassMask<'a> {
-    /// Causal over the new tokens, the whole cached prefix visible.
-    Causal,
-    /// An additive mask on the device.
-    Device(&'a Tensor),
-    /// Rows of a token tree, on the host.
-    Tree(TreeRows<'a>),
-}
-
 /// How one pass computes attention.
 enum AttnPath<'a> {
     /// Batched matmuls under an optional additive mask (cuBLAS or candle's CPU gemm).
@@ -759,7 +748,7 @@ impl Transformer {
         cache: &mut SessionCache,
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
-        let vis = mask.map_or(PassMask::Causal, PassMask::Device);
+        let vis = mask.map_or(Visibility::Causal { past: cache.len() }, Visibility::Mask);
         self.forward_pass(tokens, positions, vis, cache, rows)
     }
 
@@ -784,14 +773,14 @@ impl Transformer {
                 cache.len()
             )));
         }
-        self.forward_pass(tokens, positions, PassMask::Tree(tree), cache, rows)
+        self.forward_pass(tokens, positions, Visibility::Tree(tree), cache, rows)
     }
 
     fn forward_pass(
         &self,
         tokens: &Tensor,
         positions: &Tensor,
-        vis: PassMask<'_>,
+        vis: Visibility<'_>,
         cache: &mut SessionCache,
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
@@ -843,34 +832,27 @@ impl Transformer {
             }
             .into());
         }
+        if let Visibility::Mask(m) = &vis {
+            if m.dims() != [n, total] {
+                return Err(ModelError::Input(format!(
+                    "mask has shape {:?}, expected ({n}, {total}) = (new tokens, cached + new)",
+                    m.dims()
+                )));
+            }
+        }
         // The batch-invariant paths need each row's visible keys (computed once per pass) and
         // no device mask; the batched path needs the mask.
         let per_row = self.exact_attention() || gpu_exact;
         let mask = match vis {
-            PassMask::Device(m) => {
-                if m.dims() != [n, total] {
-                    return Err(ModelError::Input(format!(
-                        "mask has shape {:?}, expected ({n}, {total}) = (new tokens, cached + new)",
-                        m.dims()
-                    )));
-                }
-                Some(m.to_dtype(self.dtype)?)
-            }
-            PassMask::Tree(_) | PassMask::Causal if per_row => None,
-            PassMask::Tree(t) => Some(t.to_tensor(n, self.dtype, &self.device)?),
-            PassMask::Causal if n == 1 => None,
-            PassMask::Causal => Some(self.causal_mask(n, past)?),
+            _ if per_row => None,
+            Visibility::Mask(m) => Some(m.to_dtype(self.dtype)?),
+            Visibility::Tree(t) => Some(t.to_tensor(n, self.dtype, &self.device)?),
+            Visibility::Causal { .. } if n == 1 => None,
+            Visibility::Causal { .. } => Some(self.causal_mask(n, past)?),
         };
         let eps = c.rms_norm_eps as f32;
         let row_keys = if per_row {
-            Some(RowKeys::new(
-                match (&vis, &mask) {
-                    (PassMask::Tree(t), _) => Visibility::Tree(*t),
-                    (_, Some(m)) => Visibility::Mask(m),
-                    (_, None) => Visibility::Causal { past },
-                },
-                n,
-            )?)
+            Some(RowKeys::new(vis, n)?)
         } else {
             None
         };
