@@ -11,7 +11,7 @@ use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::tree::TokenTree;
 use specsplit_models::loader::{load_model, LoadOptions};
-use specsplit_models::step::DecodeStepper;
+use specsplit_models::step::{DecodeStepper, ExactStepper};
 use specsplit_models::transformer::Transformer;
 use specsplit_workers::launch::{parse_device, parse_dtype};
 
@@ -294,10 +294,48 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "roofline_pct": 100.0 * tok_s / roof_kv,
             "host_enqueue_median_ms": enqueue.median,
         })));
-        roofline_summary.push(json!({
+        // (a'') the target's graph-replayed one-token step: the same bits as (a), one launch.
+        let mut exact = json!({});
+        if m.exact_step_fits(cache.capacity()) {
+            let mut stepper = ExactStepper::new(m, cache.capacity())?;
+            let ms = time_ms(s.iters, s.warmup.max(2), || {
+                stepper.step(m, tok, &mut cache)?;
+                cache.truncate(l)?;
+                dev.synchronize()?;
+                Ok(())
+            })?;
+            let ex = util::summarize(&ms);
+            let ex_tok_s = 1e3 / ex.median;
+            eprintln!(
+                "  exact step {:.3} ms = {ex_tok_s:.1} tok/s ({}); roofline {:.1}%",
+                ex.median,
+                if stepper.uses_graph() {
+                    "CUDA graph"
+                } else {
+                    "eager"
+                },
+                100.0 * ex_tok_s / roof_kv
+            );
+            rows.push(row(json!({
+                "context": l, "kind": "exact_step", "tokens": 1, "depth": 1,
+                "median_ms": ex.median, "p10_ms": ex.p10, "p90_ms": ex.p90, "mean_ms": ex.mean,
+                "iters": ms.len(), "tok_per_s": ex_tok_s,
+                "roofline_tok_s": roof_kv, "roofline_pct": 100.0 * ex_tok_s / roof_kv,
+                "cuda_graph": stepper.uses_graph(),
+            })));
+            exact = json!({
+                "exact_step_tok_s": ex_tok_s,
+                "exact_step_roofline_pct": 100.0 * ex_tok_s / roof_kv,
+            });
+        }
+        let mut summary = json!({
             "context": l, "decode_tok_s": tok_s, "roofline_tok_s": roof_kv,
             "roofline_pct": 100.0 * tok_s / roof_kv,
-        }));
+        });
+        if let (Some(a), Some(b)) = (summary.as_object_mut(), exact.as_object()) {
+            a.extend(b.clone());
+        }
+        roofline_summary.push(summary);
 
         // (a') the fixed-shape greedy step that drafts chains (a CUDA graph replay on CUDA for
         // dense models): chains of STATIC_CHAIN steps, reported per step.

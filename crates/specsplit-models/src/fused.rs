@@ -417,6 +417,48 @@ impl PassKeys {
     pub fn rows(&self) -> usize {
         self.rows
     }
+
+    /// One row that sees slots `0..lead`, with `lead` read from the device at each use:
+    /// `meta` is a `(1, 2)` u32 buffer holding `[lead, 0]`, written by the caller before each
+    /// launch (a captured CUDA graph reads whatever it holds at replay), and `lead` must stay at
+    /// most `capacity`. The attention is launched over the whole capacity and the chunks past
+    /// `lead` return at once, so the row gets the same bits as with [`PassKeys::new`].
+    pub fn device_row(meta: Tensor, capacity: usize) -> Result<Self> {
+        if meta.dims() != [1, 2] || meta.dtype() != candle_core::DType::U32 || capacity == 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "a device row needs a (1, 2) u32 meta buffer and a capacity, got {:?} {:?} and {capacity}",
+                meta.dims(),
+                meta.dtype()
+            )));
+        }
+        let extra = Tensor::zeros((1, 1), candle_core::DType::U32, meta.device())?;
+        Ok(Self {
+            meta,
+            extra,
+            max_extra: 1,
+            rows: 1,
+            end: capacity,
+            max_len: capacity,
+        })
+    }
+}
+
+/// Writes `values` from the host into the contiguous u32 device buffer `dst` (one
+/// host-to-device copy on `dst`'s stream, no allocation): how a captured step's inputs are set.
+pub fn write_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
+    if dst.dtype() != candle_core::DType::U32 || dst.elem_count() != values.len() {
+        return Err(candle_core::Error::Msg(format!(
+            "write_u32 of {} values into {:?} {:?}",
+            values.len(),
+            dst.dims(),
+            dst.dtype()
+        )));
+    }
+    if !dst.device().is_cuda() {
+        let src = Tensor::new(values, dst.device())?.reshape(dst.shape())?;
+        return dst.slice_set(&src, 0, 0);
+    }
+    imp::write_u32(dst, values)
 }
 
 /// Batch-invariant attention of the `n` rows of one pass: `q` `(1, heads, n, head_dim)`
@@ -503,6 +545,21 @@ mod imp {
 
     pub(super) fn aligned16(t: &Tensor) -> bool {
         ptr(t).is_ok_and(|p| p % 16 == 0)
+    }
+
+    pub(super) fn write_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
+        let p = ptr(dst)?;
+        let stream = cuda(dst)?.cuda_stream();
+        // SAFETY: `p` addresses `values.len()` u32 of `dst`'s live, contiguous storage. A copy
+        // from pageable host memory returns once `values` is staged, so it may be dropped then.
+        unsafe {
+            candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(
+                p,
+                values,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(|e| Error::Msg(format!("host-to-device copy: {e:?}")))
     }
 
     /// One kernel argument: a device address, an int or a float.
@@ -945,6 +1002,9 @@ mod imp {
     }
     pub(super) fn aligned16(_: &Tensor) -> bool {
         false
+    }
+    pub(super) fn write_u32(_: &Tensor, _: &[u32]) -> Result<()> {
+        Err(off())
     }
     pub(super) fn gemv(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
         Err(off())

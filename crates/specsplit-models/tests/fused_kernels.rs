@@ -8,7 +8,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use specsplit_core::cache::SessionCache;
 use specsplit_models::config::ModelConfig;
 use specsplit_models::fused::{self, AttnShape};
-use specsplit_models::step::DecodeStepper;
+use specsplit_models::step::{DecodeStepper, ExactStepper};
 use specsplit_models::transformer::Transformer;
 
 fn gpu() -> Option<Device> {
@@ -458,6 +458,97 @@ fn fused_static_step_decodes_like_the_forward_pass() {
             stepper.uses_graph(),
             "{preset}: the fused step was not captured"
         );
+    }
+}
+
+#[test]
+fn exact_stepper_replays_the_one_token_forward_bit_for_bit_across_rollbacks() {
+    let Some(dev) = gpu() else { return };
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let mut cfg = ModelConfig::preset(preset).unwrap();
+        cfg.num_hidden_layers = 3;
+        cfg.vocab_size = 8192;
+        cfg.max_position_embeddings = 2048;
+        let m = Transformer::random(cfg, 23, DType::BF16, &dev).unwrap();
+        let cap = 512;
+        assert!(m.exact_step_fits(cap), "{preset}: no exact step");
+        assert!(
+            !m.exact_step_fits(4096),
+            "{preset}: rotary tables end at 2048"
+        );
+        let prompt: Vec<u32> = (0..300).map(|i| (i * 89 + 3) % 8192).collect();
+
+        // The reference decodes one token a forward pass on its own cache; the stepper
+        // follows the same tokens on another. Their logits must be the same bits.
+        let mut reference = m.new_cache(cap).unwrap();
+        let mut row = forward_last(&m, &mut reference, &prompt);
+        let mut cache = m.new_cache(cap).unwrap();
+        forward_last(&m, &mut cache, &prompt);
+        let mut stepper = ExactStepper::new(&m, cap).unwrap();
+        let mut step = |token: u32,
+                        reference: &mut SessionCache,
+                        cache: &mut SessionCache,
+                        what: &str|
+         -> Vec<f32> {
+            let got: Vec<f32> = stepper
+                .step(&m, token, cache)
+                .unwrap()
+                .i(0)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let want = forward_last(&m, reference, &[token]);
+            assert!(got == want, "{preset} {what}: stepper logits differ");
+            assert_eq!(cache.len(), reference.len());
+            want
+        };
+        for j in 0..12 {
+            row = step(
+                argmax(&row),
+                &mut reference,
+                &mut cache,
+                &format!("step {j}"),
+            );
+        }
+        // A rejected draft: both caches drop their last five entries and go on from there
+        // with another token.
+        let back = reference.len() - 5;
+        reference.truncate(back).unwrap();
+        cache.truncate(back).unwrap();
+        for j in 0..6 {
+            let t = (argmax(&row) + 1 + j) % 8192;
+            row = step(
+                t,
+                &mut reference,
+                &mut cache,
+                &format!("after truncate {j}"),
+            );
+        }
+        // An accepted tree path: entries moved down next to the prefix.
+        let base = reference.len() - 6;
+        let kept = [base + 1, base + 3, base + 4];
+        reference.compact(base, &kept).unwrap();
+        cache.compact(base, &kept).unwrap();
+        for j in 0..6 {
+            row = step(
+                argmax(&row),
+                &mut reference,
+                &mut cache,
+                &format!("after compact {j}"),
+            );
+        }
+        assert!(
+            stepper.uses_graph(),
+            "{preset}: the exact step was not captured"
+        );
+        // The buffers end at the capacity.
+        let mut full = m.new_cache(cap).unwrap();
+        forward_last(&m, &mut full, &vec![7u32; cap]);
+        assert!(ExactStepper::new(&m, cap)
+            .unwrap()
+            .step(&m, 7, &mut full)
+            .is_err());
+        eprintln!("{preset}: 24 exact steps equal the one-token forward (graph: true)");
     }
 }
 

@@ -1,5 +1,7 @@
 //! The round loop over gRPC clients of the two workers.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use specsplit_core::tree::{TokenTree, TreeLimits};
@@ -48,6 +50,9 @@ pub enum OrchestratorError {
     /// A worker sent something that does not make sense.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The orchestrator's own runtime failed (it could not start, or a task of it panicked).
+    #[error("orchestrator runtime: {0}")]
+    Runtime(String),
 }
 
 fn rpc(worker: &'static str) -> impl Fn(Status) -> OrchestratorError {
@@ -55,6 +60,9 @@ fn rpc(worker: &'static str) -> impl Fn(Status) -> OrchestratorError {
 }
 
 /// A connection to a target worker and, for speculative decoding, a draft worker.
+///
+/// Its gRPC channels and its generations' round loops run on a current-thread runtime on a
+/// thread of its own (see [`ClientRuntime`]), which stops when the last clone is dropped.
 #[derive(Clone)]
 pub struct Orchestrator {
     draft: Option<DraftServiceClient<Channel>>,
@@ -62,6 +70,73 @@ pub struct Orchestrator {
     target_addr: String,
     eos: Vec<u32>,
     vocab_size: usize,
+    /// Dropped after the channels (fields drop in order), though either order is safe.
+    rt: Arc<ClientRuntime>,
+}
+
+/// A current-thread runtime on a dedicated thread, where an orchestrator's gRPC client tasks
+/// (the channels' buffer workers and HTTP/2 connection tasks) and its round loops all run.
+///
+/// On a multi-thread runtime an RPC's client side is three tasks (the caller's request future,
+/// the channel's buffer worker, the connection task) that the scheduler spreads over worker
+/// threads, each hand-off between them a wake-up of a parked thread; on one thread of its own
+/// they pass the request and the response along within one poll loop, and the one wake-up left
+/// per RPC is the socket's. The thread stops (and its runtime drops its remaining tasks) when
+/// the last handle, i.e. the last orchestrator clone or running generation, is dropped.
+struct ClientRuntime {
+    handle: tokio::runtime::Handle,
+    /// Resolves the thread's `block_on` when dropped (sent or not).
+    _stop: tokio::sync::oneshot::Sender<()>,
+    /// Dropped by the thread once its runtime is gone (tests watch it through a `Weak`).
+    #[cfg(test)]
+    alive: std::sync::Weak<()>,
+}
+
+impl ClientRuntime {
+    fn start() -> Result<Arc<Self>, OrchestratorError> {
+        let failed = |e: std::io::Error| {
+            OrchestratorError::Runtime(format!("cannot start the client runtime: {e}"))
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(failed)?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let alive = Arc::new(());
+        #[cfg(test)]
+        let weak = Arc::downgrade(&alive);
+        std::thread::Builder::new()
+            .name("specsplit-orchestrator".into())
+            .spawn(move || {
+                // Err (the sender dropped) is the normal way to stop.
+                let _ = rt.block_on(stopped);
+                drop(rt);
+                drop(alive);
+            })
+            .map_err(failed)?;
+        Ok(Arc::new(Self {
+            handle,
+            _stop: stop,
+            #[cfg(test)]
+            alive: weak,
+        }))
+    }
+
+    /// Starts `fut` on this runtime; the returned handle can be awaited from any executor and
+    /// aborts the task when dropped. The task keeps the runtime running until it ends, even if
+    /// every orchestrator is dropped first.
+    fn spawn<T: Send + 'static>(
+        self: &Arc<Self>,
+        fut: impl Future<Output = Result<T, OrchestratorError>> + Send + 'static,
+    ) -> AbortOnDrop<T> {
+        let keep = self.clone();
+        AbortOnDrop(self.handle.spawn(async move {
+            let r = fut.await;
+            drop(keep);
+            r
+        }))
+    }
 }
 
 async fn channel(worker: &'static str, addr: &str) -> Result<Channel, OrchestratorError> {
@@ -90,6 +165,21 @@ impl Orchestrator {
     pub async fn connect(
         draft_addr: Option<&str>,
         target_addr: &str,
+    ) -> Result<Self, OrchestratorError> {
+        let rt = ClientRuntime::start()?;
+        // Connected on the client runtime, so that the channels' tasks are spawned there.
+        let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
+        let rt2 = rt.clone();
+        rt.spawn(async move { Self::connect_here(draft_addr.as_deref(), &target_addr, rt2).await })
+            .join()
+            .await
+    }
+
+    /// [`Orchestrator::connect`] on the current runtime, which must be `rt`'s.
+    async fn connect_here(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+        rt: Arc<ClientRuntime>,
     ) -> Result<Self, OrchestratorError> {
         let mut target = TargetServiceClient::new(channel("target", target_addr).await?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -140,6 +230,7 @@ impl Orchestrator {
             target_addr: target_addr.to_string(),
             eos,
             vocab_size: tp.vocab_size.max(0) as usize,
+            rt,
         })
     }
 
@@ -175,25 +266,18 @@ impl Orchestrator {
             ));
         }
         let session = format!("gen-{:032x}", rand::random::<u128>());
-        // The round loop runs as a task of its own on the runtime's worker threads when there
-        // is a runtime: a caller polled outside them (`block_on`, `#[tokio::main]`'s main
-        // thread) would otherwise take two cross-thread wake-ups per RPC (its request handed to
-        // the channel's tasks on a worker, the response handed back), each a futex wake of a
-        // parked thread. On a worker, the RPC's client-side tasks run where the loop runs.
-        // The caller still calls `on_tokens` itself, with every round's tokens, in order, before
-        // the result.
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return run_and_end(self, &session, cfg, prompt, on_tokens).await;
-        };
+        // The round loop runs on the client runtime's thread, where the channels' tasks run
+        // (see `ClientRuntime`), whatever polls the caller. The caller still calls `on_tokens`
+        // itself, with every round's tokens, in order, before the result.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u32>>();
         let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
-        let task = AbortOnDrop(rt.spawn(async move {
+        let task = self.rt.spawn(async move {
             run_and_end(&o, &session, &cfg, &prompt, move |t| {
                 // The receiver is gone only when the caller was dropped (and aborts us).
                 let _ = tx.send(t.to_vec());
             })
             .await
-        }));
+        });
         let mut on_tokens = on_tokens;
         // The channel closes when the round loop returns (the sender is dropped with it).
         while let Some(t) = rx.recv().await {
@@ -229,23 +313,24 @@ async fn run_and_end(
     result
 }
 
-/// A spawned generation, aborted when its caller stops waiting for it (e.g. the caller's
-/// future was dropped on Ctrl-C), as the loop itself would have stopped before.
-struct AbortOnDrop(tokio::task::JoinHandle<Result<Generation, OrchestratorError>>);
+/// A spawned task (a generation, a connection), aborted when its caller stops waiting for it
+/// (e.g. the caller's future was dropped on Ctrl-C), as the loop itself would have stopped
+/// before.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<Result<T, OrchestratorError>>);
 
-impl AbortOnDrop {
-    /// The generation's result; a panic of the loop becomes an error.
-    async fn join(mut self) -> Result<Generation, OrchestratorError> {
+impl<T> AbortOnDrop<T> {
+    /// The task's result; a panic of the task becomes an error.
+    async fn join(mut self) -> Result<T, OrchestratorError> {
         match (&mut self.0).await {
             Ok(r) => r,
-            Err(e) => Err(OrchestratorError::Protocol(format!(
-                "the generation task failed: {e}"
+            Err(e) => Err(OrchestratorError::Runtime(format!(
+                "the orchestrator's task failed: {e}"
             ))),
         }
     }
 }
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
@@ -679,6 +764,64 @@ fn subtree(tree: &TokenTree, root: Option<usize>, levels: usize) -> TokenTree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Waits until the client runtime's thread is gone (its runtime dropped).
+    fn thread_exits(alive: std::sync::Weak<()>) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while alive.upgrade().is_some() {
+            if Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    #[test]
+    fn client_runtime_runs_tasks_on_its_thread_and_stops_with_the_last_handle() {
+        let rt = ClientRuntime::start().unwrap();
+        let alive = rt.alive.clone();
+        let caller = std::thread::current().id();
+        // Awaited with no tokio runtime around the caller at all.
+        let waiter = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let ran_on = waiter
+            .block_on(rt.spawn(async { Ok(std::thread::current().id()) }).join())
+            .unwrap();
+        assert_ne!(ran_on, caller);
+        // A running task keeps the runtime alive after the last handle is dropped.
+        let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        let task = rt.spawn(async move { Ok(rx.await.unwrap_or(0) + 1) });
+        drop(rt);
+        assert!(alive.upgrade().is_some());
+        tx.send(41).unwrap();
+        assert_eq!(waiter.block_on(task.join()).unwrap(), 42);
+        assert!(thread_exits(alive), "the runtime thread did not stop");
+    }
+
+    #[test]
+    fn dropping_a_task_handle_aborts_it_and_lets_the_thread_stop() {
+        let rt = ClientRuntime::start().unwrap();
+        let alive = rt.alive.clone();
+        let task = rt.spawn(std::future::pending::<Result<(), OrchestratorError>>());
+        drop(rt);
+        drop(task);
+        assert!(
+            thread_exits(alive),
+            "an aborted task kept the runtime thread"
+        );
+    }
+
+    #[test]
+    fn a_panicking_task_is_an_error() {
+        let rt = ClientRuntime::start().unwrap();
+        let waiter = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let r = waiter.block_on(rt.spawn(async { panic!("boom") as Result<(), _> }).join());
+        assert!(matches!(r, Err(OrchestratorError::Runtime(_))), "{r:?}");
+    }
 
     fn sample_tree() -> TokenTree {
         // roots 10, 11; 10 -> 20, 21; 11 -> 22; 20 -> 30

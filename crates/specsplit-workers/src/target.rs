@@ -12,6 +12,7 @@ use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::TokenTree;
 use specsplit_core::verify::{self, Verdict};
 use specsplit_models::cpu_attention::TreeRows;
+use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 
 use crate::draft::{common_prefix, seeded_rng};
@@ -23,6 +24,9 @@ pub struct TargetSession {
     tokens: Vec<u32>,
     last_logits: Option<Tensor>,
     rng: ChaCha8Rng,
+    /// The graph-replayed one-token step over `cache`, made at the session's first plain
+    /// decoding step where the model has one.
+    stepper: Option<ExactStepper>,
 }
 
 impl Drop for TargetSession {
@@ -73,12 +77,26 @@ pub struct VerifyOutcome {
 pub struct TargetEngine {
     model: Arc<Transformer>,
     max_context: usize,
+    /// Whether plain decoding steps replay a captured [`ExactStepper`] (bits identical to a
+    /// one-token forward) where the model allows it; `SPECSPLIT_TARGET_GRAPH=0` turns it off.
+    exact_steps: bool,
 }
 
 impl TargetEngine {
     /// An engine over `model` whose sessions hold `max_context` tokens.
     pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
-        Self { model, max_context }
+        let exact_steps = std::env::var("SPECSPLIT_TARGET_GRAPH").map_or(true, |v| v != "0")
+            && model.exact_step_fits(max_context);
+        Self {
+            model,
+            max_context,
+            exact_steps,
+        }
+    }
+
+    /// Whether plain decoding steps replay a captured one-token step (see [`ExactStepper`]).
+    pub fn uses_exact_steps(&self) -> bool {
+        self.exact_steps
     }
 
     /// The model.
@@ -98,6 +116,7 @@ impl TargetEngine {
             tokens: Vec::new(),
             last_logits: None,
             rng: seeded_rng(seed),
+            stepper: None,
         })
     }
 
@@ -218,6 +237,17 @@ impl TargetEngine {
                 EngineError::FailedPrecondition("no pending logits; resend the full prompt".into())
             })?;
             return Ok(l.unsqueeze(0)?);
+        }
+        if tree.is_empty() && new.len() == 1 && self.exact_steps {
+            // A plain decoding step from a captured graph: one launch instead of a few hundred,
+            // the same bits as the one-token forward below. The stepper's logits buffer is
+            // overwritten by its next step, so the caller gets a copy.
+            if s.stepper.is_none() {
+                s.stepper = Some(ExactStepper::new(&self.model, self.max_context)?);
+            }
+            if let Some(st) = s.stepper.as_mut() {
+                return Ok(st.step(&self.model, new[0], &mut s.cache)?.copy()?);
+            }
         }
         if tree.is_empty() && new.len() == 1 {
             // A plain decoding step: causal attention needs no mask (an all-zero mask would add

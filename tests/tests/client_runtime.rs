@@ -1,0 +1,111 @@
+//! The orchestrator's own runtime thread and the workers' server threads: generations through
+//! them match target-only decoding whatever runtime the caller is on, a generation dropped
+//! midway and its orchestrator leave no thread behind, and stopped workers leave none either.
+//!
+//! One test in this file: it counts the process's threads by name.
+
+use std::time::{Duration, Instant};
+
+use specsplit_e2e::{config, prompts, start_draft, start_target};
+use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
+
+const MODEL: &str = "random:tiny:7";
+
+/// Threads of this process whose name starts with `prefix` (Linux truncates names to 15 bytes).
+fn threads_named(prefix: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim_end().starts_with(prefix))
+        .count()
+}
+
+/// Waits up to 5 s for the count of threads named `prefix` to become `n`.
+async fn settles(prefix: &str, n: usize) -> usize {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let k = threads_named(prefix);
+        if k == n || Instant::now() > until {
+            return k;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn client_and_server_threads_generate_exactly_and_stop_cleanly() {
+    if std::fs::read_dir("/proc/self/task").is_err() {
+        return; // thread names are read from Linux's procfs
+    }
+    const CLIENT: &str = "specsplit-orche";
+    const SERVER: &str = "specsplit-specs";
+    let target = start_target(&config(MODEL, true)).await;
+    let draft = start_draft(&config(MODEL, false)).await;
+    assert_eq!(settles(SERVER, 2).await, 2, "one server thread per worker");
+    let orch = Orchestrator::connect(Some(&draft.url), &target.url)
+        .await
+        .unwrap();
+    assert_eq!(threads_named(CLIENT), 1, "one client runtime thread");
+    let vocab = orch.vocab_size() as u32;
+    for prompt in prompts(3, 3, vocab.min(500)) {
+        let ar = GenerateConfig {
+            mode: Mode::Ar,
+            max_tokens: 16,
+            ..Default::default()
+        };
+        let reference = orch.generate(&prompt, &ar, |_| {}).await.unwrap();
+        for pipeline in [Pipeline::Sequential, Pipeline::Overlapped] {
+            let cfg = GenerateConfig {
+                pipeline,
+                max_tokens: 16,
+                widths: vec![1, 1, 1],
+                ..Default::default()
+            };
+            let mut streamed = Vec::new();
+            let g = orch
+                .generate(&prompt, &cfg, |t| streamed.extend_from_slice(t))
+                .await
+                .unwrap();
+            assert_eq!(g.token_ids, reference.token_ids, "{pipeline:?}");
+            assert_eq!(streamed, g.token_ids);
+        }
+    }
+
+    // A clone keeps the thread; a generation dropped after its first round, then every
+    // orchestrator dropped, stop it.
+    let other = orch.clone();
+    drop(orch);
+    assert_eq!(threads_named(CLIENT), 1);
+    let cfg = GenerateConfig {
+        max_tokens: 100_000,
+        widths: vec![1, 1, 1],
+        ..Default::default()
+    };
+    let (first, got_first) = tokio::sync::oneshot::channel::<()>();
+    let mut first = Some(first);
+    let generation = other.generate(&[5, 6, 7], &cfg, move |_| {
+        if let Some(f) = first.take() {
+            let _ = f.send(());
+        }
+    });
+    tokio::select! {
+        r = generation => panic!("a 100k-token generation ended early: {:?}", r.map(|g| g.stop_reason)),
+        _ = got_first => {}
+    }
+    drop(other);
+    assert_eq!(
+        settles(CLIENT, 0).await,
+        0,
+        "the client runtime thread outlived its users"
+    );
+
+    // Stopped workers' server threads end too.
+    target.stop().await;
+    draft.stop().await;
+    assert_eq!(
+        settles(SERVER, 0).await,
+        0,
+        "a server thread outlived its worker"
+    );
+}
