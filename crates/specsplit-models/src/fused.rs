@@ -461,6 +461,18 @@ pub fn write_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
     imp::write_u32(dst, values)
 }
 
+/// Rows of a pass one block of [`rows_attention`] takes in turn, each with the arithmetic it
+/// gets alone (so any value gives the same bits): `SPECSPLIT_RA_GROUP`, default 1, at most 64.
+pub fn rows_group() -> usize {
+    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *GROUP.get_or_init(|| {
+        std::env::var("SPECSPLIT_RA_GROUP")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(1, |g| g.clamp(1, 64))
+    })
+}
+
 /// Batch-invariant attention of the `n` rows of one pass: `q` `(1, heads, n, head_dim)`
 /// (rotated, contiguous) over the caches `(1, kv, capacity, head_dim)`, row `r` over the slots
 /// `keys` gives it, scaled by `scale`: `(n, heads * head_dim)` bf16. A row's result depends
@@ -929,13 +941,15 @@ mod imp {
         let mut args = pointers(&[q, k_cache, v_cache, &keys.meta, &keys.extra, &part])?;
         args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra, chunks].map(|v| I(v as i32)));
         args.push(F(scale));
+        let group = super::rows_group();
+        args.push(I(group as i32));
         let name = if hd == 64 {
             "specsplit_rows_attention_part_bf16_hd64"
         } else {
             "specsplit_rows_attention_part_bf16_hd128"
         };
         let dev = cuda(q)?;
-        let grid = (s.kv as u32, n as u32, chunks as u32);
+        let grid = (s.kv as u32, n.div_ceil(group) as u32, chunks as u32);
         launch_3d(dev, name, grid, CHUNK as u32, &args)?;
         let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
         let mut args = pointers(&[&part, &keys.meta, &y])?;

@@ -139,6 +139,14 @@ impl ClientRuntime {
     }
 }
 
+/// Whether orchestrators run on their own [`ClientRuntime`] thread (the default);
+/// `SPECSPLIT_OWN_RUNTIME=0` keeps the channels and round loops on the caller's runtime
+/// instead, for side-by-side measurements of the two.
+fn own_runtime() -> bool {
+    static OWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| std::env::var("SPECSPLIT_OWN_RUNTIME").map_or(true, |v| v != "0"))
+}
+
 async fn channel(worker: &'static str, addr: &str) -> Result<Channel, OrchestratorError> {
     let unreachable = |reason: String| OrchestratorError::Unreachable {
         worker,
@@ -167,6 +175,9 @@ impl Orchestrator {
         target_addr: &str,
     ) -> Result<Self, OrchestratorError> {
         let rt = ClientRuntime::start()?;
+        if !own_runtime() {
+            return Self::connect_here(draft_addr, target_addr, rt).await;
+        }
         // Connected on the client runtime, so that the channels' tasks are spawned there.
         let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
         let rt2 = rt.clone();
@@ -271,13 +282,19 @@ impl Orchestrator {
         // itself, with every round's tokens, in order, before the result.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u32>>();
         let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
-        let task = self.rt.spawn(async move {
+        let body = async move {
             run_and_end(&o, &session, &cfg, &prompt, move |t| {
                 // The receiver is gone only when the caller was dropped (and aborts us).
                 let _ = tx.send(t.to_vec());
             })
             .await
-        });
+        };
+        let task = match tokio::runtime::Handle::try_current() {
+            // The earlier arrangement, kept for side-by-side measurements: the loop on the
+            // caller's runtime, where `connect` put the channels' tasks.
+            Ok(caller) if !own_runtime() => AbortOnDrop(caller.spawn(body)),
+            _ => self.rt.spawn(body),
+        };
         let mut on_tokens = on_tokens;
         // The channel closes when the round loop returns (the sender is dropped with it).
         while let Some(t) = rx.recv().await {

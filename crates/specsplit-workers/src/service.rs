@@ -443,14 +443,18 @@ impl<S> GrpcService for S where
 /// runtime's blocking pool, see `with_session`): on a multi-thread runtime each request's
 /// connection task, stream task and handler are spread over worker threads, and every hand-off
 /// between them is a wake-up of a parked thread, measured at about 0.03 ms per RPC on loopback.
-/// If that thread cannot be started, it serves on the caller's runtime instead. Dropping the
-/// returned future shuts the server down as `shutdown` would.
+/// If that thread cannot be started, or `SPECSPLIT_OWN_RUNTIME=0`, it serves on the caller's
+/// runtime instead. Dropping the returned future shuts the server down as `shutdown` would.
 async fn serve<S: GrpcService, T: Send + 'static>(
     svc: S,
     store: Arc<SessionStore<T>>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    if std::env::var("SPECSPLIT_OWN_RUNTIME").is_ok_and(|v| v == "0") {
+        // For side-by-side measurements: the earlier arrangement, on the caller's runtime.
+        return serve_here(svc, store, listener, shutdown).await;
+    }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let done = match serve_on_own_thread(svc.clone(), store.clone(), &listener, stopped) {
         Ok(done) => done,
