@@ -368,38 +368,6 @@ extern "C" __global__ void specsplit_decode_attention_bf16_hd128(
 #define RA_MAX_REP 8  // query heads a KV head serves, at most
 #define RA_MERGE 64   // chunks the merge stages in shared memory at a time (<= its threads)
 
-template <int HD>
-__device__ __forceinline__ void rows_attention_row(
-    const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-    const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra,
-    float* __restrict__ part, int heads, int kv, int n, int cap, int max_extra, int chunks,
-    float scale, int r, float (*qs)[HD], float (*prob)[RA_CHUNK], int* slot, float (*red)[RA_MAX_REP],
-    float (*vsum)[HD]);
-
-// part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
-// Grid (kv, ceil(n / group), chunks), RA_CHUNK threads: a block takes `group` consecutive rows
-// of one chunk in turn (rows of a pass share most keys, so the later rows read them from the
-// SM's cache), each with exactly the arithmetic it gets alone.
-template <int HD>
-__device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                    const bf16* __restrict__ vc, const uint32_t* __restrict__ meta,
-                                    const uint32_t* __restrict__ extra, float* __restrict__ part,
-                                    int heads, int kv, int n, int cap, int max_extra, int chunks,
-                                    float scale, int group) {
-    __shared__ __align__(16) float qs[RA_MAX_REP][HD];
-    __shared__ float prob[RA_MAX_REP][RA_CHUNK];
-    __shared__ int slot[RA_CHUNK];
-    __shared__ float red[2][RA_MAX_REP];
-    __shared__ float vsum[RA_MAX_REP][HD];
-    const int r0 = blockIdx.y * group, r1 = min(n, r0 + group);
-    for (int r = r0; r < r1; ++r) {
-        // The previous row's readers of the shared arrays are done before they are rewritten.
-        if (r > r0) __syncthreads();
-        rows_attention_row<HD>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                               scale, r, qs, prob, slot, red, vsum);
-    }
-}
-
 // One row's chunk blockIdx.z of rows_attention_part (block-uniform early return past its keys).
 template <int HD>
 __device__ __forceinline__ void rows_attention_row(
@@ -556,6 +524,30 @@ __device__ __forceinline__ void rows_attention_row(
                 out[HD + 1] = red[0][h] + red[1][h];
             }
         }
+    }
+}
+
+// part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
+// Grid (kv, ceil(n / group), chunks), RA_CHUNK threads: a block takes `group` consecutive rows
+// of one chunk in turn (rows of a pass share most keys, so the later rows read them from the
+// SM's cache), each with exactly the arithmetic it gets alone.
+template <int HD>
+__device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                    const bf16* __restrict__ vc, const uint32_t* __restrict__ meta,
+                                    const uint32_t* __restrict__ extra, float* __restrict__ part,
+                                    int heads, int kv, int n, int cap, int max_extra, int chunks,
+                                    float scale, int group) {
+    __shared__ __align__(16) float qs[RA_MAX_REP][HD];
+    __shared__ float prob[RA_MAX_REP][RA_CHUNK];
+    __shared__ int slot[RA_CHUNK];
+    __shared__ float red[2][RA_MAX_REP];
+    __shared__ float vsum[RA_MAX_REP][HD];
+    const int r0 = blockIdx.y * group, r1 = min(n, r0 + group);
+    for (int r = r0; r < r1; ++r) {
+        // The previous row's readers of the shared arrays are done before they are rewritten.
+        if (r > r0) __syncthreads();
+        rows_attention_row<HD>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
+                               scale, r, qs, prob, slot, red, vsum);
     }
 }
 
