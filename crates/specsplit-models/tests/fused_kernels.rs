@@ -370,6 +370,16 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// A bf16 model of `preset`'s shape with random weights (`seed`), cut to 3 layers, a vocabulary
+/// of 8192 and 2048 positions.
+fn small_model(preset: &str, seed: u64, dev: &Device) -> Transformer {
+    let mut cfg = ModelConfig::preset(preset).unwrap();
+    cfg.num_hidden_layers = 3;
+    cfg.vocab_size = 8192;
+    cfg.max_position_embeddings = 2048;
+    Transformer::random(cfg, seed, DType::BF16, dev).unwrap()
+}
+
 /// The ordinary forward of `tokens` at `start..` on `cache`: f32 logits of the last one.
 fn forward_last(m: &Transformer, cache: &mut SessionCache, tokens: &[u32]) -> Vec<f32> {
     let dev = m.device();
@@ -389,11 +399,7 @@ fn forward_last(m: &Transformer, cache: &mut SessionCache, tokens: &[u32]) -> Ve
 fn fused_static_step_decodes_like_the_forward_pass() {
     let Some(dev) = gpu() else { return };
     for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
-        let mut cfg = ModelConfig::preset(preset).unwrap();
-        cfg.num_hidden_layers = 3;
-        cfg.vocab_size = 8192;
-        cfg.max_position_embeddings = 2048;
-        let m = Transformer::random(cfg, 11, DType::BF16, &dev).unwrap();
+        let m = small_model(preset, 11, &dev);
         let prompt: Vec<u32> = (0..300).map(|i| (i * 97 + 13) % 8192).collect();
         let (cap, steps) = (512, 24);
 
@@ -465,11 +471,7 @@ fn fused_static_step_decodes_like_the_forward_pass() {
 fn exact_stepper_replays_the_one_token_forward_bit_for_bit_across_rollbacks() {
     let Some(dev) = gpu() else { return };
     for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
-        let mut cfg = ModelConfig::preset(preset).unwrap();
-        cfg.num_hidden_layers = 3;
-        cfg.vocab_size = 8192;
-        cfg.max_position_embeddings = 2048;
-        let m = Transformer::random(cfg, 23, DType::BF16, &dev).unwrap();
+        let m = small_model(preset, 23, &dev);
         let cap = 512;
         assert!(m.exact_step_fits(cap), "{preset}: no exact step");
         assert!(
@@ -785,11 +787,7 @@ fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
     {
         fused::set_scope(scope);
         for (pi, preset) in ["qwen2.5-0.5b", "qwen2.5-7b"].into_iter().enumerate() {
-            let mut cfg = ModelConfig::preset(preset).unwrap();
-            cfg.num_hidden_layers = 3;
-            cfg.vocab_size = 8192;
-            cfg.max_position_embeddings = 2048;
-            let m = Transformer::random(cfg, 5, DType::BF16, &dev).unwrap();
+            let m = small_model(preset, 5, &dev);
             let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
             // A prompt longer than the batch-invariant limit (prefilled with cuBLAS, the same way
             // in both runs) and five tokens after it.

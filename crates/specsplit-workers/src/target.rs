@@ -240,14 +240,14 @@ impl TargetEngine {
         }
         if tree.is_empty() && new.len() == 1 && self.exact_steps {
             // A plain decoding step from a captured graph: one launch instead of a few hundred,
-            // the same bits as the one-token forward below. The stepper's logits buffer is
-            // overwritten by its next step, so the caller gets a copy.
-            if s.stepper.is_none() {
-                s.stepper = Some(ExactStepper::new(&self.model, self.max_context)?);
-            }
-            if let Some(st) = s.stepper.as_mut() {
-                return Ok(st.step(&self.model, new[0], &mut s.cache)?.copy()?);
-            }
+            // the same bits as the one-token forward below. The logits are the stepper's own
+            // buffer, not a copy: its next step runs only for a new token, and `verify` drops
+            // `last_logits` (the one view kept past this round) before that.
+            let st = match &mut s.stepper {
+                Some(st) => st,
+                none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
+            };
+            return Ok(st.step(&self.model, new[0], &mut s.cache)?);
         }
         if tree.is_empty() && new.len() == 1 {
             // A plain decoding step: causal attention needs no mask (an all-zero mask would add
