@@ -309,6 +309,8 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "mean_verify_ms": per_round(&|r| r.verify_ms),
         "mean_verify_server_ms": per_round(&|r| r.verify_server_ms),
         "mean_draft_server_ms": per_round(&|r| r.draft_server_ms),
+        "mean_verify_model_ms": per_round(&|r| r.verify_model_ms),
+        "mean_draft_model_ms": per_round(&|r| r.draft_model_ms),
         "mean_round_ms": per_round(&|r| r.round_ms),
         "mean_round_overhead_ms": st.round_overhead_ms,
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
@@ -406,8 +408,10 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     );
     let ar_tps = ar_row["tok_per_s"].as_f64().unwrap_or(0.0);
     eprintln!(
-        "  {ar_tps:.1} tok/s, overhead {:.3} ms/round",
-        ar_row["mean_round_overhead_ms"].as_f64().unwrap_or(0.0)
+        "  {ar_tps:.1} tok/s, overhead {:.3} ms/round, target server {:.2} ms (model {:.2})",
+        ar_row["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
+        ar_row["mean_verify_server_ms"].as_f64().unwrap_or(0.0),
+        ar_row["mean_verify_model_ms"].as_f64().unwrap_or(0.0)
     );
     let mut rows = vec![merge(ar_row, meta_models.clone())];
 
@@ -501,7 +505,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let speedup = if ar_tps > 0.0 { tps / ar_tps } else { 0.0 };
             let widths = util::widths_label(&r.widths);
             eprintln!(
-                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}, same {:.2}, draft {:.2} ms, verify {:.2} ms, overhead {:.3} ms/round, attempts {}",
+                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}, same {:.2}, draft {:.2} ms (server {:.2}, model {:.2}), verify {:.2} ms (server {:.2}, model {:.2}), overhead {:.3} ms/round, attempts {}",
                 beta.map(|b| format!(" β={b}")).unwrap_or_default(),
                 r.kind,
                 pipeline_name(r.pipeline),
@@ -509,7 +513,11 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 agg["mean_accepted_len"].as_f64().unwrap_or(0.0),
                 agg["identical_to_target_only"].as_f64().unwrap_or(0.0),
                 agg["mean_draft_ms"].as_f64().unwrap_or(0.0),
+                agg["mean_draft_server_ms"].as_f64().unwrap_or(0.0),
+                agg["mean_draft_model_ms"].as_f64().unwrap_or(0.0),
                 agg["mean_verify_ms"].as_f64().unwrap_or(0.0),
+                agg["mean_verify_server_ms"].as_f64().unwrap_or(0.0),
+                agg["mean_verify_model_ms"].as_f64().unwrap_or(0.0),
                 agg["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
                 agg["attempts"],
             );

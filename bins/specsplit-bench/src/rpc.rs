@@ -492,6 +492,8 @@ mod tests {
             draft_server_ms: 2.5,
             verify_ms: 5.0,
             verify_server_ms: 4.0,
+            draft_model_ms: 0.0,
+            verify_model_ms: 0.0,
             round_ms: 8.75,
             overlap_hit: None,
         });
@@ -504,6 +506,8 @@ mod tests {
             draft_server_ms: 0.0,
             verify_ms: 2.0,
             verify_server_ms: 1.5,
+            draft_model_ms: 0.0,
+            verify_model_ms: 0.0,
             round_ms: 2.25,
             overlap_hit: None,
         });

@@ -461,15 +461,16 @@ pub fn write_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
     imp::write_u32(dst, values)
 }
 
-/// Rows of a pass one block of [`rows_attention`] takes in turn, each with the arithmetic it
-/// gets alone (so any value gives the same bits): `SPECSPLIT_RA_GROUP`, default 1, at most 64.
-pub fn rows_group() -> usize {
-    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *GROUP.get_or_init(|| {
-        std::env::var("SPECSPLIT_RA_GROUP")
+/// Rows of a pass one block of [`rows_attention`] takes together, sharing one staged copy of
+/// the prefix keys (each row keeps the arithmetic it gets alone, so any value gives the same
+/// bits): `SPECSPLIT_RA_STAGE`, default 4, at most 8; 0 or 1 turns staging off (a block a row).
+pub fn rows_stage() -> usize {
+    static STAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *STAGE.get_or_init(|| {
+        std::env::var("SPECSPLIT_RA_STAGE")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
-            .map_or(1, |g| g.clamp(1, 64))
+            .map_or(4, |g| g.min(8))
     })
 }
 
@@ -514,6 +515,7 @@ fn unfit(kernel: &str, ts: &[&Tensor]) -> candle_core::Error {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::AttnShape;
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Error, Result, Storage, Tensor};
@@ -607,6 +609,19 @@ mod imp {
         args: &[Arg],
     ) -> Result<()> {
         launch_cfg(dev, name, grid, block, 0, args)
+    }
+
+    /// Lets `name` take `smem` bytes of dynamic shared memory a block (past the default 48 KiB).
+    fn allow_smem(dev: &CudaDevice, name: &str, smem: u32) -> Result<()> {
+        if smem <= 48 * 1024 {
+            return Ok(());
+        }
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| Error::Msg(format!("{name}: {smem} bytes of shared memory: {e:?}")))
     }
 
     fn launch_cfg(
@@ -941,16 +956,39 @@ mod imp {
         let mut args = pointers(&[q, k_cache, v_cache, &keys.meta, &keys.extra, &part])?;
         args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra, chunks].map(|v| I(v as i32)));
         args.push(F(scale));
-        let group = super::rows_group();
-        args.push(I(group as i32));
-        let name = if hd == 64 {
-            "specsplit_rows_attention_part_bf16_hd64"
-        } else {
-            "specsplit_rows_attention_part_bf16_hd128"
-        };
         let dev = cuda(q)?;
-        let grid = (s.kv as u32, n.div_ceil(group) as u32, chunks as u32);
-        launch_3d(dev, name, grid, CHUNK as u32, &args)?;
+        let group = super::rows_stage().min(n);
+        if group >= 2 {
+            // Staged K and V rows of a chunk (K padded by RA_KPAD), then per row group its
+            // RowScratch: RA_MAX_REP x hd query floats, RA_MAX_REP x CHUNK probabilities,
+            // CHUNK slots, 2 x RA_MAX_REP warp results (kernels.cu).
+            let rep = super::RA_MAX_REP;
+            let staged = 2 * CHUNK * (hd + 8) + 2 * CHUNK * hd;
+            let scratch = 4 * (rep * hd + rep * CHUNK + CHUNK + 2 * rep);
+            let smem = (staged + group * scratch) as u32;
+            let name = if hd == 64 {
+                "specsplit_rows_attention_staged_bf16_hd64"
+            } else {
+                "specsplit_rows_attention_staged_bf16_hd128"
+            };
+            allow_smem(dev, name, smem)?;
+            args.push(I(group as i32));
+            let grid = (s.kv as u32, n.div_ceil(group) as u32, chunks as u32);
+            launch_cfg(dev, name, grid, (group * CHUNK) as u32, smem, &args)?;
+        } else {
+            let name = if hd == 64 {
+                "specsplit_rows_attention_part_bf16_hd64"
+            } else {
+                "specsplit_rows_attention_part_bf16_hd128"
+            };
+            launch_3d(
+                dev,
+                name,
+                (s.kv as u32, n as u32, chunks as u32),
+                CHUNK as u32,
+                &args,
+            )?;
+        }
         let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
         let mut args = pointers(&[&part, &keys.meta, &y])?;
         args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));

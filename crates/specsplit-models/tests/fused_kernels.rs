@@ -688,15 +688,26 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
         let (ks, vs) = (host(&kc), host(&vc));
         let scale = 1.0 / (hd as f32).sqrt();
         // Rows: leading runs (one tile, across the 2048 tile boundary) and tree-like rows with
-        // listed slots after their run.
-        let extras: [Vec<u32>; 5] = [
+        // listed slots after their run; then the nodes of a tree after a shared 1000-token
+        // prefix, which the staged kernel reads once per group of rows (the group holding the
+        // 4090-token row stages only the chunks inside every lead).
+        let extras: [Vec<u32>; 12] = [
             vec![],
             vec![2100, 2105],
             vec![3, 10, 4000],
             vec![],
             vec![4100, 4101, 4150],
+            vec![1000],
+            vec![1001],
+            vec![1000, 1002],
+            vec![1000, 1003],
+            vec![1001, 1004],
+            vec![1000, 1002, 1005],
+            vec![1000, 1003, 1006],
         ];
-        let leads = [300usize, 2049, 0, 1, 4090];
+        let leads = [
+            300usize, 2049, 0, 1, 4090, 1000, 1000, 1000, 1000, 1000, 1000, 1000,
+        ];
         let rows: Vec<(usize, &[u32])> = leads
             .iter()
             .zip(&extras)
@@ -791,7 +802,7 @@ fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
             let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
             // A prompt longer than the batch-invariant limit (prefilled with cuBLAS, the same way
             // in both runs) and five tokens after it.
-            let prompt: Vec<u32> = (0..100).map(|i| (i * 31 + 7) % 8192).collect();
+            let prompt: Vec<u32> = (0..200).map(|i| (i * 31 + 7) % 8192).collect();
             let next = [11u32, 4000, 77, 8000, 5];
             let p = prompt.len();
 

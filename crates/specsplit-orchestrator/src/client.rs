@@ -359,6 +359,8 @@ struct Drafted {
     ms: f64,
     /// Wall time the draft worker reported for the request (0 for a pre-drafted tree).
     server_ms: f64,
+    /// Of that, the time it reported in its model.
+    model_ms: f64,
 }
 
 /// State of one generation.
@@ -440,6 +442,7 @@ impl<'a> Run<'a> {
                     tree: TokenTree::new(),
                     ms: 0.0,
                     server_ms: 0.0,
+                    model_ms: 0.0,
                 };
                 (empty, None)
             } else {
@@ -451,6 +454,7 @@ impl<'a> Run<'a> {
                             tree,
                             ms: 0.0,
                             server_ms: 0.0,
+                            model_ms: 0.0,
                         };
                         (pre, Some(true))
                     }
@@ -482,7 +486,7 @@ impl<'a> Run<'a> {
             } else {
                 (self.verify(&drafted.tree).await?, None)
             };
-            let (v, verify_ms, server_ms) = verdict;
+            let (v, verify_ms, server) = verdict;
             let mut emitted: Vec<u32> = v.accepted.clone();
             emitted.push(v.next);
             // Use the pre-drafted tree when the guess held and its root is the target's token.
@@ -498,6 +502,7 @@ impl<'a> Run<'a> {
                     tree,
                     ms: 0.0,
                     server_ms: 0.0,
+                    model_ms: 0.0,
                 });
             }
             if self.cfg.adaptive_depth && depth > 0 {
@@ -538,7 +543,9 @@ impl<'a> Run<'a> {
                 draft_ms: drafted.ms,
                 draft_server_ms: drafted.server_ms,
                 verify_ms,
-                verify_server_ms: server_ms,
+                verify_server_ms: server.wall_ms,
+                draft_model_ms: drafted.model_ms,
+                verify_model_ms: server.model_ms,
                 round_ms: round_start.elapsed().as_secs_f64() * 1e3,
                 overlap_hit,
             });
@@ -576,7 +583,7 @@ impl<'a> Run<'a> {
     async fn verify(
         &mut self,
         tree: &TokenTree,
-    ) -> Result<(Verified, f64, f64), OrchestratorError> {
+    ) -> Result<(Verified, f64, ServerTimes), OrchestratorError> {
         // Built once; only a retry builds it again.
         let mut wire = Some(tree.to_proto());
         let give_up = Instant::now() + RECONNECT_WINDOW;
@@ -607,8 +614,8 @@ impl<'a> Run<'a> {
                 Ok(r) => {
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     let r = r.into_inner();
-                    let server_ms = r.telemetry.as_ref().map_or(0.0, |t| t.wall_time_ms);
-                    return Ok((Verified::from_response(&r, tree)?, ms, server_ms));
+                    let server = ServerTimes::of(r.telemetry.as_ref());
+                    return Ok((Verified::from_response(&r, tree)?, ms, server));
                 }
                 Err(s) if s.code() == Code::FailedPrecondition && self.target_cached.is_some() => {
                     tracing::warn!(
@@ -665,7 +672,7 @@ async fn draft_call(
         .map_err(rpc("draft"))?
         .into_inner();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let server_ms = r.telemetry.as_ref().map_or(0.0, |t| t.wall_time_ms);
+    let server = ServerTimes::of(r.telemetry.as_ref());
     let tree = TokenTree::from_proto(
         &r.draft_tree,
         r.root_distribution.as_ref(),
@@ -676,8 +683,24 @@ async fn draft_call(
     Ok(Drafted {
         tree,
         ms,
-        server_ms,
+        server_ms: server.wall_ms,
+        model_ms: server.model_ms,
     })
+}
+
+/// The times a worker reported for one request (0 where it sent no telemetry).
+struct ServerTimes {
+    wall_ms: f64,
+    model_ms: f64,
+}
+
+impl ServerTimes {
+    fn of(t: Option<&specsplit_proto::TelemetryMetadata>) -> Self {
+        Self {
+            wall_ms: t.map_or(0.0, |t| t.wall_time_ms),
+            model_ms: t.map_or(0.0, |t| t.model_time_ms),
+        }
+    }
 }
 
 /// A verdict as received.

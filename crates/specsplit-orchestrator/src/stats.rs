@@ -22,6 +22,12 @@ pub struct RoundRecord {
     pub verify_ms: f64,
     /// Time the target reported spending on the request, in ms.
     pub verify_server_ms: f64,
+    /// Of that, the time the draft worker reported in its model (forward passes and the copy
+    /// of their result), in ms (0 when pre-drafted).
+    pub draft_model_ms: f64,
+    /// Of the target's time, the time it reported in its model (the verify pass and the copy of
+    /// its verdict), in ms.
+    pub verify_model_ms: f64,
     /// Wall time of the whole round in the orchestrator (draft call, verify call, bookkeeping
     /// and streaming of the emitted tokens), in ms.
     pub round_ms: f64,
@@ -119,6 +125,8 @@ mod tests {
             draft_server_ms: 0.5,
             verify_ms: 10.0,
             verify_server_ms: 8.0,
+            draft_model_ms: 0.4,
+            verify_model_ms: 7.5,
             round_ms: 12.0,
             overlap_hit: hit,
         }

@@ -368,18 +368,32 @@ extern "C" __global__ void specsplit_decode_attention_bf16_hd128(
 #define RA_MAX_REP 8  // query heads a KV head serves, at most
 #define RA_MERGE 64   // chunks the merge stages in shared memory at a time (<= its threads)
 
-// One row's chunk blockIdx.z of rows_attention_part (block-uniform early return past its keys).
-template <int HD>
+// Waits for the RA_CHUNK threads of named barrier `id` (0 is the whole block of a
+// RA_CHUNK-thread launch; 1.. are the row groups of rows_attention_staged).
+__device__ __forceinline__ void ra_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(RA_CHUNK) : "memory");
+}
+
+// K rows of a staged chunk sit HD + RA_KPAD values apart in shared memory (16-byte loads of
+// consecutive rows then fall in different banks).
+#define RA_KPAD 8
+
+// One row's chunk c of the rows attention, computed by the RA_CHUNK threads t = 0.. of barrier
+// `bar` (block-uniform early return past the row's keys). STAGED: the chunk lies inside the
+// row's leading run and its K and V rows were staged in shared memory (ksh, vsh) by the block;
+// otherwise they are read from the caches. The values and the order of every operation are the
+// same either way, so the row gets the same bits.
+template <int HD, bool STAGED>
 __device__ __forceinline__ void rows_attention_row(
     const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
     const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra,
     float* __restrict__ part, int heads, int kv, int n, int cap, int max_extra, int chunks,
-    float scale, int r, float (*qs)[HD], float (*prob)[RA_CHUNK], int* slot, float (*red)[RA_MAX_REP],
-    float (*vsum)[HD]) {
+    float scale, int r, int c, int t, int bar, float (*qs)[HD], float (*prob)[RA_CHUNK],
+    int* slot, float (*red)[RA_MAX_REP], float (*vsum)[HD], const bf16* ksh, const bf16* vsh) {
     constexpr int PER = HD / WARP;  // values of a V row per lane
-    const int j = blockIdx.x, c = blockIdx.z;
+    const int j = blockIdx.x;
     const int rep = heads / kv;
-    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    const int lane = t % WARP, warp = t / WARP;
     const int lead = (int)meta[2 * r];
     const ListedKeys keys{lead, lead + (int)meta[2 * r + 1], extra + (size_t)r * max_extra};
     if (c * RA_CHUNK >= keys.len) return;  // past this row's keys: the merge never reads it
@@ -407,15 +421,16 @@ __device__ __forceinline__ void rows_attention_row(
     const int i = c * RA_CHUNK + t;
     const bool valid = i < keys.len;
     const int sl = valid ? keys(i) : 0;
-    slot[t] = sl;
-    __syncthreads();
+    if (!STAGED) slot[t] = sl;
+    ra_sync(bar);
     const bf16* kh = kc + (size_t)j * cap * HD;
     const bf16* vh = vc + (size_t)j * cap * HD;
     float s[RA_MAX_REP];
 #pragma unroll
     for (int h = 0; h < RA_MAX_REP; ++h) s[h] = -INFINITY;
     if (valid) {
-        const uint4* kr = reinterpret_cast<const uint4*>(kh + (size_t)sl * HD);
+        const uint4* kr = STAGED ? reinterpret_cast<const uint4*>(ksh + t * (HD + RA_KPAD))
+                                 : reinterpret_cast<const uint4*>(kh + (size_t)sl * HD);
         uint4 words[HD / 8];
 #pragma unroll
         for (int w = 0; w < HD / 8; ++w) words[w] = kr[w];
@@ -455,10 +470,10 @@ __device__ __forceinline__ void rows_attention_row(
         mx[h] = warp_max(s[h]);
         if (lane == 0) red[warp][h] = mx[h];
     }
-    __syncthreads();
+    ra_sync(bar);
 #pragma unroll
     for (int h = 0; h < RA_MAX_REP; ++h) mx[h] = fmaxf(red[0][h], red[1][h]);
-    __syncthreads();
+    ra_sync(bar);
     float sum[RA_MAX_REP];
 #pragma unroll
     for (int h = 0; h < RA_MAX_REP; ++h) {
@@ -467,7 +482,7 @@ __device__ __forceinline__ void rows_attention_row(
         sum[h] = warp_sum(p);
         if (lane == 0) red[warp][h] = sum[h];
     }
-    __syncthreads();
+    ra_sync(bar);
     // V: warp w takes keys w, w + 2, ...; lane owns values lane * PER .. + PER of every head.
     float acc[RA_MAX_REP][PER];
 #pragma unroll
@@ -482,7 +497,7 @@ __device__ __forceinline__ void rows_attention_row(
         for (int u = 0; u < VU; ++u) {
             const int k = k0 + 2 * u;
             if (k < last) {
-                const bf16* vr = vh + (size_t)slot[k] * HD + lane * PER;
+                const bf16* vr = (STAGED ? vsh + k * HD : vh + (size_t)slot[k] * HD) + lane * PER;
 #pragma unroll
                 for (int e = 0; e < PER; e += 2) {
                     const float2 f =
@@ -511,7 +526,7 @@ __device__ __forceinline__ void rows_attention_row(
 #pragma unroll
             for (int e = 0; e < PER; ++e) vsum[h][lane * PER + e] = acc[h][e];
     }
-    __syncthreads();
+    ra_sync(bar);
     if (warp == 0) {
 #pragma unroll
         for (int h = 0; h < RA_MAX_REP; ++h) {
@@ -528,43 +543,106 @@ __device__ __forceinline__ void rows_attention_row(
 }
 
 // part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
-// Grid (kv, ceil(n / group), chunks), RA_CHUNK threads: a block takes `group` consecutive rows
-// of one chunk in turn (rows of a pass share most keys, so the later rows read them from the
-// SM's cache), each with exactly the arithmetic it gets alone.
+// Grid (kv, n, chunks), RA_CHUNK threads: one row's chunk a block, keys read from the caches.
 template <int HD>
 __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                     const bf16* __restrict__ vc, const uint32_t* __restrict__ meta,
                                     const uint32_t* __restrict__ extra, float* __restrict__ part,
                                     int heads, int kv, int n, int cap, int max_extra, int chunks,
-                                    float scale, int group) {
+                                    float scale) {
     __shared__ __align__(16) float qs[RA_MAX_REP][HD];
     __shared__ float prob[RA_MAX_REP][RA_CHUNK];
     __shared__ int slot[RA_CHUNK];
     __shared__ float red[2][RA_MAX_REP];
     __shared__ float vsum[RA_MAX_REP][HD];
-    const int r0 = blockIdx.y * group, r1 = min(n, r0 + group);
-    for (int r = r0; r < r1; ++r) {
-        // The previous row's readers of the shared arrays are done before they are rewritten.
-        if (r > r0) __syncthreads();
-        rows_attention_row<HD>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                               scale, r, qs, prob, slot, red, vsum);
+    rows_attention_row<HD, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
+                                  chunks, scale, blockIdx.y, blockIdx.z, threadIdx.x, 0, qs, prob,
+                                  slot, red, vsum, nullptr, nullptr);
+}
+
+// Shared memory of one row group of rows_attention_staged: its heads' query values (reused
+// for warp 1's V sums once the scores are done), probabilities, slots and warp results.
+template <int HD>
+struct RowScratch {
+    float qs[RA_MAX_REP][HD];
+    float prob[RA_MAX_REP][RA_CHUNK];
+    int slot[RA_CHUNK];
+    float red[2][RA_MAX_REP];
+};
+
+// The same partial results as rows_attention_part, with `group` rows of a chunk in one block
+// of group * RA_CHUNK threads (row group g = threadIdx.x / RA_CHUNK takes row blockIdx.y *
+// group + g). Where the chunk lies inside the leading run of every row of the block (the prefix
+// the rows of a verify pass share), the block first stages its RA_CHUNK K and V rows in shared
+// memory with coalesced loads, and every row group reads them there: the prefix is read from
+// memory once per `group` rows instead of once per row. Each row's arithmetic is that of
+// rows_attention_row, so the bits are those of the row alone. Dynamic shared memory: the staged
+// K (RA_CHUNK x (HD + RA_KPAD)) and V (RA_CHUNK x HD) bf16, then one RowScratch per row group.
+template <int HD>
+__device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                      const bf16* __restrict__ vc,
+                                      const uint32_t* __restrict__ meta,
+                                      const uint32_t* __restrict__ extra, float* __restrict__ part,
+                                      int heads, int kv, int n, int cap, int max_extra,
+                                      int chunks, float scale, int group) {
+    extern __shared__ __align__(16) unsigned char ra_smem[];
+    bf16* ksh = reinterpret_cast<bf16*>(ra_smem);
+    bf16* vsh = ksh + RA_CHUNK * (HD + RA_KPAD);
+    RowScratch<HD>* scratch = reinterpret_cast<RowScratch<HD>*>(vsh + RA_CHUNK * HD);
+    const int j = blockIdx.x, c = blockIdx.z;
+    const int g = threadIdx.x / RA_CHUNK, t = threadIdx.x % RA_CHUNK;
+    const int r0 = blockIdx.y * group, rows = min(group, n - r0);
+    // Block-uniform: every thread reads the same leads.
+    bool staged = true;
+    for (int i = 0; i < rows; ++i) staged = staged && (int)meta[2 * (r0 + i)] >= (c + 1) * RA_CHUNK;
+    if (staged) {
+        constexpr int W = HD / 8;  // 16-byte words a row
+        const uint4* kg = reinterpret_cast<const uint4*>(kc + ((size_t)j * cap + (size_t)c * RA_CHUNK) * HD);
+        const uint4* vg = reinterpret_cast<const uint4*>(vc + ((size_t)j * cap + (size_t)c * RA_CHUNK) * HD);
+        for (int e = threadIdx.x; e < RA_CHUNK * W; e += blockDim.x) {
+            const int k = e / W, w = e % W;
+            *reinterpret_cast<uint4*>(ksh + k * (HD + RA_KPAD) + w * 8) = kg[e];
+            reinterpret_cast<uint4*>(vsh)[e] = vg[e];
+        }
+        __syncthreads();
     }
+    if (g >= rows) return;
+    RowScratch<HD>& sc = scratch[g];
+    float(*vsum)[HD] = sc.qs;  // written only after every score is computed
+    if (staged)
+        rows_attention_row<HD, true>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
+                                     chunks, scale, r0 + g, c, t, 1 + g, sc.qs, sc.prob, sc.slot,
+                                     sc.red, vsum, ksh, vsh);
+    else
+        rows_attention_row<HD, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
+                                      chunks, scale, r0 + g, c, t, 1 + g, sc.qs, sc.prob, sc.slot,
+                                      sc.red, vsum, ksh, vsh);
 }
 
-extern "C" __global__ void specsplit_rows_attention_part_bf16_hd64(
-    const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-    const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra, float* __restrict__ part,
-    int heads, int kv, int n, int cap, int max_extra, int chunks, float scale, int group) {
+#define RA_PART_ARGS                                                                             \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,        \
+        const uint32_t *__restrict__ meta, const uint32_t *__restrict__ extra,                   \
+        float *__restrict__ part, int heads, int kv, int n, int cap, int max_extra, int chunks, \
+        float scale
+
+extern "C" __global__ void specsplit_rows_attention_part_bf16_hd64(RA_PART_ARGS) {
     rows_attention_part<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                            scale, group);
+                            scale);
 }
 
-extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(
-    const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-    const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra, float* __restrict__ part,
-    int heads, int kv, int n, int cap, int max_extra, int chunks, float scale, int group) {
+extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(RA_PART_ARGS) {
     rows_attention_part<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                             scale, group);
+                             scale);
+}
+
+extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd64(RA_PART_ARGS, int group) {
+    rows_attention_staged<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
+                              scale, group);
+}
+
+extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd128(RA_PART_ARGS, int group) {
+    rows_attention_staged<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
+                               chunks, scale, group);
 }
 
 // Merges row r's chunks of head h in chunk order into out (n, heads * hd) bf16. Grid
