@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cuts the Qwen2.5-Coder pair into pieces small enough to carry to the GPU machine one call at a
+# Cuts SmolLM2-135M and the Qwen2.5-Coder pair into pieces small enough to carry to the GPU machine one call at a
 # time (the carry limit is 64 MiB a call, .device/ included): .dev-q00, .dev-q01, ... each one
 # folder holding one piece, plus .device/pieces.sha256 listing the assembled files' checksums.
 # Carry piece N with `carry [".dev-qNN"]` and run `bash .device/join.sh` each time: join.sh moves
@@ -15,7 +15,8 @@ rm -rf .dev-q*
 mkdir -p .device
 : > .device/pieces.sha256
 i=0
-for f in qwen2.5-coder-0.5b-instruct-q4_k_m.gguf qwen2.5-coder-1.5b-instruct-q4_k_m.gguf; do
+for f in smollm2-135m-instruct-q4_1.gguf qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+    qwen2.5-coder-1.5b-instruct-q4_k_m.gguf; do
     [ -f "$models/$f" ] || { echo "missing $models/$f: run scripts/fetch-models.sh" >&2; exit 1; }
     sha256sum "$models/$f" | sed "s#$models/##" >> .device/pieces.sha256
     tmp="$(mktemp -d)"

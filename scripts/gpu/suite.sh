@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [e2e2gpu] [qwen]   (none = tests forward e2e)
+#   bash .device/suite.sh [tests] [forward] [e2e] [e2e2gpu] [qwen] [smollm2]   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
-# memory pool are compared side by side in the same call (CONFIGS below). `qwen` needs the pair
-# assembled by join.sh.
+# memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
+# need the models assembled by join.sh.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
@@ -57,6 +57,12 @@ qwen)
             --depths 2,4,6 --trees "3,2,1" --pipelines sequential,overlapped \
             --out "$OUT" --name e2e-qwen-bf16-$c 2>&1 | tail -20
     done ;;
+smollm2)
+    log "e2e smollm2-135m (self-draft), real weights"
+    env SPECSPLIT_MODELS_DIR=/tmp/models timeout 200 /tmp/b e2e --target smollm2 \
+        --draft smollm2 --device-target cuda:0 --device-draft cuda:0 --num-prompts 8 \
+        --max-tokens 64 --depths 2,4 --trees "3,2,1" --pipelines sequential \
+        --out "$OUT" --name e2e-smollm2 2>&1 | tail -12 ;;
 *) echo "unknown step $s" ;;
 esac; done
 log done

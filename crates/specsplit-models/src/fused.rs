@@ -340,6 +340,24 @@ fn bi_splits(n: usize, k: usize) -> usize {
     by_chunks.max(by_warps).min(8).min(chunks).max(1)
 }
 
+/// Column tiles of 8 a warp in `bi_matmul` for `m` rows of a `(n, _)` weight split `splits`
+/// ways (the speed only, never the bits): 4 where that still leaves about 560 warps, else 2;
+/// but 2 for passes of more than one row tile over a weight split two ways (the 7B gate|up and
+/// head: 10% and 2% faster at 32 rows on the H100, `specsplit-bench kernels`; the 1.5B gate|up,
+/// split one way, is 8% slower with 2). `SPECSPLIT_BI_NARROW=0` keeps the one-row-tile rule
+/// for every pass.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn bi_col_tiles(m: usize, n: usize, splits: usize) -> usize {
+    static NARROW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let narrow = *NARROW
+        .get_or_init(|| std::env::var("SPECSPLIT_BI_NARROW").map_or(true, |v| v.trim() != "0"));
+    if (narrow && m > 16 && splits == 2) || n.div_ceil(32) * splits < 560 {
+        2
+    } else {
+        4
+    }
+}
+
 /// Whether `bi_matmul(x, w, _)` can run: `w` [`weight_fits`] with a width that is a multiple
 /// of 32, and `x` a contiguous, 16-byte aligned bf16 `(m, k)` matrix on CUDA with `m >= 1`.
 pub fn bi_matmul_fits(x: &Tensor, w: &Tensor) -> bool {
@@ -893,8 +911,11 @@ mod imp {
         // twice the loads in flight pay for a single row tile.
         let nt = tune
             .col_tiles
-            .unwrap_or(if n.div_ceil(32) * splits >= 560 { 4 } else { 2 });
+            .unwrap_or_else(|| super::bi_col_tiles(m, n, splits));
         let deep = tune.depth.unwrap_or(if m <= 16 { 2 } else { 1 });
+        // The warps' partial sums of the block with the most row tiles: 16 rows a row tile, 8
+        // columns a column tile.
+        let smem = (16 * m.min(ROWS).div_ceil(16) * 8 * nt * std::mem::size_of::<f32>()) as u32;
         let args = [
             P(ptr(x)?),
             P(ptr(w)?),
@@ -913,7 +934,7 @@ mod imp {
             "specsplit_bi_matmul_bf16",
             grid,
             (splits * 32) as u32,
-            0,
+            smem,
             &args,
         )?;
         Ok(y)
@@ -1158,6 +1179,19 @@ mod tests {
         ];
         let got: Vec<usize> = one_5b.iter().map(|&(n, k)| bi_splits(n, k)).collect();
         assert_eq!(got, [8, 8, 1, 8, 1]);
+        // Column tiles as measured (H100, `kernels --rows 1,8,32 --col-tiles 2,4`): the 7B
+        // gate|up and head take 2 past one row tile, everything else keeps its one-row choice.
+        let tiles = |shapes: &[(usize, usize)], m: usize| -> Vec<usize> {
+            shapes
+                .iter()
+                .map(|&(n, k)| bi_col_tiles(m, n, bi_splits(n, k)))
+                .collect()
+        };
+        assert_eq!(tiles(&seven_b, 1), [4, 2, 4, 4, 4]);
+        assert_eq!(tiles(&seven_b, 16), [4, 2, 4, 4, 4]);
+        assert_eq!(tiles(&seven_b, 32), [4, 2, 2, 4, 2]);
+        assert_eq!(tiles(&one_5b, 1), [2, 2, 4, 2, 4]);
+        assert_eq!(tiles(&one_5b, 32), [2, 2, 4, 2, 4]);
         for n in [1usize, 7, 16, 100, 1000, 5000, 50_000] {
             for k in [32usize, 64, 96, 512, 4096, 20_000] {
                 let s = bi_splits(n, k);

@@ -585,6 +585,9 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
         (1152, 896, true),
         (200, 4864, false),
         (4608, 3584, true),
+        // Split two ways (2 column tiles a warp past one row tile), a partial last block; no
+        // bias (its second rounding would exceed the tolerance at this many large outputs).
+        (17000, 2048, false),
     ] {
         let m = 100;
         let x = randn(&dev, &[m, k], 1.0);
@@ -628,21 +631,22 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
                 "{n}x{k}: row {r} alone differs"
             );
         }
-        // Either load depth and column tiling give the same bits, alone or in the pass.
-        for depth in [1u8, 2] {
+        // Every load depth and column tiling gives the same bits, alone or in the pass (one to
+        // four row tiles).
+        for (depth, tiles) in [(1u8, 4usize), (2, 2), (1, 2), (2, 4)] {
             fused::set_bi_matmul_tuning(fused::BiTuning {
                 depth: Some(depth),
-                col_tiles: Some(if depth == 1 { 4 } else { 2 }),
+                col_tiles: Some(tiles),
                 splits: None,
             });
-            for rows in [1usize, 17, 100] {
+            for rows in [1usize, 17, 33, 49, 100] {
                 let part = host(
                     &fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref()).unwrap(),
                 );
                 assert_eq!(
                     part[..],
                     fh[..rows * n],
-                    "{n}x{k}: depth {depth}, first {rows} rows differ"
+                    "{n}x{k}: depth {depth}, {tiles} column tiles, first {rows} rows differ"
                 );
             }
         }

@@ -687,7 +687,6 @@ extern "C" __global__ void specsplit_rows_attention_merge_bf16(
 // Batch-invariant matrix product on tensor cores (the kernel is at the end of this section).
 
 #define BI_ROWS 64
-#define BI_MAX_COLS 32
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -741,7 +740,7 @@ __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const
 
 // The block's tile: NT * 8 columns from n0, up to BI_ROWS rows from m0. Warp w takes chunks
 // [chunks * w / splits, chunks * (w + 1) / splits); the warps' partial sums are added in warp
-// order in `red` (shared, BI_ROWS * BI_MAX_COLS floats).
+// order in `red` (shared, 16 * MT * NT * 8 floats).
 template <int MT, int NT, int U>
 __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                         const bf16* __restrict__ bias, bf16* __restrict__ y, int m, int n, int k,
@@ -800,18 +799,19 @@ __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
 
 // ---------------------------------------------------------------------------------------------
 // y = x W^T (+ bias) on tensor cores for x (m, k), W (n, k), k % 32 == 0, x and W 16-byte
-// aligned. Grid (ceil(n / (8 * nt)), ceil(m / BI_ROWS)), 32 * splits threads (splits <= k / 32);
-// nt is 2 or 4 column tiles of 8 a warp; deep (1 or 2) multiplies the weight chunks each lane
-// keeps in flight (4 / 2 for nt 2 / 4). An output is the same sequence of mma.sync steps over
-// its warp's share of k whatever m, nt and deep are and wherever its row and column sit in the
-// tile, and splits depends on (n, k) only, so a row's result does not depend on the batch: one
-// token decoded alone and the same token verified among tree nodes get bit-identical products.
+// aligned. Grid (ceil(n / (8 * nt)), ceil(m / BI_ROWS)), 32 * splits threads (splits <= k / 32),
+// dynamic shared memory for 16 * ceil(min(m, BI_ROWS) / 16) * 8 * nt floats; nt is 2 or 4
+// column tiles of 8 a warp; deep (1 or 2) multiplies the weight chunks each lane keeps in
+// flight (4 / 2 for nt 2 / 4). An output is the same sequence of mma.sync steps over its warp's
+// share of k whatever m, nt and deep are and wherever its row and column sit in the tile, and
+// splits depends on (n, k) only, so a row's result does not depend on the batch: one token
+// decoded alone and the same token verified among tree nodes get bit-identical products.
 extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
                                                     const bf16* __restrict__ w,
                                                     const bf16* __restrict__ bias,
                                                     bf16* __restrict__ y, int m, int n, int k,
                                                     int splits, int nt, int deep) {
-    __shared__ float red[BI_ROWS * BI_MAX_COLS];
+    extern __shared__ float red[];
     const int n0 = blockIdx.x * 8 * nt, m0 = blockIdx.y * BI_ROWS;
     const int rows = min(BI_ROWS, m - m0);
     const int tiles = (rows + 15) / 16;
