@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [e2e2gpu] [qwen] [smollm2]   (none = tests forward e2e)
+#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [e2e2gpu] [qwen] [smollm2]
+#   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
 # memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
 # need the models assembled by join.sh.
@@ -40,6 +41,32 @@ e2e)
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
             --synthetic-beta 0.8 --num-prompts 2 --max-tokens 64 --depths "${DEPTHS:-2,3,4}" \
             --pipelines "${PIPELINES:-sequential}" --out "$OUT" --name e2e-b08-$c 2>&1 | tail -20
+    done ;;
+engine)
+    # The target engine's whole rounds beside the bare passes (twelfth session).
+    log "forward 7b with engine rounds"
+    timeout 240 /tmp/b forward --model random:qwen2.5-7b --device cuda:0 --contexts 512 \
+        --chains 1,3,8 --trees 32 --iters 20 --out "$OUT" --name forward-7b-engine 2>&1 \
+        | grep -v '^\s*$' ;;
+wake)
+    # Thread wake-ups per RPC: WAKE lists "inline client_spin server_spin_ms" triples, run in
+    # turn (random:tiny on the GPU, so the servers' work is short GPU work).
+    for v in ${WAKE:-000 100 110 1120 000 1120}; do
+        i="${v:0:1}" c="${v:1:1}" w="${v:2}"
+        log "rpc inline=$i client_spin=$c server_spin_ms=$w"
+        SPECSPLIT_INLINE_WORK=$i SPECSPLIT_CLIENT_SPIN=$c SPECSPLIT_SERVER_SPIN_MS=$w \
+            timeout 120 /tmp/b rpc --device cuda:0 --contexts 32,512 --rounds 200 \
+            --out "$OUT" --name "rpc-w$v" 2>&1 | grep -E 'ctx|Ping|ping' 
+    done ;;
+e2ewake)
+    for v in ${WAKE_E2E:-000 1120 000 1120}; do
+        i="${v:0:1}" c="${v:1:1}" w="${v:2}"
+        log "e2e synthetic inline=$i client_spin=$c server_spin_ms=$w"
+        SPECSPLIT_INLINE_WORK=$i SPECSPLIT_CLIENT_SPIN=$c SPECSPLIT_SERVER_SPIN_MS=$w \
+            timeout 200 /tmp/b e2e --target random:qwen2.5-7b --draft random:qwen2.5-0.5b \
+            --device-target cuda:0 --device-draft cuda:0 --synthetic-beta 0.8 --num-prompts 2 \
+            --max-tokens 64 --depths "${DEPTHS:-3,4}" --trees "" --pipelines sequential \
+            --out "$OUT" --name "e2e-b08-w$v" 2>&1 | grep -E 'tok/s|best'
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.

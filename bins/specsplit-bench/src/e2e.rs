@@ -19,7 +19,7 @@ use specsplit_orchestrator::{
 use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
 use specsplit_workers::service::{
-    serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo,
+    serve_draft, serve_target, DraftWorker, TargetWorker, WorkPlacement, WorkerInfo,
 };
 use specsplit_workers::session::SessionLimits;
 use specsplit_workers::target::TargetEngine;
@@ -569,6 +569,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
             "batch_invariant": specsplit_models::fused::batch_invariant(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
+            "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device_target)).to_lowercase(),
             "target_only_tok_per_s": ar_tps,
         },
         "best_depth": summary,

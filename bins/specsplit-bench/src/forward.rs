@@ -9,11 +9,13 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
+use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::TokenTree;
 use specsplit_models::loader::{load_model, LoadOptions};
 use specsplit_models::step::{DecodeStepper, ExactStepper};
 use specsplit_models::transformer::Transformer;
 use specsplit_workers::launch::{parse_device, parse_dtype};
+use specsplit_workers::target::{Prefix, TargetEngine};
 
 use crate::util::{self, SplitMix};
 
@@ -170,7 +172,9 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         specsplit_models::fused::scope()
     );
     let loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
-    let m = &loaded.model;
+    let model_name = loaded.name.clone();
+    let model = std::sync::Arc::new(loaded.model);
+    let m = &*model;
     let cfg = m.config().clone();
     let dsize = dtype_bytes(m.dtype());
     let pb = util::param_bytes(&cfg, dsize);
@@ -232,7 +236,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
     let prefix = util::random_ids(1, max_ctx, cfg.vocab_size, &[]);
     let mut rows: Vec<Value> = Vec::new();
     let base = json!({
-        "model": loaded.name,
+        "model": model_name,
         "spec": s.model,
         "device": s.device,
         "dtype": format!("{:?}", m.dtype()).to_lowercase(),
@@ -400,11 +404,72 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 "iters": ms.len(), "tok_per_s": tree.len() as f64 / (sm.median / 1e3),
             })));
         }
+
+        // (d) whole verification rounds as the target worker runs them: the previous round's
+        // token plus a chain (none = a plain decoding step), the greedy verdict, compaction.
+        let engine = TargetEngine::new(model.clone(), max_ctx + max_new + 1);
+        let mut sess = engine.new_session(1)?;
+        let mut seq = prefix[..l].to_vec();
+        engine.verify(
+            &mut sess,
+            Prefix::Full(seq.clone()),
+            &TokenTree::new(),
+            &SamplingParams::greedy(),
+        )?;
+        seq.push(tok);
+        let mut engine_shapes = vec![TokenTree::new()];
+        engine_shapes.extend(
+            shapes
+                .iter()
+                .filter(|(k, _)| *k == "chain")
+                .map(|(_, t)| t.clone()),
+        );
+        for tree in &engine_shapes {
+            // Each round resends the same sequence, so it starts from the same `l` cached tokens.
+            let (mut model_ms, mut enqueue_ms) = (Vec::new(), Vec::new());
+            let ms = time_ms(s.iters, s.warmup.max(2), || {
+                let o = engine.verify(
+                    &mut sess,
+                    Prefix::Full(seq.clone()),
+                    tree,
+                    &SamplingParams::greedy(),
+                )?;
+                model_ms.push(o.model_time.as_secs_f64() * 1e3);
+                enqueue_ms.push(o.enqueue_time.as_secs_f64() * 1e3);
+                Ok(())
+            })?;
+            let skip = s.warmup.max(2);
+            let (wall, model_s, enq) = (
+                util::summarize(&ms),
+                util::summarize(&model_ms[skip.min(model_ms.len())..]),
+                util::summarize(&enqueue_ms[skip.min(enqueue_ms.len())..]),
+            );
+            eprintln!(
+                "  engine round, chain {:>2}: {:.3} ms (model {:.3}, host enqueue {:.3}; {})",
+                tree.len(),
+                wall.median,
+                model_s.median,
+                enq.median,
+                if tree.is_empty() && engine.uses_exact_steps() {
+                    "graph step"
+                } else {
+                    "eager pass"
+                }
+            );
+            rows.push(row(json!({
+                "context": l, "kind": "engine_round", "tokens": tree.len() + 1,
+                "depth": tree.len(),
+                "median_ms": wall.median, "p10_ms": wall.p10, "p90_ms": wall.p90,
+                "mean_ms": wall.mean, "iters": ms.len(),
+                "model_median_ms": model_s.median, "host_enqueue_median_ms": enq.median,
+                "exact_step": tree.is_empty() && engine.uses_exact_steps(),
+            })));
+        }
     }
     let doc = json!({
         "meta": {
             "kind": "forward",
-            "model": loaded.name,
+            "model": model_name,
             "spec": s.model,
             "device": s.device,
             "dtype": format!("{:?}", m.dtype()).to_lowercase(),
@@ -429,6 +494,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "iters": s.iters,
             "warmup": s.warmup,
             "timing": "median/p10/p90 wall ms of one forward incl. input upload and tree-mask build, then O(1) cache.truncate and device.synchronize()",
+            "engine_round": "TargetEngine::verify of the sequence plus one new token and a chain of `depth` random tokens (depth 0 = a plain decoding step): wall ms, the model time it reports and its host time until the pass was enqueued; the greedy verdict is copied back, the accepted path compacted",
             "tree_shape": "balanced: 4 roots, 4 children each, then 2 per node, filled level by level to exactly N nodes",
         },
         "roofline": roofline_summary,

@@ -26,7 +26,7 @@ use specsplit_proto::{
 };
 use specsplit_workers::draft::DraftEngine;
 use specsplit_workers::service::{
-    serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo,
+    serve_draft, serve_target, DraftWorker, TargetWorker, WorkPlacement, WorkerInfo,
 };
 use specsplit_workers::target::TargetEngine;
 use tonic::transport::Endpoint;
@@ -462,7 +462,9 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
             "kind": "rpc",
             "target": target.name, "draft": draft.name, "device": s.device,
             "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
-            "runtime": s.runtime, "depth": s.depth, "rounds": s.rounds, "warmup": s.warmup,
+            "runtime": s.runtime,
+            "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device)).to_lowercase(),
+            "depth": s.depth, "rounds": s.rounds, "warmup": s.warmup,
             "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "transport": "gRPC over loopback, workers in-process",
             "definition": "rpc overhead = client round trip - server wall_time_ms; round \

@@ -103,16 +103,47 @@ fn sampling_from(
     p.map_err(|e| Status::invalid_argument(format!("sampling parameters: {e}")))
 }
 
-/// Runs `f` while holding `session`'s lock (one request per session at a time) without
-/// blocking the async runtime's other tasks.
+/// Where a worker runs its model work for a request.
 ///
-/// On the multi-thread runtime `f` runs right here under `block_in_place` (tokio hands this
-/// worker's other tasks to another thread meanwhile): no round trip through the blocking pool,
-/// which costs two thread wake-ups per request (there and back). Elsewhere (a current-thread
-/// runtime, where `block_in_place` is not allowed) it runs on the blocking pool. A panic in `f`
-/// is answered INTERNAL either way.
+/// Each hand-off between threads costs a wake-up of a parked thread (tens of microseconds on
+/// an idle host). `Pool` keeps the server's runtime answering other requests while the model
+/// runs, at two hand-offs per request on a current-thread runtime (to the blocking pool and
+/// back); `Inline` runs the model on the thread that polls the request, with no hand-off, and
+/// that thread serves nothing else meanwhile. On a GPU the work of every session is serialized
+/// on the device's stream anyway and a request takes milliseconds, so `Inline` is the default
+/// there; on the CPU a request can take seconds and sessions run on several cores, so `Pool`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkPlacement {
+    /// On the blocking pool (current-thread runtime) or under `block_in_place` (multi-thread).
+    Pool,
+    /// On the thread that polls the request.
+    Inline,
+}
+
+impl WorkPlacement {
+    /// The default for a worker whose model runs on `device` (a [`WorkerInfo::device`] label):
+    /// `Inline` on CUDA, `Pool` elsewhere; `SPECSPLIT_INLINE_WORK=1` or `0` overrides it.
+    pub fn default_for(device: &str) -> Self {
+        match std::env::var("SPECSPLIT_INLINE_WORK").ok().as_deref() {
+            Some("1") => Self::Inline,
+            Some("0") => Self::Pool,
+            _ if device.starts_with("cuda") || device.starts_with("Cuda") => Self::Inline,
+            _ => Self::Pool,
+        }
+    }
+}
+
+/// Runs `f` while holding `session`'s lock (one request per session at a time), where
+/// `placement` says.
+///
+/// `Pool` does not block the async runtime's other tasks: on the multi-thread runtime `f` runs
+/// right here under `block_in_place` (tokio hands this worker's other tasks to another thread
+/// meanwhile), elsewhere (a current-thread runtime, where `block_in_place` is not allowed) on
+/// the blocking pool. `Inline` runs `f` right here in every case. A panic in `f` is answered
+/// INTERNAL either way.
 async fn with_session<S, T>(
     session: SessionHandle<S>,
+    placement: WorkPlacement,
     f: impl FnOnce(&mut S) -> Result<T, EngineError> + Send + 'static,
 ) -> Result<T, Status>
 where
@@ -121,19 +152,81 @@ where
 {
     let mut guard = session.lock_owned().await;
     let failed = |e: &dyn std::fmt::Display| Status::internal(format!("worker task failed: {e}"));
+    let here = |f: Box<dyn FnOnce() -> Result<T, EngineError> + '_>| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+            .map_err(|p| failed(&panic_message(&*p)))
+    };
     let multi_thread = tokio::runtime::Handle::current().runtime_flavor()
         == tokio::runtime::RuntimeFlavor::MultiThread;
-    let out = if multi_thread {
-        tokio::task::block_in_place(|| {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut guard)))
-        })
-        .map_err(|p| failed(&panic_message(&*p)))?
-    } else {
-        tokio::task::spawn_blocking(move || f(&mut guard))
+    let out = match placement {
+        WorkPlacement::Inline => here(Box::new(|| f(&mut guard)))?,
+        WorkPlacement::Pool if multi_thread => {
+            tokio::task::block_in_place(|| here(Box::new(|| f(&mut guard))))?
+        }
+        WorkPlacement::Pool => tokio::task::spawn_blocking(move || f(&mut guard))
             .await
-            .map_err(|e| failed(&e))?
+            .map_err(|e| failed(&e))?,
     };
     out.map_err(Status::from)
+}
+
+/// Busy-polling of a worker's runtime for a while after each request it answers, so that the
+/// next request of a running generation (which usually follows within milliseconds) is picked
+/// up from its socket at once, instead of after the kernel wakes the parked server thread (tens
+/// of microseconds or more on a virtual machine). It keeps one core busy for `window` after every
+/// answer; `SPECSPLIT_SERVER_SPIN_MS` sets the window (0 or unset: off).
+struct Linger {
+    window: Duration,
+    /// Spin until this instant.
+    until: std::sync::Mutex<Instant>,
+    wake: tokio::sync::Notify,
+    started: std::sync::atomic::AtomicBool,
+}
+
+impl Linger {
+    /// The window `SPECSPLIT_SERVER_SPIN_MS` asks for, if any.
+    fn from_env() -> Option<Arc<Self>> {
+        let ms: f64 = std::env::var("SPECSPLIT_SERVER_SPIN_MS")
+            .ok()?
+            .parse()
+            .ok()?;
+        (ms > 0.0).then(|| Self::new(Duration::from_secs_f64(ms / 1e3)))
+    }
+
+    fn new(window: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            window,
+            until: std::sync::Mutex::new(Instant::now()),
+            wake: tokio::sync::Notify::new(),
+            started: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Spins for the window from now on, starting the spinning task on the current runtime
+    /// the first time.
+    fn extend(self: &Arc<Self>) {
+        *self.until.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now() + self.window;
+        if !self.started.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            tokio::spawn(self.clone().run());
+        }
+        self.wake.notify_one();
+    }
+
+    fn spinning(&self) -> bool {
+        Instant::now() < *self.until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Yields while the window lasts, sleeps otherwise; ends with its runtime.
+    async fn run(self: Arc<Self>) {
+        loop {
+            if self.spinning() {
+                tokio::task::yield_now().await;
+            } else {
+                // An `extend` since the check left a permit: this returns at once then.
+                self.wake.notified().await;
+            }
+        }
+    }
 }
 
 /// The text of a panic payload.
@@ -150,16 +243,32 @@ pub struct DraftWorker {
     engine: Arc<DraftEngine>,
     store: Arc<SessionStore<DraftSession>>,
     info: WorkerInfo,
+    placement: WorkPlacement,
+    linger: Option<Arc<Linger>>,
 }
 
 impl DraftWorker {
-    /// A service over `engine` with sessions bounded by `limits`.
+    /// A service over `engine` with sessions bounded by `limits`; its model work is placed
+    /// by [`WorkPlacement::default_for`] its device.
     pub fn new(engine: Arc<DraftEngine>, limits: SessionLimits, info: WorkerInfo) -> Self {
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
+            placement: WorkPlacement::default_for(&info.device),
+            linger: Linger::from_env(),
             info,
         }
+    }
+
+    /// This worker with its model work placed as `placement` says.
+    pub fn with_placement(mut self, placement: WorkPlacement) -> Self {
+        self.placement = placement;
+        self
+    }
+
+    /// Where this worker runs its model work.
+    pub fn placement(&self) -> WorkPlacement {
+        self.placement
     }
 
     /// The session store (for inspection and sweeping).
@@ -230,8 +339,13 @@ impl DraftService for DraftWorker {
         };
         let engine = self.engine.clone();
         let params = DraftParams { widths, sampling };
-        let (tree, stats) =
-            with_session(session, move |s| engine.draft(s, &tokens, &params)).await?;
+        let (tree, stats) = with_session(session, self.placement, move |s| {
+            engine.draft(s, &tokens, &params)
+        })
+        .await?;
+        if let Some(l) = &self.linger {
+            l.extend();
+        }
         let (draft_tree, root_distribution) = tree.to_proto();
         Ok(Response::new(DraftResponse {
             request_id: r.request_id,
@@ -267,16 +381,32 @@ pub struct TargetWorker {
     engine: Arc<TargetEngine>,
     store: Arc<SessionStore<TargetSession>>,
     info: WorkerInfo,
+    placement: WorkPlacement,
+    linger: Option<Arc<Linger>>,
 }
 
 impl TargetWorker {
-    /// A service over `engine` with sessions bounded by `limits`.
+    /// A service over `engine` with sessions bounded by `limits`; its model work is placed
+    /// by [`WorkPlacement::default_for`] its device.
     pub fn new(engine: Arc<TargetEngine>, limits: SessionLimits, info: WorkerInfo) -> Self {
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
+            placement: WorkPlacement::default_for(&info.device),
+            linger: Linger::from_env(),
             info,
         }
+    }
+
+    /// This worker with its model work placed as `placement` says.
+    pub fn with_placement(mut self, placement: WorkPlacement) -> Self {
+        self.placement = placement;
+        self
+    }
+
+    /// Where this worker runs its model work.
+    pub fn placement(&self) -> WorkPlacement {
+        self.placement
     }
 
     /// The session store (for inspection and sweeping).
@@ -355,8 +485,13 @@ impl TargetService for TargetWorker {
             }
         };
         let engine = self.engine.clone();
-        let out =
-            with_session(session, move |s| engine.verify(s, prefix, &tree, &sampling)).await?;
+        let out = with_session(session, self.placement, move |s| {
+            engine.verify(s, prefix, &tree, &sampling)
+        })
+        .await?;
+        if let Some(l) = &self.linger {
+            l.extend();
+        }
         let v = &out.verdict;
         Ok(Response::new(VerifyResponse {
             request_id: r.request_id,
@@ -588,7 +723,7 @@ mod tests {
     async fn multi_thread_runs_the_work_on_the_calling_thread() {
         let s = session(1);
         let caller = std::thread::current().id();
-        let (ran_on, v) = with_session(s.clone(), |v| {
+        let (ran_on, v) = with_session(s.clone(), WorkPlacement::Pool, |v| {
             *v += 1;
             Ok((std::thread::current().id(), *v))
         })
@@ -603,7 +738,7 @@ mod tests {
     async fn current_thread_runs_the_work_on_the_blocking_pool() {
         let s = session(1);
         let caller = std::thread::current().id();
-        let ran_on = with_session(s.clone(), |v| {
+        let ran_on = with_session(s.clone(), WorkPlacement::Pool, |v| {
             *v = 7;
             Ok(std::thread::current().id())
         })
@@ -613,30 +748,98 @@ mod tests {
         assert_eq!(*s.lock().await, 7);
     }
 
-    async fn errors_and_panics_become_statuses() {
+    async fn errors_and_panics_become_statuses(placement: WorkPlacement) {
         let s = session(0);
-        let e = with_session(s.clone(), |_| -> Result<(), _> {
+        let e = with_session(s.clone(), placement, |_| -> Result<(), _> {
             Err(EngineError::InvalidArgument("bad".into()))
         })
         .await
         .unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
-        let e = with_session(s.clone(), |_| -> Result<(), _> { panic!("boom") })
-            .await
-            .unwrap_err();
+        let e = with_session(s.clone(), placement, |_| -> Result<(), _> {
+            panic!("boom")
+        })
+        .await
+        .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Internal);
         assert!(e.message().contains("boom"), "{}", e.message());
         // The lock was released: the session serves the next request.
-        assert_eq!(with_session(s, |v| Ok(*v)).await.unwrap(), 0);
+        assert_eq!(with_session(s, placement, |v| Ok(*v)).await.unwrap(), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn errors_and_panics_become_statuses_multi_thread() {
-        errors_and_panics_become_statuses().await;
+        errors_and_panics_become_statuses(WorkPlacement::Pool).await;
+        errors_and_panics_become_statuses(WorkPlacement::Inline).await;
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn errors_and_panics_become_statuses_current_thread() {
-        errors_and_panics_become_statuses().await;
+        errors_and_panics_become_statuses(WorkPlacement::Pool).await;
+        errors_and_panics_become_statuses(WorkPlacement::Inline).await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn inline_runs_the_work_on_the_polling_thread() {
+        let s = session(1);
+        let caller = std::thread::current().id();
+        let (ran_on, v) = with_session(s.clone(), WorkPlacement::Inline, |v| {
+            *v += 2;
+            Ok((std::thread::current().id(), *v))
+        })
+        .await
+        .unwrap();
+        assert_eq!(ran_on, caller, "no hop to the blocking pool");
+        assert_eq!(v, 3);
+        assert_eq!(*s.lock().await, 3);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn inline_keeps_one_request_per_session() {
+        // Two requests of one session, the first holding the lock across an await point of the
+        // caller: the second waits for it and sees its write.
+        let s = session(0);
+        let held = s.clone().lock_owned().await;
+        let second = tokio::spawn(with_session(s.clone(), WorkPlacement::Inline, |v| {
+            *v += 1;
+            Ok(*v)
+        }));
+        tokio::task::yield_now().await;
+        assert!(
+            !second.is_finished(),
+            "the second request must wait for the lock"
+        );
+        drop(held);
+        assert_eq!(second.await.unwrap().unwrap(), 1);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn linger_spins_for_its_window_then_sleeps() {
+        let l = Linger::new(Duration::from_millis(30));
+        assert!(!l.spinning());
+        l.extend();
+        assert!(l.spinning());
+        // The spinning task yields, so this thread's other tasks still run meanwhile.
+        let other = tokio::spawn(async { 5 });
+        assert_eq!(other.await.unwrap(), 5);
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(!l.spinning(), "the window has passed");
+        // A later answer opens a new window; the task was started once.
+        l.extend();
+        assert!(l.spinning());
+        assert!(l.started.load(std::sync::atomic::Ordering::Acquire));
+    }
+
+    #[test]
+    fn placement_defaults_by_device() {
+        if std::env::var_os("SPECSPLIT_INLINE_WORK").is_some() {
+            return; // the override decides; covered by the cases above
+        }
+        assert_eq!(WorkPlacement::default_for("cpu"), WorkPlacement::Pool);
+        assert_eq!(WorkPlacement::default_for("cuda:0"), WorkPlacement::Inline);
+        assert_eq!(
+            WorkPlacement::default_for("Cuda(CudaDevice(DeviceId(1)))"),
+            WorkPlacement::Inline
+        );
     }
 }

@@ -69,6 +69,10 @@ pub struct VerifyOutcome {
     pub cache_hit: bool,
     /// Time in the forward pass and the verdict's device→host copy.
     pub model_time: Duration,
+    /// Of `model_time`, the host's time until the forward pass was enqueued (the rest is the
+    /// wait for the device, the verdict's reduction and its copy): close to `model_time`, the
+    /// pass is bound by kernel launches, not by the device.
+    pub enqueue_time: Duration,
     /// Tokens that went through the model.
     pub tokens_processed: usize,
 }
@@ -187,6 +191,7 @@ impl TargetEngine {
         }
         let t0 = Instant::now();
         let logits = self.forward_round(s, keep, &new, tree)?;
+        let enqueue_time = t0.elapsed();
         let verdict = self.decide(tree, &logits, params, &mut s.rng)?;
         let model_time = t0.elapsed();
 
@@ -203,6 +208,7 @@ impl TargetEngine {
             cached_len: s.tokens.len(),
             cache_hit,
             model_time,
+            enqueue_time,
             tokens_processed: new.len() + tree.len(),
             verdict,
         })
