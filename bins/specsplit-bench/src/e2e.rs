@@ -285,6 +285,12 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         |f: &dyn Fn(&Generation) -> f64| ratio(gens.iter().map(f).sum::<f64>(), gens.len() as f64);
     let per_round =
         |f: &dyn Fn(&RoundRecord) -> f64| ratio(rounds.iter().map(f).sum(), rounds.len() as f64);
+    // Every round but each generation's first, which carries the prompt's prefill on both
+    // workers (and, on a new session, the first steps before its CUDA graphs are captured).
+    let steady: Vec<&RoundRecord> = gens.iter().flat_map(|g| g.rounds.iter().skip(1)).collect();
+    let steady_mean = |f: &dyn Fn(&RoundRecord) -> f64| {
+        ratio(steady.iter().map(|r| f(r)).sum(), steady.len() as f64)
+    };
     let pairs: Vec<(usize, usize)> = rounds.iter().map(|r| (r.drafted, r.accepted)).collect();
     let identical = gens
         .iter()
@@ -313,6 +319,15 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "mean_draft_model_ms": per_round(&|r| r.draft_model_ms),
         "mean_round_ms": per_round(&|r| r.round_ms),
         "mean_round_overhead_ms": st.round_overhead_ms,
+        "steady_rounds": steady.len(),
+        "steady_round_ms": steady_mean(&|r| r.round_ms),
+        "steady_draft_model_ms": steady_mean(&|r| r.draft_model_ms),
+        "steady_verify_model_ms": steady_mean(&|r| r.verify_model_ms),
+        "steady_round_overhead_ms": steady_mean(&|r| r.round_ms - r.draft_server_ms - r.verify_server_ms),
+        "steady_tok_per_s": ratio(
+            steady.iter().map(|r| r.emitted.len() as f64).sum::<f64>() * 1e3,
+            steady.iter().map(|r| r.round_ms).sum(),
+        ),
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
     })
 }
@@ -407,11 +422,17 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         aggregate(&ar, 0, &ar),
     );
     let ar_tps = ar_row["tok_per_s"].as_f64().unwrap_or(0.0);
+    let ar_steady = ar_row["steady_tok_per_s"].as_f64().unwrap_or(0.0);
     eprintln!(
-        "  {ar_tps:.1} tok/s, overhead {:.3} ms/round, target server {:.2} ms (model {:.2})",
+        "  {ar_tps:.1} tok/s, overhead {:.3} ms/round, target server {:.2} ms (model {:.2}); \
+         after the first round: {ar_steady:.1} tok/s, model {:.2} ms, overhead {:.3} ms/round; \
+         ttft {:.2} ms",
         ar_row["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
         ar_row["mean_verify_server_ms"].as_f64().unwrap_or(0.0),
-        ar_row["mean_verify_model_ms"].as_f64().unwrap_or(0.0)
+        ar_row["mean_verify_model_ms"].as_f64().unwrap_or(0.0),
+        ar_row["steady_verify_model_ms"].as_f64().unwrap_or(0.0),
+        ar_row["steady_round_overhead_ms"].as_f64().unwrap_or(0.0),
+        ar_row["ttft_ms"].as_f64().unwrap_or(0.0),
     );
     let mut rows = vec![merge(ar_row, meta_models.clone())];
 
@@ -520,6 +541,20 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 agg["mean_verify_model_ms"].as_f64().unwrap_or(0.0),
                 agg["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
                 agg["attempts"],
+            );
+            let steady = agg["steady_tok_per_s"].as_f64().unwrap_or(0.0);
+            eprintln!(
+                "    after the first round: {steady:.1} tok/s ({:.2}x), draft model {:.2} ms, \
+                 verify model {:.2} ms, overhead {:.3} ms/round; ttft {:.2} ms",
+                if ar_steady > 0.0 {
+                    steady / ar_steady
+                } else {
+                    0.0
+                },
+                agg["steady_draft_model_ms"].as_f64().unwrap_or(0.0),
+                agg["steady_verify_model_ms"].as_f64().unwrap_or(0.0),
+                agg["steady_round_overhead_ms"].as_f64().unwrap_or(0.0),
+                agg["ttft_ms"].as_f64().unwrap_or(0.0),
             );
             if r.kind == "chain" {
                 match best.iter_mut().find(|b| b.0 == r.pipeline) {
