@@ -99,8 +99,8 @@ impl ClientRuntime {
         Self::start_with(client_spin())
     }
 
-    /// [`ClientRuntime::start`], busy-polling while RPCs are in flight when `spin` is set.
-    fn start_with(spin: bool) -> Result<Arc<Self>, OrchestratorError> {
+    /// [`ClientRuntime::start`], busy-polling while RPCs are in flight as `spin` says.
+    fn start_with(spin: SpinMode) -> Result<Arc<Self>, OrchestratorError> {
         let failed = |e: std::io::Error| {
             OrchestratorError::Runtime(format!("cannot start the client runtime: {e}"))
         };
@@ -122,10 +122,12 @@ impl ClientRuntime {
                 drop(alive);
             })
             .map_err(failed)?;
-        let spin = spin.then(|| {
-            let spin = Arc::new(Spin::default());
-            handle.spawn(spin.clone().run());
-            spin
+        let spin = (spin != SpinMode::Never).then(|| {
+            let s = Arc::new(Spin::default());
+            let on = spin == SpinMode::Always;
+            s.enabled.store(on, std::sync::atomic::Ordering::Release);
+            handle.spawn(s.clone().run());
+            s
         });
         Ok(Arc::new(Self {
             handle,
@@ -153,8 +155,22 @@ impl ClientRuntime {
 
     /// Awaits `rpc`, busy-polling the runtime meanwhile if this runtime spins.
     async fn in_flight<F: Future>(&self, rpc: F) -> F::Output {
-        let _spinning = self.spin.as_ref().map(|s| s.begin());
+        let _spinning = self
+            .spin
+            .as_ref()
+            .filter(|s| s.enabled.load(std::sync::atomic::Ordering::Acquire))
+            .map(|s| s.begin());
         rpc.await
+    }
+
+    /// Notes the device a worker reported for a request: in [`SpinMode::OnGpu`], a CUDA device
+    /// turns spinning on for this runtime's later RPCs.
+    fn observe_device(&self, device: Option<&str>) {
+        if let (Some(s), Some(d)) = (&self.spin, device) {
+            if d.starts_with("cuda") || d.starts_with("Cuda") {
+                s.enabled.store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
     }
 }
 
@@ -162,10 +178,12 @@ impl ClientRuntime {
 /// in a loop, so that the runtime polls its sockets without blocking and runs the response's
 /// tasks as soon as it arrives, instead of parking its thread and being woken by the kernel
 /// (a wake-up of an idle CPU, tens of microseconds or more on a virtual machine). It costs one
-/// busy core while a generation waits for a worker; with no RPC in flight it sleeps.
-/// `SPECSPLIT_CLIENT_SPIN=1` turns it on (off by default).
+/// busy core while a generation waits for a worker; with no RPC in flight it sleeps. See
+/// [`SpinMode`] for when it is on.
 #[derive(Default)]
 struct Spin {
+    /// Whether RPCs are counted (and so spun for) at all.
+    enabled: std::sync::atomic::AtomicBool,
     in_flight: std::sync::atomic::AtomicUsize,
     wake: tokio::sync::Notify,
 }
@@ -204,10 +222,26 @@ impl Drop for SpinGuard {
     }
 }
 
-/// Whether client runtimes busy-poll while RPCs are in flight (`SPECSPLIT_CLIENT_SPIN=1`).
-fn client_spin() -> bool {
-    static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| std::env::var("SPECSPLIT_CLIENT_SPIN").is_ok_and(|v| v == "1"))
+/// When a client runtime busy-polls while RPCs are in flight ([`Spin`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SpinMode {
+    /// Never (`SPECSPLIT_CLIENT_SPIN=0`).
+    Never,
+    /// For every RPC (`SPECSPLIT_CLIENT_SPIN=1`).
+    Always,
+    /// Once a worker has reported a CUDA device in a response's telemetry (the default): GPU
+    /// hosts have cores to spare, while a CPU worker in the same process needs every core.
+    OnGpu,
+}
+
+/// The client runtimes' [`SpinMode`], from `SPECSPLIT_CLIENT_SPIN`.
+fn client_spin() -> SpinMode {
+    static SPIN: std::sync::OnceLock<SpinMode> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| match std::env::var("SPECSPLIT_CLIENT_SPIN").as_deref() {
+        Ok("1") => SpinMode::Always,
+        Ok("0") => SpinMode::Never,
+        _ => SpinMode::OnGpu,
+    })
 }
 
 /// Whether orchestrators run on their own [`ClientRuntime`] thread (the default);
@@ -685,6 +719,9 @@ impl<'a> Run<'a> {
                 Ok(r) => {
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     let r = r.into_inner();
+                    self.o
+                        .rt
+                        .observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
                     let server = ServerTimes::of(r.telemetry.as_ref());
                     return Ok((Verified::from_response(&r, tree)?, ms, server));
                 }
@@ -743,6 +780,7 @@ async fn draft_call(
             .map_err(rpc("draft"))?
             .into_inner();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
+    o.rt.observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
     let server = ServerTimes::of(r.telemetry.as_ref());
     let tree = TokenTree::from_proto(
         &r.draft_tree,
@@ -913,7 +951,7 @@ mod tests {
 
     #[test]
     fn a_spinning_runtime_spins_only_while_rpcs_are_in_flight() {
-        let rt = ClientRuntime::start_with(true).unwrap();
+        let rt = ClientRuntime::start_with(SpinMode::Always).unwrap();
         let spin = rt.spin.clone().expect("asked to spin");
         let alive = rt.alive.clone();
         let waiter = tokio::runtime::Builder::new_current_thread()
@@ -938,6 +976,23 @@ mod tests {
         // The spinning task does not keep the runtime's thread alive.
         drop((rt, spin));
         assert!(thread_exits(alive), "the runtime thread did not stop");
+    }
+
+    #[test]
+    fn on_gpu_spinning_starts_once_a_worker_reports_cuda() {
+        let rt = ClientRuntime::start_with(SpinMode::OnGpu).unwrap();
+        let spin = rt.spin.clone().expect("the spinner waits for a GPU worker");
+        let enabled = || spin.enabled.load(std::sync::atomic::Ordering::Acquire);
+        assert!(!enabled());
+        rt.observe_device(Some("cpu"));
+        rt.observe_device(None);
+        assert!(!enabled(), "CPU workers need every core");
+        rt.observe_device(Some("cuda:0"));
+        assert!(enabled());
+        assert!(ClientRuntime::start_with(SpinMode::Never)
+            .unwrap()
+            .spin
+            .is_none());
     }
 
     #[test]

@@ -98,6 +98,8 @@ fn limits(cfg: &WorkerConfig) -> SessionLimits {
 fn info(cfg: &WorkerConfig, m: &LoadedModel) -> WorkerInfo {
     let dev = match m.model.device() {
         Device::Cpu => "cpu".to_string(),
+        Device::Cuda(_) if cfg.device == "cuda" => "cuda:0".to_string(),
+        Device::Cuda(_) => cfg.device.clone(),
         d => format!("{d:?}"),
     };
     WorkerInfo {

@@ -127,10 +127,15 @@ impl WorkPlacement {
         match std::env::var("SPECSPLIT_INLINE_WORK").ok().as_deref() {
             Some("1") => Self::Inline,
             Some("0") => Self::Pool,
-            _ if device.starts_with("cuda") || device.starts_with("Cuda") => Self::Inline,
+            _ if on_cuda(device) => Self::Inline,
             _ => Self::Pool,
         }
     }
+}
+
+/// Whether a [`WorkerInfo::device`] label names a CUDA device (`cuda`, `cuda:N`).
+pub fn on_cuda(device: &str) -> bool {
+    device.starts_with("cuda") || device.starts_with("Cuda")
 }
 
 /// Runs `f` while holding `session`'s lock (one request per session at a time), where
@@ -170,11 +175,18 @@ where
     out.map_err(Status::from)
 }
 
+/// How long a worker on CUDA busy-polls after each answer unless `SPECSPLIT_SERVER_SPIN_MS`
+/// says otherwise: longer than a draft or verify round of the models it serves, so that the
+/// next request of a running generation finds the server polling.
+pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_millis(20);
+
 /// Busy-polling of a worker's runtime for a while after each request it answers, so that the
 /// next request of a running generation (which usually follows within milliseconds) is picked
 /// up from its socket at once, instead of after the kernel wakes the parked server thread (tens
 /// of microseconds or more on a virtual machine). It keeps one core busy for `window` after every
-/// answer; `SPECSPLIT_SERVER_SPIN_MS` sets the window (0 or unset: off).
+/// answer. On by default for workers on CUDA, whose hosts have cores to spare and whose requests
+/// take milliseconds ([`DEFAULT_SERVER_SPIN`]); `SPECSPLIT_SERVER_SPIN_MS` sets the window (0:
+/// off) for any worker.
 struct Linger {
     window: Duration,
     /// Spin until this instant.
@@ -184,13 +196,25 @@ struct Linger {
 }
 
 impl Linger {
-    /// The window `SPECSPLIT_SERVER_SPIN_MS` asks for, if any.
-    fn from_env() -> Option<Arc<Self>> {
-        let ms: f64 = std::env::var("SPECSPLIT_SERVER_SPIN_MS")
-            .ok()?
-            .parse()
-            .ok()?;
-        (ms > 0.0).then(|| Self::new(Duration::from_secs_f64(ms / 1e3)))
+    /// The window for a worker on `device`: `SPECSPLIT_SERVER_SPIN_MS` when set (a number of
+    /// milliseconds; 0 = off), else [`DEFAULT_SERVER_SPIN`] on CUDA and none elsewhere.
+    fn for_device(device: &str) -> Option<Arc<Self>> {
+        let default = if on_cuda(device) {
+            DEFAULT_SERVER_SPIN
+        } else {
+            Duration::ZERO
+        };
+        let window = match std::env::var("SPECSPLIT_SERVER_SPIN_MS") {
+            Ok(v) => match v.trim().parse::<f64>() {
+                Ok(ms) if ms.is_finite() && ms >= 0.0 => Duration::from_secs_f64(ms / 1e3),
+                _ => {
+                    tracing::warn!("SPECSPLIT_SERVER_SPIN_MS={v:?} is not a number of ms; ignored");
+                    default
+                }
+            },
+            Err(_) => default,
+        };
+        (!window.is_zero()).then(|| Self::new(window))
     }
 
     fn new(window: Duration) -> Arc<Self> {
@@ -255,7 +279,7 @@ impl DraftWorker {
             engine,
             store: Arc::new(SessionStore::new(limits)),
             placement: WorkPlacement::default_for(&info.device),
-            linger: Linger::from_env(),
+            linger: Linger::for_device(&info.device),
             info,
         }
     }
@@ -393,7 +417,7 @@ impl TargetWorker {
             engine,
             store: Arc::new(SessionStore::new(limits)),
             placement: WorkPlacement::default_for(&info.device),
-            linger: Linger::from_env(),
+            linger: Linger::for_device(&info.device),
             info,
         }
     }
@@ -836,6 +860,11 @@ mod tests {
             return; // the override decides; covered by the cases above
         }
         assert_eq!(WorkPlacement::default_for("cpu"), WorkPlacement::Pool);
+        if std::env::var_os("SPECSPLIT_SERVER_SPIN_MS").is_none() {
+            assert!(Linger::for_device("cpu").is_none());
+            let l = Linger::for_device("cuda:1").expect("spins on CUDA");
+            assert_eq!(l.window, DEFAULT_SERVER_SPIN);
+        }
         assert_eq!(WorkPlacement::default_for("cuda:0"), WorkPlacement::Inline);
         assert_eq!(
             WorkPlacement::default_for("Cuda(CudaDevice(DeviceId(1)))"),
