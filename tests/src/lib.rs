@@ -7,7 +7,7 @@ use std::sync::Arc;
 use specsplit_workers::config::WorkerConfig;
 use specsplit_workers::draft::DraftSession;
 use specsplit_workers::launch;
-use specsplit_workers::service::{serve_draft, serve_target};
+use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, TargetWorker};
 use specsplit_workers::session::SessionStore;
 use specsplit_workers::target::TargetSession;
 use tokio::net::TcpListener;
@@ -78,14 +78,36 @@ impl<S> Drop for Running<S> {
 
 /// Starts a draft worker for `cfg` (loading its model).
 pub async fn start_draft(cfg: &WorkerConfig) -> Running<DraftSession> {
-    let worker = launch::draft_worker(cfg, launch::load(cfg).expect("load draft model"));
-    let sessions = worker.sessions();
-    start(cfg, sessions, |l, stop| serve_draft(worker, l, stop)).await
+    start_draft_with(cfg, |w| w).await
 }
 
 /// Starts a target worker for `cfg` (loading its model).
 pub async fn start_target(cfg: &WorkerConfig) -> Running<TargetSession> {
-    let worker = launch::target_worker(cfg, launch::load(cfg).expect("load target model"));
+    start_target_with(cfg, |w| w).await
+}
+
+/// [`start_draft`] with the worker adjusted by `adjust` (placement, busy-polling) first.
+pub async fn start_draft_with(
+    cfg: &WorkerConfig,
+    adjust: impl FnOnce(DraftWorker) -> DraftWorker,
+) -> Running<DraftSession> {
+    let worker = adjust(launch::draft_worker(
+        cfg,
+        launch::load(cfg).expect("load draft model"),
+    ));
+    let sessions = worker.sessions();
+    start(cfg, sessions, |l, stop| serve_draft(worker, l, stop)).await
+}
+
+/// [`start_target`] with the worker adjusted by `adjust` (placement, busy-polling) first.
+pub async fn start_target_with(
+    cfg: &WorkerConfig,
+    adjust: impl FnOnce(TargetWorker) -> TargetWorker,
+) -> Running<TargetSession> {
+    let worker = adjust(launch::target_worker(
+        cfg,
+        launch::load(cfg).expect("load target model"),
+    ));
     let sessions = worker.sessions();
     start(cfg, sessions, |l, stop| serve_target(worker, l, stop)).await
 }

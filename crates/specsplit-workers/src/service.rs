@@ -295,6 +295,13 @@ impl DraftWorker {
         self.placement
     }
 
+    /// This worker busy-polling for `window` after each answer (zero: never); the default
+    /// comes from its device and `SPECSPLIT_SERVER_SPIN_MS` (see [`DEFAULT_SERVER_SPIN`]).
+    pub fn with_server_spin(mut self, window: Duration) -> Self {
+        self.linger = (!window.is_zero()).then(|| Linger::new(window));
+        self
+    }
+
     /// The session store (for inspection and sweeping).
     pub fn sessions(&self) -> Arc<SessionStore<DraftSession>> {
         self.store.clone()
@@ -431,6 +438,13 @@ impl TargetWorker {
     /// Where this worker runs its model work.
     pub fn placement(&self) -> WorkPlacement {
         self.placement
+    }
+
+    /// This worker busy-polling for `window` after each answer (zero: never); the default
+    /// comes from its device and `SPECSPLIT_SERVER_SPIN_MS` (see [`DEFAULT_SERVER_SPIN`]).
+    pub fn with_server_spin(mut self, window: Duration) -> Self {
+        self.linger = (!window.is_zero()).then(|| Linger::new(window));
+        self
     }
 
     /// The session store (for inspection and sweeping).
