@@ -757,33 +757,44 @@ mod tests {
         Arc::new(tokio::sync::Mutex::new(v))
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn multi_thread_runs_the_work_on_the_calling_thread() {
+    /// Runs one request under `placement`; whether it ran on the calling thread (the session
+    /// holds its write either way).
+    async fn runs_on_the_caller(placement: WorkPlacement) -> bool {
         let s = session(1);
         let caller = std::thread::current().id();
-        let (ran_on, v) = with_session(s.clone(), WorkPlacement::Pool, |v| {
+        let ran_on = with_session(s.clone(), placement, |v| {
             *v += 1;
-            Ok((std::thread::current().id(), *v))
-        })
-        .await
-        .unwrap();
-        assert_eq!(ran_on, caller, "no hop to the blocking pool");
-        assert_eq!(v, 2);
-        assert_eq!(*s.lock().await, 2);
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn current_thread_runs_the_work_on_the_blocking_pool() {
-        let s = session(1);
-        let caller = std::thread::current().id();
-        let ran_on = with_session(s.clone(), WorkPlacement::Pool, |v| {
-            *v = 7;
             Ok(std::thread::current().id())
         })
         .await
         .unwrap();
-        assert_ne!(ran_on, caller, "the single runtime thread must not block");
-        assert_eq!(*s.lock().await, 7);
+        assert_eq!(*s.lock().await, 2);
+        ran_on == caller
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn multi_thread_runs_the_work_on_the_calling_thread() {
+        assert!(
+            runs_on_the_caller(WorkPlacement::Pool).await,
+            "no hop to the blocking pool"
+        );
+        assert!(runs_on_the_caller(WorkPlacement::Inline).await);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn current_thread_runs_the_work_on_the_blocking_pool() {
+        assert!(
+            !runs_on_the_caller(WorkPlacement::Pool).await,
+            "the single runtime thread must not block"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn inline_runs_the_work_on_the_polling_thread() {
+        assert!(
+            runs_on_the_caller(WorkPlacement::Inline).await,
+            "no hop to the blocking pool"
+        );
     }
 
     async fn errors_and_panics_become_statuses(placement: WorkPlacement) {
@@ -815,21 +826,6 @@ mod tests {
     async fn errors_and_panics_become_statuses_current_thread() {
         errors_and_panics_become_statuses(WorkPlacement::Pool).await;
         errors_and_panics_become_statuses(WorkPlacement::Inline).await;
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn inline_runs_the_work_on_the_polling_thread() {
-        let s = session(1);
-        let caller = std::thread::current().id();
-        let (ran_on, v) = with_session(s.clone(), WorkPlacement::Inline, |v| {
-            *v += 2;
-            Ok((std::thread::current().id(), *v))
-        })
-        .await
-        .unwrap();
-        assert_eq!(ran_on, caller, "no hop to the blocking pool");
-        assert_eq!(v, 3);
-        assert_eq!(*s.lock().await, 3);
     }
 
     #[tokio::test(flavor = "current_thread")]
