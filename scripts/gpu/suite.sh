@@ -59,14 +59,19 @@ wake)
             --out "$OUT" --name "rpc-w$v" 2>&1 | grep -E 'ctx|Ping|ping' 
     done ;;
 e2ewake)
+    # WAKE_E2E: triples as for `wake`, or "def" for the defaults (no variable set).
+    n="${MAX_TOKENS:-64}"
     for v in ${WAKE_E2E:-000 1120 000 1120}; do
-        i="${v:0:1}" c="${v:1:1}" w="${v:2}"
-        log "e2e synthetic inline=$i client_spin=$c server_spin_ms=$w"
-        SPECSPLIT_INLINE_WORK=$i SPECSPLIT_CLIENT_SPIN=$c SPECSPLIT_SERVER_SPIN_MS=$w \
-            timeout 200 /tmp/b e2e --target random:qwen2.5-7b --draft random:qwen2.5-0.5b \
-            --device-target cuda:0 --device-draft cuda:0 --synthetic-beta 0.8 --num-prompts 2 \
-            --max-tokens 64 --depths "${DEPTHS:-3,4}" --trees "" --pipelines sequential \
-            --out "$OUT" --name "e2e-b08-w$v" 2>&1 | grep -E 'tok/s|best'
+        set_env=""
+        if [ "$v" != def ]; then
+            set_env="SPECSPLIT_INLINE_WORK=${v:0:1} SPECSPLIT_CLIENT_SPIN=${v:1:1} SPECSPLIT_SERVER_SPIN_MS=${v:2}"
+        fi
+        log "e2e synthetic, $n tokens, wake-up settings $v ($set_env)"
+        env $set_env timeout 200 /tmp/b e2e --target random:qwen2.5-7b \
+            --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
+            --synthetic-beta 0.8 --num-prompts 2 --max-tokens "$n" --depths "${DEPTHS:-3,4}" \
+            --trees "" --pipelines sequential --out "$OUT" --name "e2e-b08-w$v-$n" 2>&1 \
+            | grep -E 'tok/s|best'
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.
