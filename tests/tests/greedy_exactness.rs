@@ -75,3 +75,46 @@ async fn tiny_same_weights_draft_matches_target_only() {
 async fn tiny_different_draft_matches_target_only() {
     check("random:tiny:8", "random:tiny:7", 20, 24, false).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_round_drafts_beside_the_targets_prefill() {
+    if std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP").is_ok_and(|v| v == "0") {
+        return; // turned off for this run: the other tests cover the plain first round
+    }
+    // A draft identical to the target: its tree's root is always the target's first token, so
+    // the second round verifies the tree drafted during the first, without a draft call.
+    let target = start_target(&config("random:tiny:7", true)).await;
+    let draft = start_draft(&config("random:tiny:7", false)).await;
+    let orch = Orchestrator::connect(Some(&draft.url), &target.url)
+        .await
+        .unwrap();
+    let prompt = &prompts(1, 3, 500)[0];
+    let ar = GenerateConfig {
+        mode: Mode::Ar,
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let reference = orch.generate(prompt, &ar, |_| {}).await.unwrap();
+    let cfg = GenerateConfig {
+        mode: Mode::Spec,
+        pipeline: Pipeline::Sequential,
+        max_tokens: 12,
+        widths: vec![1, 1, 1],
+        ..Default::default()
+    };
+    let g = orch.generate(prompt, &cfg, |_| {}).await.unwrap();
+    assert_eq!(g.token_ids, reference.token_ids);
+    let (r1, r2) = (&g.rounds[0], &g.rounds[1]);
+    assert_eq!(r1.drafted, 0, "the first round verifies no tree");
+    assert_eq!(r1.emitted, reference.token_ids[..1]);
+    assert_eq!(r1.overlap_hit, None);
+    assert_eq!(r2.overlap_hit, Some(true), "the pre-drafted tree is used");
+    assert_eq!(r2.draft_ms, 0.0, "no draft call in the second round");
+    assert_eq!((r2.drafted, r2.accepted), (3, 3));
+    // Later rounds of the sequential pipeline draft as usual.
+    assert!(g.rounds[2..]
+        .iter()
+        .all(|r| r.overlap_hit.is_none() && r.draft_ms > 0.0));
+    target.stop().await;
+    draft.stop().await;
+}

@@ -323,7 +323,7 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "steady_round_ms": steady_mean(&|r| r.round_ms),
         "steady_draft_model_ms": steady_mean(&|r| r.draft_model_ms),
         "steady_verify_model_ms": steady_mean(&|r| r.verify_model_ms),
-        "steady_round_overhead_ms": steady_mean(&|r| r.round_ms - r.draft_server_ms - r.verify_server_ms),
+        "steady_round_overhead_ms": steady_mean(&RoundRecord::overhead_ms),
         "steady_tok_per_s": ratio(
             steady.iter().map(|r| r.emitted.len() as f64).sum::<f64>() * 1e3,
             steady.iter().map(|r| r.round_ms).sum(),

@@ -180,8 +180,7 @@ impl Samples {
         }
         self.verify_rpc.push(r.verify_ms - r.verify_server_ms);
         self.verify_server.push(r.verify_server_ms);
-        self.round_overhead
-            .push(r.round_ms - r.draft_server_ms - r.verify_server_ms);
+        self.round_overhead.push(r.overhead_ms());
     }
 
     fn row(&self) -> Value {
@@ -468,7 +467,7 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
             "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "transport": "gRPC over loopback, workers in-process",
             "definition": "rpc overhead = client round trip - server wall_time_ms; round \
-                           overhead = round_ms - draft_server_ms - verify_server_ms",
+                           overhead = round_ms - draft_server_ms - verify_server_ms - predraft_wait_ms",
         },
         "rows": rows,
         "components": components,
@@ -498,6 +497,7 @@ mod tests {
             verify_model_ms: 0.0,
             round_ms: 8.75,
             overlap_hit: None,
+            predraft_wait_ms: 0.0,
         });
         s.add(&RoundRecord {
             drafted: 0,
@@ -512,6 +512,7 @@ mod tests {
             verify_model_ms: 0.0,
             round_ms: 2.25,
             overlap_hit: None,
+            predraft_wait_ms: 0.0,
         });
         assert_eq!(s.draft_rpc, vec![0.5]);
         assert_eq!(s.verify_rpc, vec![1.0, 0.5]);

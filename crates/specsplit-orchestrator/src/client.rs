@@ -244,6 +244,14 @@ fn client_spin() -> SpinMode {
     })
 }
 
+/// Whether a speculative generation's first round drafts beside the target's prefill (the
+/// default); `SPECSPLIT_FIRST_ROUND_OVERLAP=0` drafts first and verifies the tree with the
+/// prefill, as later rounds do.
+fn first_round_overlap() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP").map_or(true, |v| v != "0"))
+}
+
 /// Whether orchestrators run on their own [`ClientRuntime`] thread (the default);
 /// `SPECSPLIT_OWN_RUNTIME=0` keeps the channels and round loops on the caller's runtime
 /// instead, for side-by-side measurements of the two.
@@ -542,7 +550,12 @@ impl<'a> Run<'a> {
                 d.min(remaining - 1)
             };
             let widths = resize_widths(&self.widths, depth);
-            let (drafted, overlap_hit) = if depth == 0 {
+            // The first round drafts beside the target's prefill: the target's first token
+            // needs no draft, so the target decodes it as a plain step while the draft drafts
+            // after the prompt (as an overlapped pre-draft does), and the part of that tree
+            // below the root the target picked is verified next round.
+            let first = rounds.is_empty() && depth > 0 && first_round_overlap();
+            let (drafted, overlap_hit) = if depth == 0 || first {
                 let empty = Drafted {
                     tree: TokenTree::new(),
                     ms: 0.0,
@@ -567,9 +580,10 @@ impl<'a> Run<'a> {
                     None => (self.draft(&widths).await?, None),
                 }
             };
-            let overlap = self.cfg.pipeline == Pipeline::Overlapped && depth > 0;
+            let overlap = (self.cfg.pipeline == Pipeline::Overlapped || first) && depth > 0;
             // The guess for the overlapped pre-draft: the tree's first-child path is accepted.
             let guess = first_child_path(&drafted.tree);
+            let mut predraft_wait_ms = 0.0;
             let (verdict, pre) = if overlap && remaining > guess.len() + 1 {
                 let mut ctx = self.seq.clone();
                 ctx.extend(guess.iter().map(|&i| drafted.tree.token(i)));
@@ -584,9 +598,11 @@ impl<'a> Run<'a> {
                 });
                 let v = self.verify(&drafted.tree).await;
                 // Wait for the pre-draft even on error so no request outlives the generation.
+                let waited = Instant::now();
                 let pre = pre
                     .await
                     .map_err(|e| OrchestratorError::Protocol(e.to_string()))?;
+                predraft_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
                 (v?, Some(pre?))
             } else {
                 (self.verify(&drafted.tree).await?, None)
@@ -610,7 +626,7 @@ impl<'a> Run<'a> {
                     model_ms: 0.0,
                 });
             }
-            if self.cfg.adaptive_depth && depth > 0 {
+            if self.cfg.adaptive_depth && !drafted.tree.is_empty() {
                 self.depth
                     .observe(depth, v.accepted.len(), drafted.ms, verify_ms);
             }
@@ -653,6 +669,7 @@ impl<'a> Run<'a> {
                 verify_model_ms: server.model_ms,
                 round_ms: round_start.elapsed().as_secs_f64() * 1e3,
                 overlap_hit,
+                predraft_wait_ms,
             });
             if let Some(s) = stop_now {
                 break s;

@@ -33,6 +33,19 @@ pub struct RoundRecord {
     pub round_ms: f64,
     /// Whether this round's tree came from the overlapped pre-draft (None when not attempted).
     pub overlap_hit: Option<bool>,
+    /// Time the round waited, after its verify call returned, for the pre-draft of the next
+    /// round that ran beside it, in ms (0 when none ran).
+    pub predraft_wait_ms: f64,
+}
+
+impl RoundRecord {
+    /// The round's time outside the workers' reported handling (transport, serialization,
+    /// scheduling, the orchestrator's own work), in ms: its wall time less the two workers'
+    /// server times and the wait for a pre-draft.
+    pub fn overhead_ms(&self) -> f64 {
+        (self.round_ms - self.draft_server_ms - self.verify_server_ms - self.predraft_wait_ms)
+            .max(0.0)
+    }
 }
 
 /// Summary of a generation.
@@ -82,10 +95,7 @@ impl GenerationStats {
         let verify: f64 = rounds.iter().map(|r| r.verify_ms).sum();
         let server: f64 = rounds.iter().map(|r| r.verify_server_ms).sum();
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-        let overhead: f64 = rounds
-            .iter()
-            .map(|r| (r.round_ms - r.draft_server_ms - r.verify_server_ms).max(0.0))
-            .sum();
+        let overhead: f64 = rounds.iter().map(RoundRecord::overhead_ms).sum();
         Self {
             tokens,
             elapsed_s,
@@ -129,6 +139,7 @@ mod tests {
             verify_model_ms: 7.5,
             round_ms: 12.0,
             overlap_hit: hit,
+            predraft_wait_ms: 0.0,
         }
     }
 
@@ -149,5 +160,22 @@ mod tests {
         assert!((s.tokens_per_s - 4.0).abs() < 1e-12);
         assert!((s.tpot_ms - 1900.0 / 7.0).abs() < 1e-9);
         assert!((s.network_share - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn overhead_leaves_out_the_wait_for_a_pre_draft() {
+        let waited = RoundRecord {
+            predraft_wait_ms: 2.0,
+            ..round(4, 4, None)
+        };
+        assert!((waited.overhead_ms() - (12.0 - 0.5 - 8.0 - 2.0)).abs() < 1e-12);
+        let s = GenerationStats::from_rounds(&[waited.clone(), round(4, 4, None)], 1.0, 1.0);
+        assert!((s.round_overhead_ms - (1.5 + 3.5) / 2.0).abs() < 1e-12);
+        // Never negative, even when the reported server times exceed the round's wall time.
+        let odd = RoundRecord {
+            predraft_wait_ms: 20.0,
+            ..waited
+        };
+        assert_eq!(odd.overhead_ms(), 0.0);
     }
 }
