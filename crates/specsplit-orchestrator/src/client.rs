@@ -96,7 +96,12 @@ struct ClientRuntime {
 
 impl ClientRuntime {
     fn start() -> Result<Arc<Self>, OrchestratorError> {
-        Self::start_with(client_spin())
+        // Spinning only helps the runtime that runs the channels' tasks.
+        Self::start_with(if own_runtime() {
+            client_spin()
+        } else {
+            SpinMode::Never
+        })
     }
 
     /// [`ClientRuntime::start`], busy-polling while RPCs are in flight as `spin` says.
