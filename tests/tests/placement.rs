@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use specsplit_e2e::{config, prompts, start_draft_with, start_target_with};
 use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
-use specsplit_workers::service::WorkPlacement;
+use specsplit_workers::service::{Execution, WorkPlacement};
 
 const MODEL: &str = "random:tiny:7";
 const DRAFT: &str = "random:tiny:8";
@@ -38,11 +38,11 @@ fn configs() -> Vec<GenerateConfig> {
 /// at once (which must agree), from workers set up by `placement` and `spin`.
 async fn outputs(placement: WorkPlacement, spin: Duration) -> Vec<Vec<u32>> {
     let target = start_target_with(&config(MODEL, true), |w| {
-        w.with_placement(placement).with_server_spin(spin)
+        w.with_execution(Execution::new(placement, spin))
     })
     .await;
     let draft = start_draft_with(&config(DRAFT, false), |w| {
-        w.with_placement(placement).with_server_spin(spin)
+        w.with_execution(Execution::new(placement, spin))
     })
     .await;
     let orch = Orchestrator::connect(Some(&draft.url), &target.url)

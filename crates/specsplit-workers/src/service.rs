@@ -175,6 +175,63 @@ where
     out.map_err(Status::from)
 }
 
+/// How a worker runs its requests' model work: where ([`WorkPlacement`]), and how long its
+/// runtime busy-polls after each answer.
+#[derive(Clone)]
+pub struct Execution {
+    placement: WorkPlacement,
+    linger: Option<Arc<Linger>>,
+}
+
+impl Execution {
+    /// The defaults for a worker on `device` (a [`WorkerInfo::device`] label):
+    /// [`WorkPlacement::default_for`] it, and [`DEFAULT_SERVER_SPIN`] of busy-polling on CUDA
+    /// (none elsewhere) unless `SPECSPLIT_SERVER_SPIN_MS` says otherwise.
+    pub fn for_device(device: &str) -> Self {
+        Self {
+            placement: WorkPlacement::default_for(device),
+            linger: Linger::for_device(device),
+        }
+    }
+
+    /// Model work placed as `placement` says, busy-polling for `spin` after each answer (zero:
+    /// never).
+    pub fn new(placement: WorkPlacement, spin: Duration) -> Self {
+        Self {
+            placement,
+            linger: (!spin.is_zero()).then(|| Linger::new(spin)),
+        }
+    }
+
+    /// Where the model work runs.
+    pub fn placement(&self) -> WorkPlacement {
+        self.placement
+    }
+
+    /// How long the runtime busy-polls after each answer (zero: never).
+    pub fn spin(&self) -> Duration {
+        self.linger.as_ref().map_or(Duration::ZERO, |l| l.window)
+    }
+
+    /// Runs `f` on `session` where the placement says (see `with_session`), then busy-polls
+    /// for the window.
+    async fn run<S, T>(
+        &self,
+        session: SessionHandle<S>,
+        f: impl FnOnce(&mut S) -> Result<T, EngineError> + Send + 'static,
+    ) -> Result<T, Status>
+    where
+        S: Send + 'static,
+        T: Send + 'static,
+    {
+        let out = with_session(session, self.placement, f).await?;
+        if let Some(l) = &self.linger {
+            l.extend();
+        }
+        Ok(out)
+    }
+}
+
 /// How long a worker on CUDA busy-polls after each answer unless `SPECSPLIT_SERVER_SPIN_MS`
 /// says otherwise: longer than a draft or verify round of the models it serves, so that the
 /// next request of a running generation finds the server polling.
@@ -267,8 +324,7 @@ pub struct DraftWorker {
     engine: Arc<DraftEngine>,
     store: Arc<SessionStore<DraftSession>>,
     info: WorkerInfo,
-    placement: WorkPlacement,
-    linger: Option<Arc<Linger>>,
+    exec: Execution,
 }
 
 impl DraftWorker {
@@ -278,28 +334,21 @@ impl DraftWorker {
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
-            placement: WorkPlacement::default_for(&info.device),
-            linger: Linger::for_device(&info.device),
+            exec: Execution::for_device(&info.device),
             info,
         }
     }
 
-    /// This worker with its model work placed as `placement` says.
-    pub fn with_placement(mut self, placement: WorkPlacement) -> Self {
-        self.placement = placement;
+    /// This worker running its model work as `exec` says (the default:
+    /// [`Execution::for_device`]).
+    pub fn with_execution(mut self, exec: Execution) -> Self {
+        self.exec = exec;
         self
     }
 
-    /// Where this worker runs its model work.
-    pub fn placement(&self) -> WorkPlacement {
-        self.placement
-    }
-
-    /// This worker busy-polling for `window` after each answer (zero: never); the default
-    /// comes from its device and `SPECSPLIT_SERVER_SPIN_MS` (see [`DEFAULT_SERVER_SPIN`]).
-    pub fn with_server_spin(mut self, window: Duration) -> Self {
-        self.linger = (!window.is_zero()).then(|| Linger::new(window));
-        self
+    /// How this worker runs its model work.
+    pub fn execution(&self) -> &Execution {
+        &self.exec
     }
 
     /// The session store (for inspection and sweeping).
@@ -370,13 +419,10 @@ impl DraftService for DraftWorker {
         };
         let engine = self.engine.clone();
         let params = DraftParams { widths, sampling };
-        let (tree, stats) = with_session(session, self.placement, move |s| {
-            engine.draft(s, &tokens, &params)
-        })
-        .await?;
-        if let Some(l) = &self.linger {
-            l.extend();
-        }
+        let (tree, stats) = self
+            .exec
+            .run(session, move |s| engine.draft(s, &tokens, &params))
+            .await?;
         let (draft_tree, root_distribution) = tree.to_proto();
         Ok(Response::new(DraftResponse {
             request_id: r.request_id,
@@ -412,8 +458,7 @@ pub struct TargetWorker {
     engine: Arc<TargetEngine>,
     store: Arc<SessionStore<TargetSession>>,
     info: WorkerInfo,
-    placement: WorkPlacement,
-    linger: Option<Arc<Linger>>,
+    exec: Execution,
 }
 
 impl TargetWorker {
@@ -423,28 +468,21 @@ impl TargetWorker {
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
-            placement: WorkPlacement::default_for(&info.device),
-            linger: Linger::for_device(&info.device),
+            exec: Execution::for_device(&info.device),
             info,
         }
     }
 
-    /// This worker with its model work placed as `placement` says.
-    pub fn with_placement(mut self, placement: WorkPlacement) -> Self {
-        self.placement = placement;
+    /// This worker running its model work as `exec` says (the default:
+    /// [`Execution::for_device`]).
+    pub fn with_execution(mut self, exec: Execution) -> Self {
+        self.exec = exec;
         self
     }
 
-    /// Where this worker runs its model work.
-    pub fn placement(&self) -> WorkPlacement {
-        self.placement
-    }
-
-    /// This worker busy-polling for `window` after each answer (zero: never); the default
-    /// comes from its device and `SPECSPLIT_SERVER_SPIN_MS` (see [`DEFAULT_SERVER_SPIN`]).
-    pub fn with_server_spin(mut self, window: Duration) -> Self {
-        self.linger = (!window.is_zero()).then(|| Linger::new(window));
-        self
+    /// How this worker runs its model work.
+    pub fn execution(&self) -> &Execution {
+        &self.exec
     }
 
     /// The session store (for inspection and sweeping).
@@ -523,13 +561,10 @@ impl TargetService for TargetWorker {
             }
         };
         let engine = self.engine.clone();
-        let out = with_session(session, self.placement, move |s| {
-            engine.verify(s, prefix, &tree, &sampling)
-        })
-        .await?;
-        if let Some(l) = &self.linger {
-            l.extend();
-        }
+        let out = self
+            .exec
+            .run(session, move |s| engine.verify(s, prefix, &tree, &sampling))
+            .await?;
         let v = &out.verdict;
         Ok(Response::new(VerifyResponse {
             request_id: r.request_id,
@@ -871,9 +906,8 @@ mod tests {
         }
         assert_eq!(WorkPlacement::default_for("cpu"), WorkPlacement::Pool);
         if std::env::var_os("SPECSPLIT_SERVER_SPIN_MS").is_none() {
-            assert!(Linger::for_device("cpu").is_none());
-            let l = Linger::for_device("cuda:1").expect("spins on CUDA");
-            assert_eq!(l.window, DEFAULT_SERVER_SPIN);
+            assert_eq!(Execution::for_device("cpu").spin(), Duration::ZERO);
+            assert_eq!(Execution::for_device("cuda:1").spin(), DEFAULT_SERVER_SPIN);
         }
         assert_eq!(WorkPlacement::default_for("cuda:0"), WorkPlacement::Inline);
         assert_eq!(
