@@ -332,6 +332,11 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
     })
 }
 
+/// The number `v[key]` holds (0 when absent).
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(0.0)
+}
+
 fn merge(mut a: Value, b: Value) -> Value {
     if let (Some(a), Value::Object(b)) = (a.as_object_mut(), b) {
         a.extend(b);
@@ -421,18 +426,18 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         }),
         aggregate(&ar, 0, &ar),
     );
-    let ar_tps = ar_row["tok_per_s"].as_f64().unwrap_or(0.0);
-    let ar_steady = ar_row["steady_tok_per_s"].as_f64().unwrap_or(0.0);
+    let ar_tps = num(&ar_row, "tok_per_s");
+    let ar_steady = num(&ar_row, "steady_tok_per_s");
     eprintln!(
         "  {ar_tps:.1} tok/s, overhead {:.3} ms/round, target server {:.2} ms (model {:.2}); \
          after the first round: {ar_steady:.1} tok/s, model {:.2} ms, overhead {:.3} ms/round; \
          ttft {:.2} ms",
-        ar_row["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
-        ar_row["mean_verify_server_ms"].as_f64().unwrap_or(0.0),
-        ar_row["mean_verify_model_ms"].as_f64().unwrap_or(0.0),
-        ar_row["steady_verify_model_ms"].as_f64().unwrap_or(0.0),
-        ar_row["steady_round_overhead_ms"].as_f64().unwrap_or(0.0),
-        ar_row["ttft_ms"].as_f64().unwrap_or(0.0),
+        num(&ar_row, "mean_round_overhead_ms"),
+        num(&ar_row, "mean_verify_server_ms"),
+        num(&ar_row, "mean_verify_model_ms"),
+        num(&ar_row, "steady_verify_model_ms"),
+        num(&ar_row, "steady_round_overhead_ms"),
+        num(&ar_row, "ttft_ms"),
     );
     let mut rows = vec![merge(ar_row, meta_models.clone())];
 
@@ -522,7 +527,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                     "oracle_references": oracle.as_ref().map(|o| o.num_references()),
                 }),
             );
-            let tps = agg["tok_per_s"].as_f64().unwrap_or(0.0);
+            let tps = num(&agg, "tok_per_s");
             let speedup = if ar_tps > 0.0 { tps / ar_tps } else { 0.0 };
             let widths = util::widths_label(&r.widths);
             eprintln!(
@@ -530,19 +535,19 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 beta.map(|b| format!(" β={b}")).unwrap_or_default(),
                 r.kind,
                 pipeline_name(r.pipeline),
-                agg["acceptance_rate"].as_f64().unwrap_or(0.0),
-                agg["mean_accepted_len"].as_f64().unwrap_or(0.0),
-                agg["identical_to_target_only"].as_f64().unwrap_or(0.0),
-                agg["mean_draft_ms"].as_f64().unwrap_or(0.0),
-                agg["mean_draft_server_ms"].as_f64().unwrap_or(0.0),
-                agg["mean_draft_model_ms"].as_f64().unwrap_or(0.0),
-                agg["mean_verify_ms"].as_f64().unwrap_or(0.0),
-                agg["mean_verify_server_ms"].as_f64().unwrap_or(0.0),
-                agg["mean_verify_model_ms"].as_f64().unwrap_or(0.0),
-                agg["mean_round_overhead_ms"].as_f64().unwrap_or(0.0),
+                num(&agg, "acceptance_rate"),
+                num(&agg, "mean_accepted_len"),
+                num(&agg, "identical_to_target_only"),
+                num(&agg, "mean_draft_ms"),
+                num(&agg, "mean_draft_server_ms"),
+                num(&agg, "mean_draft_model_ms"),
+                num(&agg, "mean_verify_ms"),
+                num(&agg, "mean_verify_server_ms"),
+                num(&agg, "mean_verify_model_ms"),
+                num(&agg, "mean_round_overhead_ms"),
                 agg["attempts"],
             );
-            let steady = agg["steady_tok_per_s"].as_f64().unwrap_or(0.0);
+            let steady = num(&agg, "steady_tok_per_s");
             eprintln!(
                 "    after the first round: {steady:.1} tok/s ({:.2}x), draft model {:.2} ms, \
                  verify model {:.2} ms, overhead {:.3} ms/round; ttft {:.2} ms",
@@ -551,10 +556,10 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 } else {
                     0.0
                 },
-                agg["steady_draft_model_ms"].as_f64().unwrap_or(0.0),
-                agg["steady_verify_model_ms"].as_f64().unwrap_or(0.0),
-                agg["steady_round_overhead_ms"].as_f64().unwrap_or(0.0),
-                agg["ttft_ms"].as_f64().unwrap_or(0.0),
+                num(&agg, "steady_draft_model_ms"),
+                num(&agg, "steady_verify_model_ms"),
+                num(&agg, "steady_round_overhead_ms"),
+                num(&agg, "ttft_ms"),
             );
             if r.kind == "chain" {
                 match best.iter_mut().find(|b| b.0 == r.pipeline) {

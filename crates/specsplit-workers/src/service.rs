@@ -156,23 +156,29 @@ where
     T: Send + 'static,
 {
     let mut guard = session.lock_owned().await;
-    let failed = |e: &dyn std::fmt::Display| Status::internal(format!("worker task failed: {e}"));
-    let here = |f: Box<dyn FnOnce() -> Result<T, EngineError> + '_>| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-            .map_err(|p| failed(&panic_message(&*p)))
-    };
     let multi_thread = tokio::runtime::Handle::current().runtime_flavor()
         == tokio::runtime::RuntimeFlavor::MultiThread;
     let out = match placement {
-        WorkPlacement::Inline => here(Box::new(|| f(&mut guard)))?,
+        WorkPlacement::Inline => catching_panics(|| f(&mut guard))?,
         WorkPlacement::Pool if multi_thread => {
-            tokio::task::block_in_place(|| here(Box::new(|| f(&mut guard))))?
+            tokio::task::block_in_place(|| catching_panics(|| f(&mut guard)))?
         }
         WorkPlacement::Pool => tokio::task::spawn_blocking(move || f(&mut guard))
             .await
-            .map_err(|e| failed(&e))?,
+            .map_err(|e| task_failed(&e))?,
     };
     out.map_err(Status::from)
+}
+
+/// Runs `f` on this thread; a panic becomes an INTERNAL status.
+fn catching_panics<R>(f: impl FnOnce() -> R) -> Result<R, Status> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .map_err(|p| task_failed(&panic_message(&*p)))
+}
+
+/// The INTERNAL status of a request whose model work failed outside the engine (a panic).
+fn task_failed(e: &dyn std::fmt::Display) -> Status {
+    Status::internal(format!("worker task failed: {e}"))
 }
 
 /// How a worker runs its requests' model work: where ([`WorkPlacement`]), and how long its
