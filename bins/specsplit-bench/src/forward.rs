@@ -441,6 +441,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 enqueue_ms.push(o.enqueue_time.as_secs_f64() * 1e3);
                 Ok(())
             })?;
+            let graph = sess.graph_passes().contains(&(tree.len() + 1));
             let skip = s.warmup.max(2);
             let (wall, model_s, enq) = (
                 util::summarize(&ms),
@@ -453,11 +454,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 wall.median,
                 model_s.median,
                 enq.median,
-                if tree.is_empty() && engine.uses_exact_steps() {
-                    "graph step"
-                } else {
-                    "eager pass"
-                }
+                if graph { "graph" } else { "eager pass" }
             );
             rows.push(row(json!({
                 "context": l, "kind": "engine_round", "tokens": tree.len() + 1,
@@ -466,6 +463,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 "mean_ms": wall.mean, "iters": ms.len(),
                 "model_median_ms": model_s.median, "host_enqueue_median_ms": enq.median,
                 "exact_step": tree.is_empty() && engine.uses_exact_steps(),
+                "graph": graph,
             })));
         }
     }

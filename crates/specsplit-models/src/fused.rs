@@ -176,8 +176,10 @@ pub fn qkv_rope_cache(
 
 /// [`qkv_rope_cache`] for the `n` rows of one pass: the fused Q|K|V rows `(n, (heads + 2 kv) *
 /// head_dim)`, rotary at the positions `(n,)` u32 (each below the tables' length), K and V
-/// written into the caches at slots `past..past + n`; returns the rotated Q as
-/// `(1, heads, n, head_dim)`, the layout [`rows_attention`] reads.
+/// written into the caches at slots `past..past + n`, or with `past` `None` at the slots the
+/// positions name (read on the device, so a captured graph serves any cache length; the
+/// caller keeps them below the capacity); returns the rotated Q as `(1, heads, n, head_dim)`,
+/// the layout [`rows_attention`] reads.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_rows(
     qkv: &Tensor,
@@ -186,7 +188,7 @@ pub fn qkv_rope_rows(
     positions: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    past: usize,
+    past: Option<usize>,
     shape: AttnShape,
     interleaved: bool,
 ) -> Result<Tensor> {
@@ -442,19 +444,31 @@ impl PassKeys {
     /// most `capacity`. The attention is launched over the whole capacity and the chunks past
     /// `lead` return at once, so the row gets the same bits as with [`PassKeys::new`].
     pub fn device_row(meta: Tensor, capacity: usize) -> Result<Self> {
-        if meta.dims() != [1, 2] || meta.dtype() != candle_core::DType::U32 || capacity == 0 {
+        Self::device_rows(meta, capacity)
+    }
+
+    /// [`PassKeys::device_row`] for `n` rows: `meta` is an `(n, 2)` u32 buffer holding
+    /// `[lead_r, 0]` per row (row `r` sees slots `0..lead_r`), written before each launch; a
+    /// chain after `past` cached tokens has `lead_r = past + r + 1`.
+    pub fn device_rows(meta: Tensor, capacity: usize) -> Result<Self> {
+        let rows = meta.dims().first().copied().unwrap_or(0);
+        if meta.dims() != [rows, 2]
+            || rows == 0
+            || meta.dtype() != candle_core::DType::U32
+            || capacity == 0
+        {
             return Err(candle_core::Error::Msg(format!(
-                "a device row needs a (1, 2) u32 meta buffer and a capacity, got {:?} {:?} and {capacity}",
+                "device rows need an (n, 2) u32 meta buffer and a capacity, got {:?} {:?} and {capacity}",
                 meta.dims(),
                 meta.dtype()
             )));
         }
-        let extra = Tensor::zeros((1, 1), candle_core::DType::U32, meta.device())?;
+        let extra = Tensor::zeros((rows, 1), candle_core::DType::U32, meta.device())?;
         Ok(Self {
             meta,
             extra,
             max_extra: 1,
-            rows: 1,
+            rows,
             end: capacity,
             max_len: capacity,
         })
@@ -817,7 +831,7 @@ mod imp {
         positions: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
-        past: usize,
+        past: Option<usize>,
         s: AttnShape,
         interleaved: bool,
     ) -> Result<Tensor> {
@@ -831,9 +845,12 @@ mod imp {
             positions.dims() == [n] && positions.dtype() == DType::U32,
             || format!("positions {:?} for {n} rows", positions.dims()),
         )?;
-        check(past + n <= s.capacity, || {
-            format!("{n} rows after {past} do not fit {} slots", s.capacity)
+        check(past.is_none_or(|p| p + n <= s.capacity), || {
+            format!("{n} rows after {past:?} do not fit {} slots", s.capacity)
         })?;
+        // The kernel reads a negative `past` as "the slots are the positions".
+        let past = past.map_or(-1, |p| p as i64);
+        check(past < i64::from(i32::MAX), || format!("slot {past}"))?;
         for t in [cos, sin] {
             check(
                 t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
@@ -844,9 +861,8 @@ mod imp {
         check_cache(v_cache, s)?;
         let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
         let mut args = pointers(&[qkv, cos, sin, positions, k_cache, v_cache, &q])?;
-        args.extend(
-            [s.heads, s.kv, hd, s.capacity, n, past, interleaved as usize].map(|v| I(v as i32)),
-        );
+        args.extend([s.heads, s.kv, hd, s.capacity, n].map(|v| I(v as i32)));
+        args.extend([I(past as i32), I(interleaved as i32)]);
         let grid = ((s.heads + 2 * s.kv) as u32, n as u32);
         launch_2d(
             cuda(qkv)?,
@@ -1111,7 +1127,7 @@ mod imp {
         _: &Tensor,
         _: &Tensor,
         _: &Tensor,
-        _: usize,
+        _: Option<usize>,
         _: AttnShape,
         _: bool,
     ) -> Result<Tensor> {

@@ -11,7 +11,7 @@
 use candle_core::Tensor;
 use specsplit_core::cache::SessionCache;
 
-use crate::transformer::{ExactStep, StaticStep, Transformer};
+use crate::transformer::{ExactRows, ExactStep, StaticStep, Transformer};
 use crate::ModelError;
 
 /// A CUDA graph of one decode step, movable between threads.
@@ -115,10 +115,45 @@ fn capture(
     }
 }
 
+/// A multi-row pass's buffers and its graph, one per row count a stepper has run.
+struct RowsReplay {
+    bufs: ExactRows,
+    replay: Replay,
+}
+
+/// The [`RowsReplay`] for `rows` rows in `table` (indexed by the row count), made at first use.
+fn rows_replay<'t>(
+    table: &'t mut Vec<Option<RowsReplay>>,
+    model: &Transformer,
+    capacity: usize,
+    rows: usize,
+) -> Result<&'t mut RowsReplay, ModelError> {
+    if table.len() <= rows {
+        table.resize_with(rows + 1, || None);
+    }
+    match &mut table[rows] {
+        Some(r) => Ok(r),
+        none => Ok(none.insert(RowsReplay {
+            bufs: model.exact_rows_buffers(capacity, rows)?,
+            replay: Replay::default(),
+        })),
+    }
+}
+
+/// Whether steppers feed several tokens in one pass where the model can
+/// ([`DecodeStepper::feed`], [`ExactStepper::step_chain`]); `SPECSPLIT_ROWS_GRAPH=0` turns
+/// it off (one graph step a token for the draft, an eager pass for the target's chains).
+pub fn rows_graphs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECSPLIT_ROWS_GRAPH").map_or(true, |v| v.trim() != "0"))
+}
+
 /// Fixed-shape greedy decode steps over one session cache (see the module docs).
 pub struct DecodeStepper {
     bufs: StaticStep,
     replay: Replay,
+    /// Multi-token feeds ([`DecodeStepper::feed`]), by row count.
+    rows: Vec<Option<RowsReplay>>,
 }
 
 impl std::fmt::Debug for DecodeStepper {
@@ -136,7 +171,46 @@ impl DecodeStepper {
         Ok(Self {
             bufs: model.static_step_buffers(capacity)?,
             replay: Replay::default(),
+            rows: Vec::new(),
         })
+    }
+
+    /// Feeds `tokens` (at least one) at cache slots `position..` of `cache` (the cache this
+    /// stepper is used with), leaving in the buffers what `start` and one step a token would:
+    /// the greedy token after the last one in `next` / `next_logprob` / `token`, and the
+    /// position past them. Where the model runs [`Transformer::static_rows_step`] (bf16 on
+    /// CUDA with the fused kernels; see [`rows_graphs_enabled`]) several tokens go through
+    /// in one pass, replayed from a graph per row count (that pass computes the rows with the
+    /// batch-invariant kernels, so its greedy pick may break a near-tie differently than the
+    /// single steps); elsewhere one step a token. Returns the passes run.
+    pub fn feed(
+        &mut self,
+        model: &Transformer,
+        cache: &SessionCache,
+        tokens: &[u32],
+        position: usize,
+    ) -> Result<usize, ModelError> {
+        let n = tokens.len();
+        let cap = self.bufs.capacity();
+        if n >= 2 && rows_graphs_enabled() && model.exact_rows_fit(cap, n) {
+            let RowsReplay { bufs, replay } = rows_replay(&mut self.rows, model, cap, n)?;
+            bufs.start(tokens, position)?;
+            // The head adds one to the position: it ends past the last token.
+            crate::fused::write_u32(&self.bufs.position, &[(position + n - 1) as u32])?;
+            let step = &self.bufs;
+            replay.run(model, || model.static_rows_step(bufs, step, cache))?;
+            return Ok(1);
+        }
+        let Some((&first, rest)) = tokens.split_first() else {
+            return Err(ModelError::Input("nothing to feed".into()));
+        };
+        self.start(first, position)?;
+        self.step(model, cache)?;
+        for &t in rest {
+            self.set_token(t)?;
+            self.step(model, cache)?;
+        }
+        Ok(n)
     }
 
     /// Whether steps are replayed from a captured CUDA graph.
@@ -186,6 +260,8 @@ impl DecodeStepper {
 pub struct ExactStepper {
     bufs: ExactStep,
     replay: Replay,
+    /// Chains of several tokens ([`ExactStepper::step_chain`]), by row count.
+    chains: Vec<Option<RowsReplay>>,
 }
 
 impl std::fmt::Debug for ExactStepper {
@@ -211,7 +287,59 @@ impl ExactStepper {
         Ok(Self {
             bufs: model.exact_step_buffers(capacity)?,
             replay: Replay::default(),
+            chains: Vec::new(),
         })
+    }
+
+    /// Whether [`ExactStepper::step_chain`] takes chains of `rows` tokens for `model`.
+    pub fn chain_fits(&self, model: &Transformer, rows: usize) -> bool {
+        rows == 1 || (rows_graphs_enabled() && model.exact_rows_fit(self.bufs.capacity(), rows))
+    }
+
+    /// Row counts whose chains replay a captured graph.
+    pub fn chain_graphs(&self) -> Vec<usize> {
+        let mut rows: Vec<usize> = (0..self.chains.len())
+            .filter(|&n| {
+                self.chains[n]
+                    .as_ref()
+                    .is_some_and(|r| r.replay.uses_graph())
+            })
+            .collect();
+        if self.uses_graph() {
+            rows.insert(0, 1);
+        }
+        rows
+    }
+
+    /// [`ExactStepper::step`] for a chain: `tokens` (each the next one's parent) at the end of
+    /// `cache`, with the logits bit-identical to a batch-invariant [`Transformer::forward`]
+    /// of those rows ([`Transformer::exact_rows`]), replayed from a graph per chain length;
+    /// advances the cache by the chain's length and returns the `(rows, vocab)` f32 logits
+    /// (the stepper's own buffer, overwritten by its next chain of that length). Fails unless
+    /// [`ExactStepper::chain_fits`] holds.
+    pub fn step_chain(
+        &mut self,
+        model: &Transformer,
+        tokens: &[u32],
+        cache: &mut SessionCache,
+    ) -> Result<Tensor, ModelError> {
+        let n = tokens.len();
+        if n == 1 {
+            return self.step(model, tokens[0], cache);
+        }
+        if !self.chain_fits(model, n) {
+            return Err(ModelError::Unsupported(format!(
+                "no exact {n}-row chain pass for this model"
+            )));
+        }
+        specsplit_core::device::bind_to_thread(model.device())?;
+        let cap = self.bufs.capacity();
+        let RowsReplay { bufs, replay } = rows_replay(&mut self.chains, model, cap, n)?;
+        bufs.start(tokens, cache.len())?;
+        let store = &*cache;
+        replay.run(model, || model.exact_rows(bufs, store))?;
+        cache.advance(n)?;
+        Ok(bufs.logits.clone())
     }
 
     /// Whether steps are replayed from a captured CUDA graph.

@@ -202,6 +202,13 @@ pub struct StaticStep {
     capacity: usize,
 }
 
+impl StaticStep {
+    /// The cache capacity these buffers serve.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
 /// Device buffers of [`Transformer::exact_step`]: its input token and position, its one
 /// row's key count, and the logits it writes.
 pub struct ExactStep {
@@ -228,6 +235,58 @@ impl ExactStep {
         }
         let p = position as u32;
         Ok(crate::fused::write_u32(&self.io, &[token, p, p + 1, 0])?)
+    }
+
+    /// The cache capacity these buffers serve.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// Device buffers of [`Transformer::exact_rows`] and [`Transformer::static_rows_step`]: a
+/// chain of `rows` tokens after the cached sequence, their positions (= cache slots), each
+/// row's key count, and the logits the exact pass writes.
+pub struct ExactRows {
+    /// `(4 rows,)` u32: the tokens, their positions, then per row `[position + 1, 0]`; written
+    /// together before each pass.
+    io: Tensor,
+    tokens: Tensor,
+    positions: Tensor,
+    keys: crate::fused::PassKeys,
+    /// `(rows, vocab)` f32: the logits of [`Transformer::exact_rows`].
+    pub logits: Tensor,
+    rows: usize,
+    capacity: usize,
+}
+
+impl ExactRows {
+    /// Sets the next pass's input: `tokens` (exactly [`ExactRows::rows`] of them) at cache
+    /// slots `past..` (one small upload).
+    pub fn start(&self, tokens: &[u32], past: usize) -> Result<(), ModelError> {
+        let n = self.rows;
+        if tokens.len() != n {
+            return Err(ModelError::Input(format!(
+                "a {n}-row pass was given {} tokens",
+                tokens.len()
+            )));
+        }
+        if past + n > self.capacity {
+            return Err(specsplit_core::cache::CacheError::CapacityExceeded {
+                needed: past + n,
+                capacity: self.capacity,
+            }
+            .into());
+        }
+        let mut io = Vec::with_capacity(4 * n);
+        io.extend_from_slice(tokens);
+        io.extend((past..past + n).map(|p| p as u32));
+        io.extend((past..past + n).flat_map(|p| [p as u32 + 1, 0]));
+        Ok(crate::fused::write_u32(&self.io, &io)?)
+    }
+
+    /// Rows of the pass.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 
     /// The cache capacity these buffers serve.
@@ -948,7 +1007,7 @@ impl Transformer {
                 positions,
                 kb,
                 vb,
-                past,
+                Some(past),
                 shape,
                 self.rope_interleaved,
             )?;
@@ -1212,6 +1271,127 @@ impl Transformer {
         let logits = fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?;
         b.logits.slice_set(&logits, 0, 0)?;
         Ok(())
+    }
+
+    /// Whether [`Transformer::exact_rows`] and [`Transformer::static_rows_step`] run for this
+    /// model over caches of `capacity` slots with `rows` rows: [`Transformer::exact_step_fits`]
+    /// and at most [`crate::fused::BI_MAX_ROWS`] rows.
+    pub fn exact_rows_fit(&self, capacity: usize, rows: usize) -> bool {
+        (1..=crate::fused::BI_MAX_ROWS).contains(&rows)
+            && self.gpu_batch_invariant(rows)
+            && self.exact_step_fits(capacity)
+    }
+
+    /// Device buffers for [`Transformer::exact_rows`] over caches of `capacity` slots and
+    /// chains of `rows` tokens.
+    pub fn exact_rows_buffers(
+        &self,
+        capacity: usize,
+        rows: usize,
+    ) -> Result<ExactRows, ModelError> {
+        specsplit_core::device::bind_to_thread(&self.device)?;
+        let dev = &self.device;
+        let n = rows;
+        if n == 0 {
+            return Err(ModelError::Input("a pass of no rows".into()));
+        }
+        let io = Tensor::zeros(4 * n, DType::U32, dev)?;
+        let keys = crate::fused::PassKeys::device_rows(
+            io.narrow(0, 2 * n, 2 * n)?.reshape((n, 2))?,
+            capacity,
+        )?;
+        Ok(ExactRows {
+            tokens: io.narrow(0, 0, n)?,
+            positions: io.narrow(0, n, n)?,
+            keys,
+            io,
+            logits: Tensor::zeros((n, self.config.vocab_size), DType::F32, dev)?,
+            rows: n,
+            capacity,
+        })
+    }
+
+    /// A chain of tokens after the cached sequence through the model with the same kernels
+    /// and the same arithmetic as a batch-invariant [`Transformer::forward`] of those rows
+    /// (each row's logits bit-identical to that pass's, so to the token decoded alone), with
+    /// no shape that depends on the cache length, so it can be captured once into a CUDA graph
+    /// and replayed: reads the tokens and their positions (= slots) from `b` (set by
+    /// [`ExactRows::start`]), writes their K/V at those slots, attends row `r` over slots
+    /// `0..=position_r` (key counts read on the device) and writes the rows' f32 logits to
+    /// `b.logits`. The cache's length is left alone (the caller advances it). Fails unless
+    /// [`Transformer::exact_rows_fit`] holds.
+    pub fn exact_rows(&self, b: &ExactRows, cache: &SessionCache) -> Result<(), ModelError> {
+        let (h, head) = self.exact_rows_stack(b, cache)?;
+        let logits = crate::fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?;
+        b.logits.slice_set(&logits, 0, 0)?;
+        Ok(())
+    }
+
+    /// [`Transformer::exact_rows`] as a greedy decode step of several tokens: the rows go
+    /// through the same layers, then the last row's greedy next token and log-probability are
+    /// written to `step.next` / `step.next_logprob`, the token into `step.token`, and
+    /// `step.position` is incremented, so the caller sets it to the last row's position first
+    /// and [`Transformer::static_step`] continues from there. `b.logits` is left alone.
+    pub fn static_rows_step(
+        &self,
+        b: &ExactRows,
+        step: &StaticStep,
+        cache: &SessionCache,
+    ) -> Result<(), ModelError> {
+        let (h, head) = self.exact_rows_stack(b, cache)?;
+        let last = h.narrow(0, b.rows - 1, 1)?;
+        let logits = crate::fused::gemv(&last, head, None)?;
+        crate::fused::greedy_head(
+            &logits,
+            &step.next,
+            &step.next_logprob,
+            &step.token,
+            &step.position,
+        )?;
+        Ok(())
+    }
+
+    /// The layers of [`Transformer::exact_rows`]: the final-normed hidden rows and the head.
+    fn exact_rows_stack<'a>(
+        &'a self,
+        b: &ExactRows,
+        cache: &SessionCache,
+    ) -> Result<(Tensor, &'a Tensor), ModelError> {
+        use crate::fused;
+        let cap = b.capacity;
+        if cache.capacity() != cap || *cache.spec() != self.cache_spec(cap) {
+            return Err(ModelError::Input(format!(
+                "exact rows buffers are for {cap} entries, the cache is {:?}",
+                cache.spec()
+            )));
+        }
+        let layers = match self.fused_layers() {
+            Some(l) if self.exact_rows_fit(cap, b.rows) => l,
+            _ => {
+                return Err(ModelError::Unsupported(format!(
+                    "no exact {}-row pass for this model (needs bf16 on CUDA with the fused \
+                     batch-invariant kernels)",
+                    b.rows
+                )))
+            }
+        };
+        let (shape, scale) = self.fused_attn_shape(cap);
+        self.fused_stack(&layers, &b.tokens, fused::bi_matmul, |i, qkv| {
+            let (kb, vb) = cache.buffers(i)?;
+            // The rows kernel of a pass, with the slots read from the positions.
+            let q = fused::qkv_rope_rows(
+                qkv,
+                &self.cos,
+                &self.sin,
+                &b.positions,
+                kb,
+                vb,
+                None,
+                shape,
+                self.rope_interleaved,
+            )?;
+            Ok(fused::rows_attention(&q, kb, vb, &b.keys, shape, scale)?)
+        })
     }
 
     /// The dense weights of every layer when the fused one-token kernels are enabled and apply

@@ -898,3 +898,146 @@ fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
     }
     fused::set_scope(fused::Scope::Step);
 }
+
+/// The causal forward of `tokens` after `cache`'s sequence: every row's f32 logits.
+fn forward_rows(m: &Transformer, cache: &mut SessionCache, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let dev = m.device();
+    let u = |v: &[u32]| Tensor::new(v, dev).unwrap();
+    let start = cache.len() as u32;
+    let pos: Vec<u32> = (start..start + tokens.len() as u32).collect();
+    let all: Vec<u32> = (0..tokens.len() as u32).collect();
+    rows_of(
+        &m.forward(&u(tokens), &u(&pos), None, cache, &u(&all))
+            .unwrap(),
+    )
+}
+
+#[test]
+fn exact_chains_replay_the_rows_forward_bit_for_bit_across_rollbacks() {
+    let Some(dev) = gpu() else { return };
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let m = small_model(preset, 29, &dev);
+        let cap = 512;
+        assert!(m.exact_rows_fit(cap, 5), "{preset}: no exact rows pass");
+        assert!(!m.exact_rows_fit(cap, fused::BI_MAX_ROWS + 1));
+        let prompt: Vec<u32> = (0..300).map(|i| (i * 71 + 5) % 8192).collect();
+
+        // The reference runs each chain as one causal forward on its own cache (the eager
+        // verify of a chain); the stepper replays a graph per chain length on another. Every
+        // row's logits must be the same bits, round after round, across rollbacks.
+        let mut reference = m.new_cache(cap).unwrap();
+        let mut cache = m.new_cache(cap).unwrap();
+        forward_last(&m, &mut reference, &prompt);
+        forward_last(&m, &mut cache, &prompt);
+        let mut stepper = ExactStepper::new(&m, cap).unwrap();
+        let mut seed = 17u32;
+        let lengths = [4usize, 4, 2, 4, 4, 3, 4, 1, 4, 2, 4, 4];
+        for (round, &n) in lengths.iter().enumerate() {
+            let chain: Vec<u32> = (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    (seed >> 8) % 8192
+                })
+                .collect();
+            assert!(stepper.chain_fits(&m, n));
+            let got = rows_of(&stepper.step_chain(&m, &chain, &mut cache).unwrap());
+            let want = forward_rows(&m, &mut reference, &chain);
+            assert!(
+                got == want,
+                "{preset} round {round}: a {n}-token chain's logits differ from the forward's"
+            );
+            assert_eq!(cache.len(), reference.len());
+            // Keep a random part of the chain, as a verify does.
+            let keep = (seed as usize >> 3) % (n + 1);
+            let back = reference.len() - n + keep;
+            reference.truncate(back).unwrap();
+            cache.truncate(back).unwrap();
+        }
+        let graphs = stepper.chain_graphs();
+        assert!(
+            graphs.contains(&4),
+            "{preset}: the 4-row chain was not captured ({graphs:?})"
+        );
+        // The buffers end at the capacity.
+        let mut full = m.new_cache(cap).unwrap();
+        forward_last(&m, &mut full, &vec![7u32; cap - 2]);
+        assert!(stepper.step_chain(&m, &[1, 2, 3], &mut full).is_err());
+        assert_eq!(
+            full.len(),
+            cap - 2,
+            "a refused chain leaves the cache alone"
+        );
+        eprintln!(
+            "{preset}: {} chains equal the rows forward (graphs for {graphs:?})",
+            lengths.len()
+        );
+    }
+}
+
+#[test]
+fn a_decode_stepper_feeds_several_tokens_in_one_pass_like_one_step_each() {
+    let Some(dev) = gpu() else { return };
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let m = small_model(preset, 31, &dev);
+        let cap = 512;
+        let prompt: Vec<u32> = (0..250).map(|i| (i * 53 + 9) % 8192).collect();
+        // The stepper feeds 1-3 tokens in one pass, then takes two greedy steps of its own; the
+        // reference follows the same tokens with the ordinary forward.
+        let mut reference = m.new_cache(cap).unwrap();
+        let mut cache = m.new_cache(cap).unwrap();
+        let mut row = forward_last(&m, &mut reference, &prompt);
+        forward_last(&m, &mut cache, &prompt);
+        let mut stepper = DecodeStepper::new(&m, cap).unwrap();
+        let (mut same, mut picks) = (0, 0);
+        let mut check = |row: &[f32], stepper: &DecodeStepper, what: &str| -> u32 {
+            let b = stepper.buffers();
+            let got = b.next.to_vec1::<u32>().unwrap()[0];
+            let best = argmax(row);
+            let spread = row[best as usize] - row.iter().cloned().fold(f32::INFINITY, f32::min);
+            assert!(
+                row[best as usize] - row[got as usize] <= 0.02 * spread,
+                "{preset} {what}: picked {got} ({}), forward {best} ({})",
+                row[got as usize],
+                row[best as usize]
+            );
+            assert_eq!(
+                b.token.to_vec1::<u32>().unwrap()[0],
+                got,
+                "{what}: token fed back"
+            );
+            picks += 1;
+            same += usize::from(got == best);
+            got
+        };
+        let mut passes = 0;
+        for (round, n) in [2usize, 3, 1, 2, 2, 3, 2].into_iter().enumerate() {
+            let feed: Vec<u32> = (0..n as u32)
+                .map(|i| (row.len() as u32 / 3 + 101 * (round as u32 + i)) % 8192)
+                .collect();
+            let at = cache.len();
+            passes += stepper.feed(&m, &cache, &feed, at).unwrap();
+            cache.advance(n).unwrap();
+            row = forward_rows(&m, &mut reference, &feed).pop().unwrap();
+            let mut token = check(&row, &stepper, &format!("round {round} feed of {n}"));
+            assert_eq!(
+                stepper.buffers().position.to_vec1::<u32>().unwrap()[0] as usize,
+                at + n,
+                "{preset} round {round}: the position after the feed"
+            );
+            for j in 0..2 {
+                stepper.step(&m, &cache).unwrap();
+                cache.advance(1).unwrap();
+                row = forward_last(&m, &mut reference, &[token]);
+                token = check(&row, &stepper, &format!("round {round} step {j}"));
+            }
+            // Drop the last step's token, as a rejected draft.
+            cache.truncate(cache.len() - 1).unwrap();
+            reference.truncate(reference.len() - 1).unwrap();
+        }
+        eprintln!(
+            "{preset}: {same}/{picks} greedy picks equal the forward's, {passes} feed passes"
+        );
+        assert!(same * 4 >= picks * 3, "{preset}: only {same}/{picks} equal");
+        assert_eq!(passes, 7, "{preset}: every feed took one pass");
+    }
+}

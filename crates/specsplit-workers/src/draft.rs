@@ -15,6 +15,7 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
+use crate::spare::Spares;
 use crate::EngineError;
 
 /// One draft session: the cached sequence and the logits after its last token.
@@ -25,12 +26,26 @@ pub struct DraftSession {
     rng: ChaCha8Rng,
     /// Fixed-shape greedy steps over `cache` for chain drafts (made at the first chain).
     stepper: Option<DecodeStepper>,
+    /// Where the cache and stepper go when the session ends.
+    spares: Option<Arc<Spares<DraftBody>>>,
+}
+
+/// What a draft session keeps for the next one: its cache and the graphs captured over it.
+struct DraftBody {
+    cache: SessionCache,
+    stepper: Option<DecodeStepper>,
 }
 
 impl Drop for DraftSession {
     fn drop(&mut self) {
-        // See `TargetSession`'s Drop: free GPU buffers with the context current.
+        // See `TargetSession`'s Drop: free (or keep) GPU buffers with the context current.
         let _ = specsplit_core::device::bind_to_thread(self.cache.device());
+        if let Some(spares) = self.spares.take() {
+            spares.put(DraftBody {
+                cache: self.cache.clone(),
+                stepper: self.stepper.take(),
+            });
+        }
     }
 }
 
@@ -127,6 +142,8 @@ pub struct DraftEngine {
     max_context: usize,
     synthetic: Option<SyntheticOracle>,
     static_chains: bool,
+    /// Ended sessions' caches and graphs, for the next sessions.
+    spares: Arc<Spares<DraftBody>>,
 }
 
 impl DraftEngine {
@@ -139,7 +156,20 @@ impl DraftEngine {
             max_context,
             synthetic: None,
             static_chains,
+            spares: Arc::new(Spares::new(crate::spare::spare_sessions_from_env())),
         }
+    }
+
+    /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
+    /// [`crate::spare`]; the default is `SPECSPLIT_SPARE_SESSIONS` or 2).
+    pub fn with_spare_sessions(mut self, n: usize) -> Self {
+        self.spares = Arc::new(Spares::new(n));
+        self
+    }
+
+    /// Ended sessions' bodies kept now for new sessions.
+    pub fn spare_sessions(&self) -> usize {
+        self.spares.len()
     }
 
     /// Whether greedy chains are drafted with fixed-shape steps ([`DecodeStepper`]: one CUDA
@@ -173,12 +203,23 @@ impl DraftEngine {
 
     /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
     pub fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
+        let body = match self.spares.take() {
+            Some(mut b) => {
+                b.cache.truncate(0)?;
+                b
+            }
+            None => DraftBody {
+                cache: self.model.new_cache(self.max_context)?,
+                stepper: None,
+            },
+        };
         Ok(DraftSession {
-            cache: self.model.new_cache(self.max_context)?,
+            cache: body.cache,
             tokens: Vec::new(),
             last_logits: None,
             rng: seeded_rng(seed),
-            stepper: None,
+            stepper: body.stepper,
+            spares: (self.spares.max() > 0).then(|| self.spares.clone()),
         })
     }
 
@@ -396,6 +437,7 @@ impl DraftEngine {
             last_logits,
             rng,
             stepper,
+            ..
         } = s;
         *last_logits = None;
         let keep = common_prefix(cached, tokens).min(tokens.len() - 1);
@@ -421,13 +463,9 @@ impl DraftEngine {
             *stepper = Some(DecodeStepper::new(&self.model, cache.capacity())?);
         }
         let stepper = stepper.as_mut().expect("stepper made above");
-        stepper.start(feed[0], cache.len())?;
-        for (i, &t) in feed.iter().enumerate() {
-            if i > 0 {
-                stepper.set_token(t)?;
-            }
-            stepper.step(&self.model, cache)?;
-        }
+        // Two or more tokens (the accepted chain's last token and the bonus) go through in one
+        // pass where the model can.
+        stepper.feed(&self.model, cache, feed, cache.len())?;
         cache.advance(feed.len())?;
         cached.extend_from_slice(feed);
         stats.tokens_processed += tokens.len() - keep;
@@ -678,6 +716,69 @@ mod tests {
             sampling: SamplingParams::default(),
         };
         e.draft(s, seq, &p).unwrap().0
+    }
+
+    #[test]
+    fn a_recycled_session_drafts_exactly_like_a_fresh_one() {
+        // Chains (the fixed-shape stepper, kept with the cache) and trees, greedy and sampled.
+        let kept = tiny_engine(vec![], true).with_spare_sessions(1);
+        let fresh = tiny_engine(vec![], true).with_spare_sessions(0);
+        let run = |e: &DraftEngine, s: &mut DraftSession| -> Vec<(Vec<u32>, Vec<f32>)> {
+            let mut seq: Vec<u32> = vec![9, 120, 33, 7];
+            let mut out = Vec::new();
+            for round in 0..5 {
+                let p = DraftParams {
+                    widths: if round % 2 == 0 {
+                        vec![1; 3]
+                    } else {
+                        vec![2, 1]
+                    },
+                    sampling: if round == 3 {
+                        SamplingParams {
+                            temperature: 0.8,
+                            ..SamplingParams::default()
+                        }
+                    } else {
+                        SamplingParams::default()
+                    },
+                };
+                let t = e.draft(s, &seq, &p).unwrap().0;
+                out.push((
+                    t.tokens().to_vec(),
+                    (0..t.len()).map(|i| t.log_prob(i)).collect(),
+                ));
+                seq.extend_from_slice(&t.tokens()[..1]);
+                seq.push(40 + round);
+            }
+            out
+        };
+        // A first session leaves a full cache and a captured stepper behind.
+        let mut first = kept.new_session(3).unwrap();
+        let mut other: Vec<u32> = (0..60).map(|i| (i * 13 + 1) % 500).collect();
+        for _ in 0..3 {
+            let t = chain(&kept, &mut first, &other, 4);
+            other.extend_from_slice(t.tokens());
+        }
+        assert_eq!(kept.spare_sessions(), 0);
+        drop(first);
+        assert_eq!(
+            kept.spare_sessions(),
+            1,
+            "the ended session's body was kept"
+        );
+        let mut again = kept.new_session(5).unwrap();
+        assert_eq!(kept.spare_sessions(), 0, "the new session took it");
+        assert!(again.tokens().is_empty());
+        let a = run(&kept, &mut again);
+        let b = run(&fresh, &mut fresh.new_session(5).unwrap());
+        assert_eq!(a, b, "the recycled session drafted differently");
+        drop(again);
+        let _ = fresh.new_session(1).unwrap();
+        assert_eq!(
+            fresh.spare_sessions(),
+            0,
+            "an engine with no spares keeps none"
+        );
     }
 
     #[test]

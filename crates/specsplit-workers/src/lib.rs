@@ -11,6 +11,7 @@ pub mod error;
 pub mod launch;
 pub mod service;
 pub mod session;
+pub mod spare;
 pub mod target;
 
 pub use error::EngineError;

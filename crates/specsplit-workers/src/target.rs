@@ -16,6 +16,7 @@ use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 
 use crate::draft::{common_prefix, seeded_rng};
+use crate::spare::Spares;
 use crate::EngineError;
 
 /// One target session: the cached sequence and the logits after its last token.
@@ -27,13 +28,28 @@ pub struct TargetSession {
     /// The graph-replayed one-token step over `cache`, made at the session's first plain
     /// decoding step where the model has one.
     stepper: Option<ExactStepper>,
+    /// Where the cache and stepper go when the session ends.
+    spares: Option<Arc<Spares<TargetBody>>>,
+}
+
+/// What a target session keeps for the next one: its cache and the graphs captured over it.
+struct TargetBody {
+    cache: SessionCache,
+    stepper: Option<ExactStepper>,
 }
 
 impl Drop for TargetSession {
     fn drop(&mut self) {
-        // The session's GPU buffers are freed on whatever thread drops it (an eviction, the TTL
-        // sweeper, EndSession): make the context current there first.
+        // The session's GPU buffers are freed (or kept) on whatever thread drops it (an
+        // eviction, the TTL sweeper, EndSession): make the context current there first.
         let _ = specsplit_core::device::bind_to_thread(self.cache.device());
+        if let Some(spares) = self.spares.take() {
+            // The clone shares the cache's buffers, so the stepper's graphs stay valid.
+            spares.put(TargetBody {
+                cache: self.cache.clone(),
+                stepper: self.stepper.take(),
+            });
+        }
     }
 }
 
@@ -41,6 +57,14 @@ impl TargetSession {
     /// Tokens currently in the session's cache.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Row counts of the passes this session replays from captured CUDA graphs (1: a plain
+    /// decoding step; n: a chain of n - 1 draft tokens below the new token).
+    pub fn graph_passes(&self) -> Vec<usize> {
+        self.stepper
+            .as_ref()
+            .map_or_else(Vec::new, ExactStepper::chain_graphs)
     }
 }
 
@@ -84,6 +108,8 @@ pub struct TargetEngine {
     /// Whether plain decoding steps replay a captured [`ExactStepper`] (bits identical to a
     /// one-token forward) where the model allows it; `SPECSPLIT_TARGET_GRAPH=0` turns it off.
     exact_steps: bool,
+    /// Ended sessions' caches and graphs, for the next sessions.
+    spares: Arc<Spares<TargetBody>>,
 }
 
 impl TargetEngine {
@@ -95,7 +121,20 @@ impl TargetEngine {
             model,
             max_context,
             exact_steps,
+            spares: Arc::new(Spares::new(crate::spare::spare_sessions_from_env())),
         }
+    }
+
+    /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
+    /// [`crate::spare`]; the default is `SPECSPLIT_SPARE_SESSIONS` or 2).
+    pub fn with_spare_sessions(mut self, n: usize) -> Self {
+        self.spares = Arc::new(Spares::new(n));
+        self
+    }
+
+    /// Ended sessions' bodies kept now for new sessions.
+    pub fn spare_sessions(&self) -> usize {
+        self.spares.len()
     }
 
     /// Whether plain decoding steps replay a captured one-token step (see [`ExactStepper`]).
@@ -115,12 +154,23 @@ impl TargetEngine {
 
     /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
     pub fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
+        let body = match self.spares.take() {
+            Some(mut b) => {
+                b.cache.truncate(0)?;
+                b
+            }
+            None => TargetBody {
+                cache: self.model.new_cache(self.max_context)?,
+                stepper: None,
+            },
+        };
         Ok(TargetSession {
-            cache: self.model.new_cache(self.max_context)?,
+            cache: body.cache,
             tokens: Vec::new(),
             last_logits: None,
             rng: seeded_rng(seed),
-            stepper: None,
+            stepper: body.stepper,
+            spares: (self.spares.max() > 0).then(|| self.spares.clone()),
         })
     }
 
@@ -263,6 +313,20 @@ impl TargetEngine {
             let rows = Tensor::new(&[0u32], &dev)?;
             return Ok(self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?);
         }
+        if new.len() == 1 && self.exact_steps && is_chain(tree) {
+            // One new token and a chain below it (a chain draft): the rows pass of the eager
+            // forward below, replayed from a graph captured for this chain length.
+            let st = match &mut s.stepper {
+                Some(st) => st,
+                none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
+            };
+            if st.chain_fits(&self.model, 1 + tree.len()) {
+                let mut chain = Vec::with_capacity(1 + tree.len());
+                chain.push(new[0]);
+                chain.extend((0..tree.len()).map(|i| tree.token(i)));
+                return Ok(st.step_chain(&self.model, &chain, &mut s.cache)?);
+            }
+        }
         // The new tokens form a chain and the tree hangs below its last token: one combined
         // tree gives the mask and positions of the whole pass.
         let combined = chain_then_tree(new, tree)?;
@@ -329,6 +393,11 @@ impl TargetEngine {
     }
 }
 
+/// Whether `tree` is one chain: a single root, each later node the child of the one before.
+fn is_chain(tree: &TokenTree) -> bool {
+    (0..tree.len()).all(|i| tree.parent(i) == i.checked_sub(1))
+}
+
 /// A tree made of `chain` (roots first, each the parent of the next) with `tree`'s roots hung
 /// below the chain's last token; just `tree` when the chain is empty.
 fn chain_then_tree(chain: &[u32], tree: &TokenTree) -> Result<TokenTree, EngineError> {
@@ -357,4 +426,140 @@ fn chain_then_tree(chain: &[u32], tree: &TokenTree) -> Result<TokenTree, EngineE
         .map_err(bad)?;
     }
     Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_engine(spares: usize) -> TargetEngine {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 11, DType::F32, &candle_core::Device::Cpu).unwrap();
+        TargetEngine::new(Arc::new(m), 128).with_spare_sessions(spares)
+    }
+
+    /// A chain of `tokens`, or a root with two children when `fork`.
+    fn tree(tokens: &[u32], fork: bool) -> TokenTree {
+        let mut t = TokenTree::new();
+        let mut parent = None;
+        for (i, &tok) in tokens.iter().enumerate() {
+            let node = match parent {
+                None => t.push_root(tok, 0.0),
+                Some(p) => t.push_child(p, tok, 0.0),
+            }
+            .unwrap();
+            if !(fork && i > 0) {
+                parent = Some(node);
+            }
+        }
+        t
+    }
+
+    /// Rounds of verification as an orchestrator sends them: the prompt, then deltas with the
+    /// previous round's next token, drafts guessing the target's own continuation `cont` (its
+    /// greedy tokens after the prompt) with a wrong token in some rounds.
+    fn rounds(e: &TargetEngine, s: &mut TargetSession, cont: &[u32]) -> Vec<(Verdict, usize)> {
+        let params = SamplingParams::default();
+        let prompt = prompt();
+        let p = prompt.len();
+        let mut out = Vec::new();
+        let o = e
+            .verify(s, Prefix::Full(prompt), &tree(&[], false), &params)
+            .unwrap();
+        let mut next = o.verdict.next_token;
+        out.push((o.verdict, o.cached_len));
+        for round in 0..6usize {
+            // The sequence is prompt + cont[..done] + next; the draft guesses what follows.
+            let done = out.last().unwrap().1 - p + 1;
+            let mut guess = [cont[done], cont[done + 1], cont[done + 2]];
+            guess[round % 3] += u32::from(round % 2 == 1);
+            let o = e
+                .verify(
+                    s,
+                    Prefix::Delta {
+                        new_tokens: vec![next],
+                        expected_len: out.last().unwrap().1,
+                    },
+                    &tree(&guess, round == 4),
+                    &params,
+                )
+                .unwrap();
+            next = o.verdict.next_token;
+            out.push((o.verdict, o.cached_len));
+        }
+        out
+    }
+
+    fn prompt() -> Vec<u32> {
+        (0..20).map(|i| (i * 37 + 5) % 500).collect()
+    }
+
+    #[test]
+    fn a_recycled_session_verifies_exactly_like_a_fresh_one() {
+        let kept = tiny_engine(1);
+        let fresh = tiny_engine(0);
+        // The target's own greedy continuation, one plain step at a time.
+        let mut alone = fresh.new_session(9).unwrap();
+        let greedy = SamplingParams::default();
+        let mut o = fresh
+            .verify(
+                &mut alone,
+                Prefix::Full(prompt()),
+                &TokenTree::new(),
+                &greedy,
+            )
+            .unwrap();
+        let mut cont = Vec::new();
+        while cont.len() < 40 {
+            cont.push(o.verdict.next_token);
+            o = fresh
+                .verify(
+                    &mut alone,
+                    Prefix::Delta {
+                        new_tokens: vec![o.verdict.next_token],
+                        expected_len: o.cached_len,
+                    },
+                    &TokenTree::new(),
+                    &greedy,
+                )
+                .unwrap();
+        }
+        // A first session fills the cache with another sequence, then ends.
+        let mut first = kept.new_session(1).unwrap();
+        let long: Vec<u32> = (0..90).map(|i| (i * 11 + 2) % 500).collect();
+        kept.verify(
+            &mut first,
+            Prefix::Full(long),
+            &tree(&[1, 2, 3], false),
+            &SamplingParams::default(),
+        )
+        .unwrap();
+        drop(first);
+        assert_eq!(
+            kept.spare_sessions(),
+            1,
+            "the ended session's body was kept"
+        );
+        let mut again = kept.new_session(2).unwrap();
+        assert_eq!(kept.spare_sessions(), 0);
+        assert!(again.tokens().is_empty());
+        // A delta on the recycled session finds no sequence: the old one is gone.
+        let err = kept
+            .verify(
+                &mut again,
+                Prefix::Delta {
+                    new_tokens: vec![5],
+                    expected_len: 90,
+                },
+                &tree(&[], false),
+                &SamplingParams::default(),
+            )
+            .unwrap_err();
+        assert!(matches!(err, EngineError::FailedPrecondition(_)), "{err}");
+        let a = rounds(&kept, &mut again, &cont);
+        let b = rounds(&fresh, &mut fresh.new_session(2).unwrap(), &cont);
+        assert_eq!(a, b, "the recycled session verified differently");
+        assert!(a.iter().any(|(v, _)| !v.accepted_tokens.is_empty()));
+    }
 }

@@ -1,0 +1,89 @@
+//! Bodies of ended sessions (their KV caches and the CUDA graphs captured over them), kept for
+//! the next sessions: a new session then allocates no cache and captures no graph, which on a
+//! GPU otherwise costs its first rounds several eager passes and captures.
+
+use std::sync::Mutex;
+
+/// Spare session bodies kept by an engine when `SPECSPLIT_SPARE_SESSIONS` is not set.
+pub const DEFAULT_SPARE_SESSIONS: usize = 2;
+
+/// How many ended sessions' bodies an engine keeps: `SPECSPLIT_SPARE_SESSIONS` (0 keeps none),
+/// else [`DEFAULT_SPARE_SESSIONS`]. They take memory beyond the sessions' budget.
+pub fn spare_sessions_from_env() -> usize {
+    std::env::var("SPECSPLIT_SPARE_SESSIONS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_SPARE_SESSIONS)
+}
+
+/// A bounded pool of spare session bodies.
+#[derive(Debug)]
+pub struct Spares<T> {
+    max: usize,
+    items: Mutex<Vec<T>>,
+}
+
+impl<T> Spares<T> {
+    /// A pool keeping at most `max` bodies.
+    pub fn new(max: usize) -> Self {
+        Self {
+            max,
+            items: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<T>> {
+        // Every mutation is one push or pop: a panic cannot leave the list inconsistent.
+        self.items.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The most recently kept body, if any.
+    pub fn take(&self) -> Option<T> {
+        self.lock().pop()
+    }
+
+    /// Keeps `body` for a later session; drops it (returning false) when the pool is full.
+    pub fn put(&self, body: T) -> bool {
+        let mut items = self.lock();
+        if items.len() >= self.max {
+            return false;
+        }
+        items.push(body);
+        true
+    }
+
+    /// Bodies kept now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no body is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The most bodies kept.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_at_most_max_and_hands_back_the_latest_first() {
+        let s = Spares::new(2);
+        assert!(s.take().is_none());
+        assert!(s.put(1) && s.put(2));
+        assert!(!s.put(3), "a full pool drops the body");
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.take(), Some(2));
+        assert_eq!(s.take(), Some(1));
+        assert!(s.is_empty());
+        let none = Spares::new(0);
+        assert!(!none.put(1));
+        assert!(none.take().is_none());
+    }
+}
