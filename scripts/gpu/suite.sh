@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [rows] [e2e2gpu] [qwen] [smollm2]
+#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [rows] [e2eenv] [e2e2gpu] [qwen] [smollm2]
 #   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
 # memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
@@ -87,6 +87,21 @@ rows)
             --synthetic-beta 0.8 --num-prompts 2 --max-tokens "$n" --depths "${DEPTHS:-3,4}" \
             --trees "" --pipelines sequential --out "$OUT" --name "e2e-b08-rows$v-$n-$k" 2>&1 \
             | grep -E 'tok/s|best'
+    done ;;
+e2eenv)
+    # ENVS lists settings run in turn, each a comma-separated list of VAR=value ("def": none),
+    # e.g. ENVS="SPECSPLIT_SPARE_SESSIONS=0 def SPECSPLIT_SPARE_SESSIONS=0 def".
+    n="${MAX_TOKENS:-64}"
+    k=0
+    for v in ${ENVS:-def}; do
+        k=$((k + 1))
+        set_env=""; [ "$v" != def ] && set_env="${v//,/ }"
+        log "e2e synthetic, $n tokens, settings $v"
+        env $set_env timeout 200 /tmp/b e2e --target random:qwen2.5-7b \
+            --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
+            --synthetic-beta 0.8 --num-prompts "${PROMPTS:-2}" --max-tokens "$n" \
+            --depths "${DEPTHS:-3,4}" --trees "" --pipelines sequential --out "$OUT" \
+            --name "e2e-b08-env$k-$n" 2>&1 | grep -E 'tok/s|best'
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.

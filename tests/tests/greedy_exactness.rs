@@ -108,13 +108,22 @@ async fn first_round_drafts_beside_the_targets_prefill() {
     assert_eq!(r1.drafted, 0, "the first round verifies no tree");
     assert_eq!(r1.emitted, reference.token_ids[..1]);
     assert_eq!(r1.overlap_hit, None);
+    assert!(
+        r1.predraft_server_ms > 0.0 && r1.predraft_model_ms <= r1.predraft_server_ms,
+        "the pre-draft's times are recorded: {r1:?}"
+    );
+    // The first token goes out before the round waits for the pre-draft.
+    assert!(
+        g.stats.ttft_ms <= r1.round_ms - r1.predraft_wait_ms + 0.5,
+        "{r1:?}"
+    );
     assert_eq!(r2.overlap_hit, Some(true), "the pre-drafted tree is used");
     assert_eq!(r2.draft_ms, 0.0, "no draft call in the second round");
     assert_eq!((r2.drafted, r2.accepted), (3, 3));
     // Later rounds of the sequential pipeline draft as usual.
     assert!(g.rounds[2..]
         .iter()
-        .all(|r| r.overlap_hit.is_none() && r.draft_ms > 0.0));
+        .all(|r| r.overlap_hit.is_none() && r.draft_ms > 0.0 && r.predraft_server_ms == 0.0));
     target.stop().await;
     draft.stop().await;
 }

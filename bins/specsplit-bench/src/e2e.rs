@@ -291,6 +291,10 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
     let steady_mean = |f: &dyn Fn(&RoundRecord) -> f64| {
         ratio(steady.iter().map(|r| f(r)).sum(), steady.len() as f64)
     };
+    let first: Vec<&RoundRecord> = gens.iter().filter_map(|g| g.rounds.first()).collect();
+    let first_mean = |f: &dyn Fn(&RoundRecord) -> f64| {
+        ratio(first.iter().map(|r| f(r)).sum(), first.len() as f64)
+    };
     let pairs: Vec<(usize, usize)> = rounds.iter().map(|r| (r.drafted, r.accepted)).collect();
     let identical = gens
         .iter()
@@ -319,6 +323,14 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "mean_draft_model_ms": per_round(&|r| r.draft_model_ms),
         "mean_round_ms": per_round(&|r| r.round_ms),
         "mean_round_overhead_ms": st.round_overhead_ms,
+        "first_round_ms": first_mean(&|r| r.round_ms),
+        "first_round_draft_server_ms": first_mean(&|r| r.draft_server_ms),
+        "first_round_verify_ms": first_mean(&|r| r.verify_ms),
+        "first_round_verify_server_ms": first_mean(&|r| r.verify_server_ms),
+        "first_round_verify_model_ms": first_mean(&|r| r.verify_model_ms),
+        "first_round_predraft_server_ms": first_mean(&|r| r.predraft_server_ms),
+        "first_round_predraft_model_ms": first_mean(&|r| r.predraft_model_ms),
+        "first_round_predraft_wait_ms": first_mean(&|r| r.predraft_wait_ms),
         "steady_rounds": steady.len(),
         "steady_round_ms": steady_mean(&|r| r.round_ms),
         "steady_draft_model_ms": steady_mean(&|r| r.draft_model_ms),
@@ -546,6 +558,18 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 num(&agg, "mean_verify_model_ms"),
                 num(&agg, "mean_round_overhead_ms"),
                 agg["attempts"],
+            );
+            eprintln!(
+                "    first round: {:.2} ms; draft {:.2} ms, verify {:.2} ms (server {:.2}, model \
+                 {:.2}), pre-draft beside it {:.2} ms (model {:.2}), waited {:.2} ms",
+                num(&agg, "first_round_ms"),
+                num(&agg, "first_round_draft_server_ms"),
+                num(&agg, "first_round_verify_ms"),
+                num(&agg, "first_round_verify_server_ms"),
+                num(&agg, "first_round_verify_model_ms"),
+                num(&agg, "first_round_predraft_server_ms"),
+                num(&agg, "first_round_predraft_model_ms"),
+                num(&agg, "first_round_predraft_wait_ms"),
             );
             let steady = num(&agg, "steady_tok_per_s");
             eprintln!(

@@ -498,6 +498,8 @@ mod tests {
             round_ms: 8.75,
             overlap_hit: None,
             predraft_wait_ms: 0.0,
+            predraft_server_ms: 0.0,
+            predraft_model_ms: 0.0,
         });
         s.add(&RoundRecord {
             drafted: 0,
@@ -513,6 +515,8 @@ mod tests {
             round_ms: 2.25,
             overlap_hit: None,
             predraft_wait_ms: 0.0,
+            predraft_server_ms: 0.0,
+            predraft_model_ms: 0.0,
         });
         assert_eq!(s.draft_rpc, vec![0.5]);
         assert_eq!(s.verify_rpc, vec![1.0, 0.5]);

@@ -588,7 +588,6 @@ impl<'a> Run<'a> {
             let overlap = (self.cfg.pipeline == Pipeline::Overlapped || first) && depth > 0;
             // The guess for the overlapped pre-draft: the tree's first-child path is accepted.
             let guess = first_child_path(&drafted.tree);
-            let mut predraft_wait_ms = 0.0;
             let (verdict, pre) = if overlap && remaining > guess.len() + 1 {
                 let mut ctx = self.seq.clone();
                 ctx.extend(guess.iter().map(|&i| drafted.tree.token(i)));
@@ -601,36 +600,21 @@ impl<'a> Run<'a> {
                 let pre = tokio::spawn(async move {
                     draft_call(&o, &sess, &cfg, no, &ctx, &pre_widths, &limits).await
                 });
-                let v = self.verify(&drafted.tree).await;
-                // Wait for the pre-draft even on error so no request outlives the generation.
-                let waited = Instant::now();
-                let pre = pre
-                    .await
-                    .map_err(|e| OrchestratorError::Protocol(e.to_string()))?;
-                predraft_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
-                (v?, Some(pre?))
+                match self.verify(&drafted.tree).await {
+                    Ok(v) => (v, Some(pre)),
+                    Err(e) => {
+                        // Wait for the pre-draft even on error so no request outlives the
+                        // generation.
+                        let _ = pre.await;
+                        return Err(e);
+                    }
+                }
             } else {
                 (self.verify(&drafted.tree).await?, None)
             };
             let (v, verify_ms, server) = verdict;
             let mut emitted: Vec<u32> = v.accepted.clone();
             emitted.push(v.next);
-            // Use the pre-drafted tree when the guess held and its root is the target's token.
-            if let Some(pre) = pre {
-                let hit = v.accepted_nodes == guess
-                    && pre.tree.roots().next().map(|r| pre.tree.token(r)) == Some(v.next);
-                let tree = if hit {
-                    subtree(&pre.tree, Some(0), usize::MAX)
-                } else {
-                    TokenTree::new()
-                };
-                next_tree = Some(Drafted {
-                    tree,
-                    ms: 0.0,
-                    server_ms: 0.0,
-                    model_ms: 0.0,
-                });
-            }
             if self.cfg.adaptive_depth && !drafted.tree.is_empty() {
                 self.depth
                     .observe(depth, v.accepted.len(), drafted.ms, verify_ms);
@@ -651,7 +635,33 @@ impl<'a> Run<'a> {
             if out.is_empty() {
                 ttft_ms = start.elapsed().as_secs_f64() * 1e3;
             }
+            // The tokens go out before the wait for a pre-draft running beside the verify.
             on_tokens(&emitted);
+            let (mut predraft_wait_ms, mut predraft_server_ms, mut predraft_model_ms) =
+                (0.0, 0.0, 0.0);
+            if let Some(pre) = pre {
+                let waited = Instant::now();
+                let pre = pre
+                    .await
+                    .map_err(|e| OrchestratorError::Protocol(e.to_string()))??;
+                predraft_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
+                (predraft_server_ms, predraft_model_ms) = (pre.server_ms, pre.model_ms);
+                // Use the pre-drafted tree when the guess held and its root is the target's
+                // token.
+                let hit = v.accepted_nodes == guess
+                    && pre.tree.roots().next().map(|r| pre.tree.token(r)) == Some(v.next);
+                let tree = if hit {
+                    subtree(&pre.tree, Some(0), usize::MAX)
+                } else {
+                    TokenTree::new()
+                };
+                next_tree = Some(Drafted {
+                    tree,
+                    ms: 0.0,
+                    server_ms: 0.0,
+                    model_ms: 0.0,
+                });
+            }
             out.extend_from_slice(&emitted);
             self.seq.extend_from_slice(&emitted);
             self.pending = vec![v.next];
@@ -675,6 +685,8 @@ impl<'a> Run<'a> {
                 round_ms: round_start.elapsed().as_secs_f64() * 1e3,
                 overlap_hit,
                 predraft_wait_ms,
+                predraft_server_ms,
+                predraft_model_ms,
             });
             if let Some(s) = stop_now {
                 break s;
