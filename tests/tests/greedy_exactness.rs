@@ -78,7 +78,8 @@ async fn tiny_different_draft_matches_target_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_round_drafts_beside_the_targets_prefill() {
-    if std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP").is_ok_and(|v| v == "0") {
+    let forced = std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP").ok();
+    if forced.as_deref() == Some("0") {
         return; // turned off for this run: the other tests cover the plain first round
     }
     // A draft identical to the target: its tree's root is always the target's first token, so
@@ -97,11 +98,25 @@ async fn first_round_drafts_beside_the_targets_prefill() {
     let reference = orch.generate(prompt, &ar, |_| {}).await.unwrap();
     let cfg = GenerateConfig {
         mode: Mode::Spec,
-        pipeline: Pipeline::Sequential,
+        pipeline: Pipeline::Overlapped,
         max_tokens: 12,
         widths: vec![1, 1, 1],
         ..Default::default()
     };
+    // By default only the overlapped pipeline overlaps the first round.
+    let sequential = GenerateConfig {
+        pipeline: Pipeline::Sequential,
+        ..cfg.clone()
+    };
+    let s = orch.generate(prompt, &sequential, |_| {}).await.unwrap();
+    assert_eq!(s.token_ids, reference.token_ids);
+    if forced.is_none() {
+        assert_eq!(
+            s.rounds[0].drafted, 3,
+            "sequential: the first round verifies a tree"
+        );
+        assert_eq!(s.rounds[0].predraft_server_ms, 0.0);
+    }
     let g = orch.generate(prompt, &cfg, |_| {}).await.unwrap();
     assert_eq!(g.token_ids, reference.token_ids);
     let (r1, r2) = (&g.rounds[0], &g.rounds[1]);
@@ -120,10 +135,10 @@ async fn first_round_drafts_beside_the_targets_prefill() {
     assert_eq!(r2.overlap_hit, Some(true), "the pre-drafted tree is used");
     assert_eq!(r2.draft_ms, 0.0, "no draft call in the second round");
     assert_eq!((r2.drafted, r2.accepted), (3, 3));
-    // Later rounds of the sequential pipeline draft as usual.
-    assert!(g.rounds[2..]
+    // Later rounds of the overlapped pipeline pre-draft beside their verify as usual.
+    assert!(g.rounds[2..g.rounds.len() - 1]
         .iter()
-        .all(|r| r.overlap_hit.is_none() && r.draft_ms > 0.0 && r.predraft_server_ms == 0.0));
+        .all(|r| r.overlap_hit.is_some() && r.predraft_server_ms > 0.0));
     target.stop().await;
     draft.stop().await;
 }

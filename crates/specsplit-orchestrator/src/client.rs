@@ -249,12 +249,24 @@ fn client_spin() -> SpinMode {
     })
 }
 
-/// Whether a speculative generation's first round drafts beside the target's prefill (the
-/// default); `SPECSPLIT_FIRST_ROUND_OVERLAP=0` drafts first and verifies the tree with the
-/// prefill, as later rounds do.
-fn first_round_overlap() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP").map_or(true, |v| v != "0"))
+/// Whether a speculative generation's first round drafts beside the target's prefill:
+/// `SPECSPLIT_FIRST_ROUND_OVERLAP=1` always, `0` never, and by default with the overlapped
+/// pipeline only (the one for workers on their own devices: two workers sharing one GPU slow
+/// each other's first passes about twofold, H100, thirteenth session). Otherwise the first
+/// round drafts first and verifies the tree with the prefill, as later rounds do.
+fn first_round_overlap(pipeline: Pipeline) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    SET.get_or_init(|| {
+        match std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP")
+            .as_deref()
+            .map(str::trim)
+        {
+            Ok("0") => Some(false),
+            Ok("1") => Some(true),
+            _ => None,
+        }
+    })
+    .unwrap_or(pipeline == Pipeline::Overlapped)
 }
 
 /// Whether orchestrators run on their own [`ClientRuntime`] thread (the default);
@@ -559,7 +571,7 @@ impl<'a> Run<'a> {
             // needs no draft, so the target decodes it as a plain step while the draft drafts
             // after the prompt (as an overlapped pre-draft does), and the part of that tree
             // below the root the target picked is verified next round.
-            let first = rounds.is_empty() && depth > 0 && first_round_overlap();
+            let first = rounds.is_empty() && depth > 0 && first_round_overlap(self.cfg.pipeline);
             let (drafted, overlap_hit) = if depth == 0 || first {
                 let empty = Drafted {
                     tree: TokenTree::new(),
