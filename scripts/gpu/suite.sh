@@ -101,7 +101,7 @@ e2eenv)
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
             --synthetic-beta 0.8 --num-prompts "${PROMPTS:-2}" --max-tokens "$n" \
             --depths "${DEPTHS:-3,4}" --trees "" --pipelines sequential --out "$OUT" \
-            --name "e2e-b08-env$k-$n" 2>&1 | grep -E 'tok/s|best'
+            --name "e2e-b08-env$k-$n" 2>&1 | grep -E 'tok/s|best|first round:'
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.

@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 
 /// Spare session bodies kept by an engine when `SPECSPLIT_SPARE_SESSIONS` is not set.
-pub const DEFAULT_SPARE_SESSIONS: usize = 2;
+pub const DEFAULT_SPARE_SESSIONS: usize = 1;
 
 /// How many ended sessions' bodies an engine keeps: `SPECSPLIT_SPARE_SESSIONS` (0 keeps none),
 /// else [`DEFAULT_SPARE_SESSIONS`]. They take memory beyond the sessions' budget.

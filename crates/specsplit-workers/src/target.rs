@@ -126,7 +126,7 @@ impl TargetEngine {
     }
 
     /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
-    /// [`crate::spare`]; the default is `SPECSPLIT_SPARE_SESSIONS` or 2).
+    /// [`crate::spare`]; the default is `SPECSPLIT_SPARE_SESSIONS` or 1).
     pub fn with_spare_sessions(mut self, n: usize) -> Self {
         self.spares = Arc::new(Spares::new(n));
         self
