@@ -1041,3 +1041,57 @@ fn a_decode_stepper_feeds_several_tokens_in_one_pass_like_one_step_each() {
         assert_eq!(passes, 7, "{preset}: every feed took one pass");
     }
 }
+
+#[test]
+fn staged_products_equal_the_two_kernels_they_replace() {
+    let Some(dev) = gpu() else { return };
+    // The 0.5B and 7B widths (hidden, intermediate) and an odd small one.
+    for (k, n) in [(896usize, 1152usize), (4864, 896), (3584, 4608), (18944, 512), (72, 40)] {
+        let x = randn(&dev, &[1, k], 1.0);
+        let delta = randn(&dev, &[1, k], 0.5);
+        let norm = randn(&dev, &[k], 1.0);
+        let w = randn(&dev, &[n, k], 0.05);
+        let bias = randn(&dev, &[n], 0.1);
+        let eps = 1e-6f32;
+        for (with_delta, with_bias) in [(false, false), (true, true), (true, false)] {
+            let d = with_delta.then_some(&delta);
+            let b = with_bias.then_some(&bias);
+            let (s, h) = fused::add_rmsnorm(&x, d, &norm, eps).unwrap();
+            let want = host(&fused::gemv(&h, &w, b).unwrap());
+            let (y, sum) = fused::rmsnorm_gemv(&x, d, &norm, eps, &w, b, true).unwrap();
+            assert_eq!(host(&sum.unwrap()), host(&s), "{k}x{n}: residual sum");
+            let got = host(&y);
+            // The norm's sum of squares is reduced in another order: the product may move by a
+            // few bf16 steps of the normed inputs, no more.
+            assert_close(
+                &format!("rmsnorm_gemv {k}x{n} delta {with_delta} bias {with_bias}"),
+                &got,
+                &want,
+                max_abs(&want),
+                1.0 / 64.0,
+            );
+            let (_, none) = fused::rmsnorm_gemv(&x, d, &norm, eps, &w, b, false).unwrap();
+            assert!(none.is_none());
+        }
+        // The gate: the same values as silu_mul then gemv, bit for bit.
+        if k <= 8192 {
+            let gu = randn(&dev, &[1, 2 * k], 2.0);
+            let wd = randn(&dev, &[n, k], 0.05);
+            for b in [None, Some(&bias)] {
+                let want = host(&fused::gemv(&fused::silu_mul(&gu).unwrap(), &wd, b).unwrap());
+                let got = host(&fused::silu_gemv(&gu, &wd, b).unwrap());
+                assert!(got == want, "silu_gemv {k}x{n}: differs from silu_mul + gemv");
+            }
+        }
+    }
+    // What they cannot run.
+    let x = randn(&dev, &[1, 64], 1.0);
+    let w = randn(&dev, &[8, 32], 1.0);
+    let norm = randn(&dev, &[64], 1.0);
+    assert!(fused::rmsnorm_gemv(&x, None, &norm, 1e-6, &w, None, true).is_err());
+    assert!(fused::silu_gemv(&x, &randn(&dev, &[8, 48], 1.0), None).is_err());
+    let wide = randn(&dev, &[1, fused::STAGED_GEMV_MAX_K + 8], 1.0);
+    let ww = randn(&dev, &[2, fused::STAGED_GEMV_MAX_K + 8], 1.0);
+    let wn = randn(&dev, &[fused::STAGED_GEMV_MAX_K + 8], 1.0);
+    assert!(fused::rmsnorm_gemv(&wide, None, &wn, 1e-6, &ww, None, true).is_err());
+}

@@ -842,6 +842,83 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
 #undef BI_CASE
 }
 
+// The rows of one block of a one-token product whose input vector a block stages in shared
+// memory first (the fused normalisation or gate below): y[r] = W[r, :] . xs (+ bias[r]), one
+// warp per row as specsplit_gemv_bf16, reading xs (k bf16, 16-byte aligned) from shared memory.
+__device__ __forceinline__ void gemv_staged_rows(const bf16* __restrict__ w, const bf16* xs,
+                                                 const bf16* __restrict__ bias,
+                                                 bf16* __restrict__ y, int n, int k) {
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    if (row >= n) return;
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
+    const uint4* xr = reinterpret_cast<const uint4*>(xs);
+    const int k8 = k / 8;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int i = lane;
+    for (; i + 3 * WARP < k8; i += 4 * WARP) {
+        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
+        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
+        a0 += dot8(w0, xr[i]);
+        a1 += dot8(w1, xr[i + WARP]);
+        a2 += dot8(w2, xr[i + 2 * WARP]);
+        a3 += dot8(w3, xr[i + 3 * WARP]);
+    }
+    for (; i < k8; i += WARP) a0 += dot8(load_stream(wr + i), xr[i]);
+    float acc = warp_sum((a0 + a1) + (a2 + a3));
+    if (lane == 0) {
+        if (bias != nullptr) acc = round_bf16(acc) + __bfloat162float(bias[row]);
+        y[row] = __float2bfloat16(acc);
+    }
+}
+
+// specsplit_add_rmsnorm_bf16 of one row feeding specsplit_gemv_bf16, in one launch: every block
+// computes s = x + delta (bf16-rounded; x when delta is null) and h = s / sqrt(mean(s^2) + eps) *
+// nw (bf16) into shared memory (k bf16), block 0 writes s to s_out (when not null), then the
+// block's warps compute their rows of y = W . h (+ bias). Block of 32 * rows-per-block threads.
+extern "C" __global__ void specsplit_rmsnorm_gemv_bf16(
+    const bf16* __restrict__ x, const bf16* __restrict__ delta, const bf16* __restrict__ nw,
+    bf16* __restrict__ s_out, const bf16* __restrict__ w, const bf16* __restrict__ bias,
+    bf16* __restrict__ y, int n, int k, float eps) {
+    extern __shared__ __align__(16) unsigned char rg_smem[];
+    bf16* hs = reinterpret_cast<bf16*>(rg_smem);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        float v = __bfloat162float(x[i]);
+        if (delta != nullptr) v = round_bf16(v + __bfloat162float(delta[i]));
+        hs[i] = __float2bfloat16(v);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / (float)k + eps);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        const bf16 sv = hs[i];
+        if (blockIdx.x == 0 && s_out != nullptr) s_out[i] = sv;
+        hs[i] = __float2bfloat16(__bfloat162float(sv) * inv * __bfloat162float(nw[i]));
+    }
+    __syncthreads();
+    gemv_staged_rows(w, hs, bias, y, n, k);
+}
+
+// specsplit_silu_mul_bf16 of one row feeding specsplit_gemv_bf16, in one launch: every block
+// stages silu(gate) * up (gu = [gate | up], k each; rounded like silu_mul) in shared memory,
+// then its warps compute their rows of y = W . that (+ bias).
+extern "C" __global__ void specsplit_silu_gemv_bf16(const bf16* __restrict__ gu,
+                                                    const bf16* __restrict__ w,
+                                                    const bf16* __restrict__ bias,
+                                                    bf16* __restrict__ y, int n, int k) {
+    extern __shared__ __align__(16) unsigned char sg_smem[];
+    bf16* hs = reinterpret_cast<bf16*>(sg_smem);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        const float g = __bfloat162float(gu[i]);
+        const float u = __bfloat162float(gu[k + i]);
+        const float sg = round_bf16(g / (1.f + __expf(-g)));
+        hs[i] = __float2bfloat16(sg * u);
+    }
+    __syncthreads();
+    gemv_staged_rows(w, hs, bias, y, n, k);
+}
+
 // SwiGLU gate: gu is (rows, 2 * n) = [gate | up]; out (rows, n) = silu(gate) * up, rounded to
 // bf16 after the silu and after the product like the unfused ops.
 extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
