@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [rows] [fusion] [e2eenv] [e2e2gpu] [qwen] [smollm2]
+#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [rows] [e2eenv] [e2e2gpu] [qwen] [smollm2]
 #   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
 # memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
@@ -87,15 +87,6 @@ rows)
             --synthetic-beta 0.8 --num-prompts 2 --max-tokens "$n" --depths "${DEPTHS:-3,4}" \
             --trees "" --pipelines sequential --out "$OUT" --name "e2e-b08-rows$v-$n-$k" 2>&1 \
             | grep -E 'tok/s|best'
-    done ;;
-fusion)
-    # The draft's graph step with its norms and gate fused into the products (thirteenth
-    # session): SPECSPLIT_STEP_FUSION 0 / 1 in turn, 0.5B shape.
-    for v in ${FUSION:-0 1 0 1}; do
-        log "forward 0.5b, SPECSPLIT_STEP_FUSION=$v"
-        SPECSPLIT_STEP_FUSION=$v timeout 120 /tmp/b forward --model random:qwen2.5-0.5b \
-            --device cuda:0 --contexts 512 --chains 1 --trees 16 --iters 50 --out "$OUT" \
-            --name "forward-0.5b-fusion$v" 2>&1 | grep -E 'static step|exact step|decode'
     done ;;
 e2eenv)
     # ENVS lists settings run in turn, each a comma-separated list of VAR=value ("def": none),

@@ -126,49 +126,6 @@ pub fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     imp::gemv(x, w, b)
 }
 
-/// Whether the draft's graph step fuses each RMSNorm and the SwiGLU gate into the product that
-/// reads them ([`rmsnorm_gemv`], [`silu_gemv`]: about 6 launches a layer instead of 9);
-/// `SPECSPLIT_STEP_FUSION=0` turns it off. It only drafts, so no output changes.
-pub fn step_fusion() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECSPLIT_STEP_FUSION").map_or(true, |v| v.trim() != "0"))
-}
-
-/// The most input values [`rmsnorm_gemv`] and [`silu_gemv`] stage in a block's shared memory.
-pub const STAGED_GEMV_MAX_K: usize = 24 * 1024;
-
-/// [`add_rmsnorm`] of one row then [`gemv`] of the normed row, in one launch: `x` and `delta`
-/// `(1, k)`, `norm` `(k,)`, `w` `(n, k)`, `b` `(n,)`; returns `x W'^T (+ b)` with `W'` applied
-/// to `s / rms(s) * norm`, `s = x + delta`, as `(1, n)` bf16, and `s` `(1, k)` when `want_sum`.
-/// Fails unless [`gemv_fits`] and `k` is at most [`STAGED_GEMV_MAX_K`].
-#[allow(clippy::too_many_arguments)]
-pub fn rmsnorm_gemv(
-    x: &Tensor,
-    delta: Option<&Tensor>,
-    norm: &Tensor,
-    eps: f32,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    want_sum: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    if !gemv_fits(x, w) || x.dim(1)? > STAGED_GEMV_MAX_K || !applies(norm) {
-        return Err(unfit("rmsnorm_gemv", &[x, w]));
-    }
-    imp::rmsnorm_gemv(x, delta, norm, eps, w, b, want_sum)
-}
-
-/// [`silu_mul`] of one row then [`gemv`] of the result, in one launch: `gate_up` `(1, 2 k)`,
-/// `w` `(n, k)`, `b` `(n,)` → `(1, n)` bf16, the same values as the two kernels. Fails unless
-/// the shapes fit and `k` is at most [`STAGED_GEMV_MAX_K`].
-pub fn silu_gemv(gate_up: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let fits = matches!((gate_up.dims(), w.dims()), ([1, k2], [_, k]) if *k2 == 2 * k && *k <= STAGED_GEMV_MAX_K)
-        && operands_fit(gate_up, w);
-    if !fits {
-        return Err(unfit("silu_gemv", &[gate_up, w]));
-    }
-    imp::silu_gemv(gate_up, w, b)
-}
-
 /// Residual add and RMSNorm of `rows` rows: `s = x + delta` (`s = x` without `delta`), returns
 /// `(s, s / rms(s) * weight)`, both `(rows, d)` bf16.
 pub fn add_rmsnorm(
@@ -765,87 +722,6 @@ mod imp {
         Ok(y)
     }
 
-    /// Rows of a staged product's block (as for gemv).
-    const STAGED_ROWS_PER_BLOCK: usize = 8;
-
-    /// The checked bias pointer of a product of `n` rows (0 without a bias).
-    fn bias_ptr(b: Option<&Tensor>, n: usize) -> Result<u64> {
-        if let Some(b) = b {
-            check(b.dims() == [n] && b.dtype() == DType::BF16, || {
-                format!("product bias {:?} {:?} for {n} rows", b.dims(), b.dtype())
-            })?;
-        }
-        Ok(b.map(ptr).transpose()?.unwrap_or(0))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rmsnorm_gemv(
-        x: &Tensor,
-        delta: Option<&Tensor>,
-        norm: &Tensor,
-        eps: f32,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        want_sum: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (n, k) = w.dims2()?;
-        check(norm.dims() == [k], || {
-            format!("rmsnorm weight {:?} for width {k}", norm.dims())
-        })?;
-        if let Some(d) = delta {
-            check(d.dims() == x.dims() && d.dtype() == DType::BF16, || {
-                format!("residual {:?} plus {:?}", x.dims(), d.dims())
-            })?;
-        }
-        let pb = bias_ptr(b, n)?;
-        let y = empty(&[1, n], DType::BF16, x)?;
-        let s = if want_sum {
-            Some(empty(&[1, k], DType::BF16, x)?)
-        } else {
-            None
-        };
-        let args = [
-            P(ptr(x)?),
-            P(delta.map(ptr).transpose()?.unwrap_or(0)),
-            P(ptr(norm)?),
-            P(s.as_ref().map(ptr).transpose()?.unwrap_or(0)),
-            P(ptr(w)?),
-            P(pb),
-            P(ptr(&y)?),
-            I(n as i32),
-            I(k as i32),
-            F(eps),
-        ];
-        let grid = n.div_ceil(STAGED_ROWS_PER_BLOCK) as u32;
-        let block = (STAGED_ROWS_PER_BLOCK * 32) as u32;
-        let dev = cuda(x)?;
-        let smem = (2 * k) as u32;
-        allow_smem(dev, "specsplit_rmsnorm_gemv_bf16", smem)?;
-        launch_2d(dev, "specsplit_rmsnorm_gemv_bf16", (grid, 1), block, smem, &args)?;
-        Ok((y, s))
-    }
-
-    pub(super) fn silu_gemv(gate_up: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-        let (n, k) = w.dims2()?;
-        let pb = bias_ptr(b, n)?;
-        let y = empty(&[1, n], DType::BF16, gate_up)?;
-        let args = [
-            P(ptr(gate_up)?),
-            P(ptr(w)?),
-            P(pb),
-            P(ptr(&y)?),
-            I(n as i32),
-            I(k as i32),
-        ];
-        let grid = n.div_ceil(STAGED_ROWS_PER_BLOCK) as u32;
-        let block = (STAGED_ROWS_PER_BLOCK * 32) as u32;
-        let dev = cuda(gate_up)?;
-        let smem = (2 * k) as u32;
-        allow_smem(dev, "specsplit_silu_gemv_bf16", smem)?;
-        launch_2d(dev, "specsplit_silu_gemv_bf16", (grid, 1), block, smem, &args)?;
-        Ok(y)
-    }
-
     pub(super) fn add_rmsnorm(
         x: &Tensor,
         delta: Option<&Tensor>,
@@ -1220,21 +1096,6 @@ mod imp {
         Err(off())
     }
     pub(super) fn gemv(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
-        Err(off())
-    }
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rmsnorm_gemv(
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: &Tensor,
-        _: f32,
-        _: &Tensor,
-        _: Option<&Tensor>,
-        _: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        Err(off())
-    }
-    pub(super) fn silu_gemv(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
         Err(off())
     }
     pub(super) fn add_rmsnorm(

@@ -1447,12 +1447,6 @@ impl Transformer {
     ) -> Result<(), ModelError> {
         use crate::fused;
         let (shape, scale) = self.fused_attn_shape(b.capacity);
-        let c = &self.config;
-        if fused::step_fusion()
-            && c.hidden_size.max(c.intermediate_size) <= fused::STAGED_GEMV_MAX_K
-        {
-            return self.static_step_fused_products(layers, b, cache);
-        }
         let (h, head) = self.fused_stack(layers, &b.token, fused::gemv, |i, qkv| {
             let (kb, vb) = cache.buffers(i)?;
             let q = fused::qkv_rope_cache(
@@ -1475,70 +1469,6 @@ impl Transformer {
             )?)
         })?;
         let logits = fused::gemv(&h, head, None)?;
-        fused::greedy_head(&logits, &b.next, &b.next_logprob, &b.token, &b.position)?;
-        Ok(())
-    }
-
-    /// [`Transformer::static_step_fused`] with each RMSNorm and the SwiGLU gate fused into the
-    /// product that reads them ([`crate::fused::rmsnorm_gemv`], [`crate::fused::silu_gemv`]):
-    /// per layer the normed Q|K|V product, rotary and cache write, attention, the output
-    /// product, the normed gate|up product and the gated down product (6 launches instead of 9),
-    /// then the normed head and the greedy pick.
-    fn static_step_fused_products(
-        &self,
-        layers: &[FusedLayer<'_>],
-        b: &StaticStep,
-        cache: &SessionCache,
-    ) -> Result<(), ModelError> {
-        use crate::fused;
-        let Linear::Dense { w: head, .. } = &self.lm_head else {
-            return Err(ModelError::Unsupported(
-                "fused kernels with a quantized head".into(),
-            ));
-        };
-        let (shape, scale) = self.fused_attn_shape(b.capacity);
-        let eps = self.config.rms_norm_eps as f32;
-        // The residual stream `x` and the delta still to be added to it.
-        let mut x = self.embed.forward(&b.token, self.dtype)?;
-        let mut delta: Option<Tensor> = None;
-        for (i, l) in layers.iter().enumerate() {
-            let (qkv, s) = fused::rmsnorm_gemv(
-                &x,
-                delta.as_ref(),
-                &l.layer.attn_norm,
-                eps,
-                &l.qkv.0,
-                l.qkv.1.as_ref(),
-                true,
-            )?;
-            x = s.expect("asked for the sum");
-            let (kb, vb) = cache.buffers(i)?;
-            let q = fused::qkv_rope_cache(
-                &qkv,
-                &self.cos,
-                &self.sin,
-                &b.position,
-                kb,
-                vb,
-                shape,
-                self.rope_interleaved,
-            )?;
-            let y = fused::decode_attention(&q, kb, vb, &b.position, shape, scale)?;
-            let a = fused::gemv(&y, &l.o.0, l.o.1.as_ref())?;
-            let (gu, s) = fused::rmsnorm_gemv(
-                &x,
-                Some(&a),
-                &l.layer.mlp_norm,
-                eps,
-                &l.gate_up.0,
-                l.gate_up.1.as_ref(),
-                true,
-            )?;
-            x = s.expect("asked for the sum");
-            delta = Some(fused::silu_gemv(&gu, &l.down.0, l.down.1.as_ref())?);
-        }
-        let (logits, _) =
-            fused::rmsnorm_gemv(&x, delta.as_ref(), &self.norm, eps, head, None, false)?;
         fused::greedy_head(&logits, &b.next, &b.next_logprob, &b.token, &b.position)?;
         Ok(())
     }
