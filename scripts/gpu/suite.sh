@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [rows] [e2eenv] [e2e2gpu] [qwen] [smollm2]
+#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [e2eenv] [e2e2gpu] [qwen] [smollm2]
 #   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
 # memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
@@ -71,21 +71,6 @@ e2ewake)
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
             --synthetic-beta 0.8 --num-prompts 2 --max-tokens "$n" --depths "${DEPTHS:-3,4}" \
             --trees "" --pipelines sequential --out "$OUT" --name "e2e-b08-w$v-$n" 2>&1 \
-            | grep -E 'tok/s|best'
-    done ;;
-rows)
-    # Chains through captured multi-row passes (thirteenth session): ROWS lists values of
-    # SPECSPLIT_ROWS_GRAPH run in turn (0 = the draft feeds a token a step and the target
-    # verifies chains eagerly; 1 = the default).
-    n="${MAX_TOKENS:-64}"
-    k=0
-    for v in ${ROWS:-0 1 0 1}; do
-        k=$((k + 1))
-        log "e2e synthetic, $n tokens, SPECSPLIT_ROWS_GRAPH=$v"
-        SPECSPLIT_ROWS_GRAPH=$v timeout 200 /tmp/b e2e --target random:qwen2.5-7b \
-            --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
-            --synthetic-beta 0.8 --num-prompts 2 --max-tokens "$n" --depths "${DEPTHS:-3,4}" \
-            --trees "" --pipelines sequential --out "$OUT" --name "e2e-b08-rows$v-$n-$k" 2>&1 \
             | grep -E 'tok/s|best'
     done ;;
 e2eenv)

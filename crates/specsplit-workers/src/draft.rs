@@ -15,7 +15,7 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
-use crate::spare::Spares;
+use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
 /// One draft session: the cached sequence and the logits after its last token.
@@ -27,13 +27,7 @@ pub struct DraftSession {
     /// Fixed-shape greedy steps over `cache` for chain drafts (made at the first chain).
     stepper: Option<DecodeStepper>,
     /// Where the cache and stepper go when the session ends.
-    spares: Option<Arc<Spares<DraftBody>>>,
-}
-
-/// What a draft session keeps for the next one: its cache and the graphs captured over it.
-struct DraftBody {
-    cache: SessionCache,
-    stepper: Option<DecodeStepper>,
+    spares: Option<Arc<Spares<SessionBody<DecodeStepper>>>>,
 }
 
 impl Drop for DraftSession {
@@ -41,7 +35,7 @@ impl Drop for DraftSession {
         // See `TargetSession`'s Drop: free (or keep) GPU buffers with the context current.
         let _ = specsplit_core::device::bind_to_thread(self.cache.device());
         if let Some(spares) = self.spares.take() {
-            spares.put(DraftBody {
+            spares.put(SessionBody {
                 cache: self.cache.clone(),
                 stepper: self.stepper.take(),
             });
@@ -143,7 +137,7 @@ pub struct DraftEngine {
     synthetic: Option<SyntheticOracle>,
     static_chains: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
-    spares: Arc<Spares<DraftBody>>,
+    spares: Arc<Spares<SessionBody<DecodeStepper>>>,
 }
 
 impl DraftEngine {
@@ -203,16 +197,9 @@ impl DraftEngine {
 
     /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
     pub fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
-        let body = match self.spares.take() {
-            Some(mut b) => {
-                b.cache.truncate(0)?;
-                b
-            }
-            None => DraftBody {
-                cache: self.model.new_cache(self.max_context)?,
-                stepper: None,
-            },
-        };
+        let body = self
+            .spares
+            .body_or(|| Ok(self.model.new_cache(self.max_context)?))?;
         Ok(DraftSession {
             cache: body.cache,
             tokens: Vec::new(),

@@ -4,6 +4,10 @@
 
 use std::sync::Mutex;
 
+use specsplit_core::cache::SessionCache;
+
+use crate::EngineError;
+
 /// Spare session bodies kept by an engine when `SPECSPLIT_SPARE_SESSIONS` is not set.
 pub const DEFAULT_SPARE_SESSIONS: usize = 1;
 
@@ -65,6 +69,34 @@ impl<T> Spares<T> {
     /// The most bodies kept.
     pub fn max(&self) -> usize {
         self.max
+    }
+}
+
+/// What a session keeps for the next one: its cache and the stepper (with the CUDA graphs
+/// captured over that cache), if it made one.
+pub struct SessionBody<St> {
+    /// The KV cache.
+    pub cache: SessionCache,
+    /// The stepper made over `cache`.
+    pub stepper: Option<St>,
+}
+
+impl<St> Spares<SessionBody<St>> {
+    /// A kept body with its cache emptied, else a new body over the cache `new_cache` makes.
+    pub fn body_or(
+        &self,
+        new_cache: impl FnOnce() -> Result<SessionCache, EngineError>,
+    ) -> Result<SessionBody<St>, EngineError> {
+        match self.take() {
+            Some(mut b) => {
+                b.cache.truncate(0)?;
+                Ok(b)
+            }
+            None => Ok(SessionBody {
+                cache: new_cache()?,
+                stepper: None,
+            }),
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 
 use crate::draft::{common_prefix, seeded_rng};
-use crate::spare::Spares;
+use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
 /// One target session: the cached sequence and the logits after its last token.
@@ -29,13 +29,7 @@ pub struct TargetSession {
     /// decoding step where the model has one.
     stepper: Option<ExactStepper>,
     /// Where the cache and stepper go when the session ends.
-    spares: Option<Arc<Spares<TargetBody>>>,
-}
-
-/// What a target session keeps for the next one: its cache and the graphs captured over it.
-struct TargetBody {
-    cache: SessionCache,
-    stepper: Option<ExactStepper>,
+    spares: Option<Arc<Spares<SessionBody<ExactStepper>>>>,
 }
 
 impl Drop for TargetSession {
@@ -45,7 +39,7 @@ impl Drop for TargetSession {
         let _ = specsplit_core::device::bind_to_thread(self.cache.device());
         if let Some(spares) = self.spares.take() {
             // The clone shares the cache's buffers, so the stepper's graphs stay valid.
-            spares.put(TargetBody {
+            spares.put(SessionBody {
                 cache: self.cache.clone(),
                 stepper: self.stepper.take(),
             });
@@ -109,7 +103,7 @@ pub struct TargetEngine {
     /// one-token forward) where the model allows it; `SPECSPLIT_TARGET_GRAPH=0` turns it off.
     exact_steps: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
-    spares: Arc<Spares<TargetBody>>,
+    spares: Arc<Spares<SessionBody<ExactStepper>>>,
 }
 
 impl TargetEngine {
@@ -154,16 +148,9 @@ impl TargetEngine {
 
     /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
     pub fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
-        let body = match self.spares.take() {
-            Some(mut b) => {
-                b.cache.truncate(0)?;
-                b
-            }
-            None => TargetBody {
-                cache: self.model.new_cache(self.max_context)?,
-                stepper: None,
-            },
-        };
+        let body = self
+            .spares
+            .body_or(|| Ok(self.model.new_cache(self.max_context)?))?;
         Ok(TargetSession {
             cache: body.cache,
             tokens: Vec::new(),
