@@ -45,6 +45,10 @@ pub struct KernelArgs {
     /// Column tiles of 8 a warp to compare (2 or 4; 0 = the built-in rule).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     col_tiles: Vec<usize>,
+    /// Also time each kernel of the one-token graph step (the draft's decode step) at this
+    /// shape, per context, and their sum over a step.
+    #[arg(long)]
+    step: bool,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -207,11 +211,145 @@ pub fn main(a: KernelArgs) -> Result<()> {
             rows_out.push(r);
         }
     }
+    if a.step {
+        step_kernels(&a, &c, &dev, &mut rows_out)?;
+    }
     let doc = json!({
         "meta": { "shape": a.shape, "device": a.device, "iters": a.iters, "batch": a.batch },
         "rows": rows_out,
     });
     let (j, c) = report::write(&a.out, &a.name, &doc)?;
     println!("wrote {} and {}", j.display(), c.display());
+    Ok(())
+}
+
+/// Times each kernel of the fused one-token step ([`specsplit_models::transformer::Transformer::static_step`]
+/// on CUDA) at shape `c`, per context of `a`, and prints their sum over one step: what the
+/// device spends in the step's kernels when the host keeps it fed, to set beside the replayed
+/// step's time (the rest is the gaps between dependent kernels).
+fn step_kernels(
+    a: &KernelArgs,
+    c: &ModelConfig,
+    dev: &Device,
+    rows_out: &mut Vec<Map<String, Value>>,
+) -> Result<()> {
+    let bf = |shape: &[usize], scale: f64| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1f32, shape, dev)?
+            .affine(scale, 0.0)?
+            .to_dtype(DType::BF16)?)
+    };
+    let (h, hd, kvh, qh) = (
+        c.hidden_size,
+        c.head_dim,
+        c.num_key_value_heads,
+        c.num_attention_heads,
+    );
+    let time = |f: &mut dyn FnMut() -> Result<()>| per_launch_ms(dev, a.iters, a.batch, f);
+    let mut row = |op: &str, context: usize, ms: f64, per_step: usize| {
+        println!("  step {op:14} ctx {context:5}: {ms:.4} ms x {per_step}");
+        let mut r = Map::new();
+        r.insert("op".into(), json!(format!("step_{op}")));
+        r.insert("context".into(), json!(context));
+        r.insert("ms".into(), json!(ms));
+        r.insert("per_step".into(), json!(per_step));
+        rows_out.push(r);
+        ms * per_step as f64
+    };
+    let layers = c.num_hidden_layers;
+    let x = bf(&[1, h], 1.0)?;
+    let norm = bf(&[h], 1.0)?;
+    let eps = c.rms_norm_eps as f32;
+    println!(
+        "{} one-token step kernels (per launch, host keeping the device fed):",
+        a.shape
+    );
+    for &ctx in &a.contexts {
+        let mut total = 0.0;
+        total += row(
+            "add_rmsnorm",
+            ctx,
+            time(&mut || {
+                fused::add_rmsnorm(&x, Some(&x), &norm, eps)?;
+                Ok(())
+            })?,
+            2 * layers + 1,
+        );
+        for (name, n, k, bias, per) in [
+            ("gemv_qkv", (qh + 2 * kvh) * hd, h, true, layers),
+            ("gemv_o", h, qh * hd, false, layers),
+            ("gemv_gate_up", 2 * c.intermediate_size, h, false, layers),
+            ("gemv_down", h, c.intermediate_size, false, layers),
+            ("gemv_head", c.vocab_size, h, false, 1),
+        ] {
+            let w = bf(&[n, k], 0.02)?;
+            let b = if bias { Some(bf(&[n], 0.1)?) } else { None };
+            let xi = bf(&[1, k], 1.0)?;
+            let ms = time(&mut || {
+                fused::gemv(&xi, &w, b.as_ref())?;
+                Ok(())
+            })?;
+            total += row(name, ctx, ms, per);
+        }
+        let cap = ctx + 1;
+        let shape = AttnShape {
+            heads: qh,
+            kv: kvh,
+            head_dim: hd,
+            capacity: cap,
+        };
+        let kc = bf(&[1, kvh, cap, hd], 1.0)?;
+        let vc = bf(&[1, kvh, cap, hd], 1.0)?;
+        let cos = bf(&[cap, hd / 2], 1.0)?;
+        let sin = bf(&[cap, hd / 2], 1.0)?;
+        let pos = Tensor::new(&[ctx as u32], dev)?;
+        let qkv = bf(&[1, (qh + 2 * kvh) * hd], 1.0)?;
+        total += row(
+            "qkv_rope_cache",
+            ctx,
+            time(&mut || {
+                fused::qkv_rope_cache(&qkv, &cos, &sin, &pos, &kc, &vc, shape, false)?;
+                Ok(())
+            })?,
+            layers,
+        );
+        let q = bf(&[1, qh * hd], 1.0)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        total += row(
+            "attention",
+            ctx,
+            time(&mut || {
+                fused::decode_attention(&q, &kc, &vc, &pos, shape, scale)?;
+                Ok(())
+            })?,
+            layers,
+        );
+        let gu = bf(&[1, 2 * c.intermediate_size], 1.0)?;
+        total += row(
+            "silu_mul",
+            ctx,
+            time(&mut || {
+                fused::silu_mul(&gu)?;
+                Ok(())
+            })?,
+            layers,
+        );
+        let logits = bf(&[1, c.vocab_size], 1.0)?;
+        let (next, token, position) = (
+            Tensor::zeros(1, DType::U32, dev)?,
+            Tensor::zeros(1, DType::U32, dev)?,
+            Tensor::zeros(1, DType::U32, dev)?,
+        );
+        let lp = Tensor::zeros(1, DType::F32, dev)?;
+        total += row(
+            "greedy_head",
+            ctx,
+            time(&mut || {
+                fused::greedy_head(&logits, &next, &lp, &token, &position)?;
+                Ok(())
+            })?,
+            1,
+        );
+        row("total", ctx, total, 1);
+    }
     Ok(())
 }
