@@ -358,6 +358,37 @@ fn greedy_head_picks_the_lowest_argmax_and_advances_the_position() {
             .ln();
     let got = logprob.to_vec1::<f32>().unwrap()[0] as f64;
     assert!((got - (9.0 - lse)).abs() < 1e-3, "{got} vs {}", 9.0 - lse);
+    // Small vocabularies (one block) and widths that leave the last block short, with the
+    // maximum at the very end.
+    for v in [100usize, 4096, 4097, 70_001] {
+        let mut row: Vec<f32> = (0..v)
+            .map(|i| ((i as f32 * 0.37).fract() - 0.5) * 4.0)
+            .collect();
+        row[v - 1] = 5.0;
+        let l = Tensor::from_vec(row, (1, v), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let lb = host(&l);
+        fused::greedy_head(&l, &next, &logprob, &token, &pos).unwrap();
+        assert_eq!(
+            next.to_vec1::<u32>().unwrap(),
+            [v as u32 - 1],
+            "vocabulary {v}"
+        );
+        let lse = 5.0
+            + lb.iter()
+                .map(|&x| ((x - 5.0) as f64).exp())
+                .sum::<f64>()
+                .ln();
+        let got = logprob.to_vec1::<f32>().unwrap()[0] as f64;
+        assert!(
+            (got - (5.0 - lse)).abs() < 1e-3,
+            "vocabulary {v}: {got} vs {}",
+            5.0 - lse
+        );
+    }
+    assert_eq!(pos.to_vec1::<u32>().unwrap(), [46]);
 }
 
 fn argmax(row: &[f32]) -> u32 {
