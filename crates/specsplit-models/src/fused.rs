@@ -1073,15 +1073,9 @@ mod imp {
             })?;
         }
         let dev = cuda(logits)?;
-        if vocab < 4096 {
-            let mut args = pointers(&[logits])?;
-            args.push(I(vocab as i32));
-            args.extend(pointers(&[next, logprob, token, pos])?);
-            return launch(dev, "specsplit_greedy_head_bf16", 1, 1024, &args);
-        }
         // Spread over blocks of at least 2048 logits each (H100: 52 us in one block for a
         // 150k vocabulary), then combined by one warp.
-        let blocks = vocab.div_ceil(2048).min(128);
+        let blocks = vocab.div_ceil(2048).clamp(1, 128);
         let chunk = vocab.div_ceil(blocks);
         let part = empty(&[3 * blocks], DType::F32, logits)?;
         let args = [

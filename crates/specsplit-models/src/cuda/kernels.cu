@@ -855,12 +855,12 @@ extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
     out[i] = __float2bfloat16(s * u);
 }
 
-// Greedy head of one token: next = argmax(logits) (the lowest index among equal maxima),
-// logprob = logits[next] - logsumexp(logits); then token = next and *pos += 1, so the next
-// replay of a captured step decodes the following token. One block.
-// The greedy head split over blocks (a one-block pass over a 150k vocabulary takes ~50 us):
-// block b takes logits [b * chunk, (b + 1) * chunk) and writes part[3 b ..] = its maximum, the
-// lowest index holding it (as int bits) and the sum of exp(x - its maximum). Block of 256.
+// Greedy head of one token, in two kernels: next = argmax(logits) (the lowest index among
+// equal maxima), logprob = logits[next] - logsumexp(logits); then token = next and *pos += 1,
+// so the next replay of a captured step decodes the following token. Split over blocks (one
+// block took ~52 us over a 150k vocabulary on an H100): block b takes logits
+// [b * chunk, (b + 1) * chunk) and writes part[3 b ..] = its maximum, the lowest index holding
+// it (as int bits) and the sum of exp(x - its maximum). Block of 256.
 extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restrict__ logits, int v,
                                                            int chunk, float* __restrict__ part) {
     __shared__ float best_v[32];
@@ -935,52 +935,6 @@ extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict_
         *next = (uint32_t)bi;
         *logprob = -logf(s);
         *token = (uint32_t)bi;
-        *pos = *pos + 1;
-    }
-}
-
-extern "C" __global__ void specsplit_greedy_head_bf16(const bf16* __restrict__ logits, int v,
-                                                      uint32_t* __restrict__ next,
-                                                      float* __restrict__ logprob,
-                                                      uint32_t* __restrict__ token,
-                                                      uint32_t* __restrict__ pos) {
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < v; i += blockDim.x) {
-        const float x = __bfloat162float(logits[i]);
-        if (x > bv) {
-            bv = x;
-            bi = i;
-        }
-    }
-    warp_argmax(bv, bi);
-    if (lane == 0) {
-        best_v[warp] = bv;
-        best_i[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        bv = lane < (int)(blockDim.x / WARP) ? best_v[lane] : -INFINITY;
-        bi = lane < (int)(blockDim.x / WARP) ? best_i[lane] : 0x7fffffff;
-        warp_argmax(bv, bi);
-        if (lane == 0) {
-            best_v[0] = bv;
-            best_i[0] = bi;
-        }
-    }
-    __syncthreads();
-    const float m = best_v[0];
-    const int arg = best_i[0];
-    float s = 0.f;
-    for (int i = threadIdx.x; i < v; i += blockDim.x) s += __expf(__bfloat162float(logits[i]) - m);
-    s = block_sum(s);
-    if (threadIdx.x == 0) {
-        *next = (uint32_t)arg;
-        *logprob = -logf(s);
-        *token = (uint32_t)arg;
         *pos = *pos + 1;
     }
 }
