@@ -438,18 +438,12 @@ impl PassKeys {
         self.rows
     }
 
-    /// One row that sees slots `0..lead`, with `lead` read from the device at each use:
-    /// `meta` is a `(1, 2)` u32 buffer holding `[lead, 0]`, written by the caller before each
-    /// launch (a captured CUDA graph reads whatever it holds at replay), and `lead` must stay at
-    /// most `capacity`. The attention is launched over the whole capacity and the chunks past
-    /// `lead` return at once, so the row gets the same bits as with [`PassKeys::new`].
-    pub fn device_row(meta: Tensor, capacity: usize) -> Result<Self> {
-        Self::device_rows(meta, capacity)
-    }
-
-    /// [`PassKeys::device_row`] for `n` rows: `meta` is an `(n, 2)` u32 buffer holding
-    /// `[lead_r, 0]` per row (row `r` sees slots `0..lead_r`), written before each launch; a
-    /// chain after `past` cached tokens has `lead_r = past + r + 1`.
+    /// `n` rows whose key counts are read from the device at each use: `meta` is an `(n, 2)`
+    /// u32 buffer holding `[lead_r, 0]` per row (row `r` sees slots `0..lead_r`, at most
+    /// `capacity`), written by the caller before each launch (a captured CUDA graph reads
+    /// whatever it holds at replay); a chain after `past` cached tokens has `lead_r = past + r
+    /// + 1`. The attention is launched over the whole capacity and the chunks past a row's
+    /// lead return at once, so each row gets the same bits as with [`PassKeys::new`].
     pub fn device_rows(meta: Tensor, capacity: usize) -> Result<Self> {
         let rows = meta.dims().first().copied().unwrap_or(0);
         if meta.dims() != [rows, 2]

@@ -2,8 +2,8 @@
 //! session cache, replaying it from a CUDA graph on CUDA (one launch per token instead of a few
 //! hundred kernel launches) and eagerly elsewhere.
 //!
-//! [`ExactStepper`] does the same for [`Transformer::exact_step`], the target's one-token
-//! pass with the batch-invariant kernels.
+//! [`ExactStepper`] does the same for [`Transformer::exact_rows`], the target's pass of one
+//! token (or of a chain) with the batch-invariant kernels, one graph per row count.
 //!
 //! The graph bakes in the addresses of the weights, of the cache's buffers and of the step's
 //! own buffers, so a stepper belongs to one cache for that cache's whole life.
@@ -11,7 +11,7 @@
 use candle_core::Tensor;
 use specsplit_core::cache::SessionCache;
 
-use crate::transformer::{ExactRows, ExactStep, StaticStep, Transformer};
+use crate::transformer::{ExactRows, StaticStep, Transformer};
 use crate::ModelError;
 
 /// A CUDA graph of one decode step, movable between threads.
@@ -254,22 +254,21 @@ impl DecodeStepper {
     }
 }
 
-/// Batch-invariant one-token decode steps over one session cache ([`Transformer::exact_step`]:
-/// the logits of a one-token [`Transformer::forward`], bit for bit), replayed from a CUDA
-/// graph: how a target decodes alone with the same bits it verifies trees with.
+/// Batch-invariant decode steps over one session cache ([`Transformer::exact_rows`]: the logits
+/// of a [`Transformer::forward`] of the same rows, bit for bit), replayed from a CUDA graph
+/// captured once per row count: how a target decodes alone (one row), and verifies a chain
+/// draft (the new token and the chain below it), with the same bits it verifies trees with.
 pub struct ExactStepper {
-    bufs: ExactStep,
-    replay: Replay,
-    /// Chains of several tokens ([`ExactStepper::step_chain`]), by row count.
-    chains: Vec<Option<RowsReplay>>,
+    capacity: usize,
+    /// The passes run so far, by row count.
+    rows: Vec<Option<RowsReplay>>,
 }
 
 impl std::fmt::Debug for ExactStepper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExactStepper")
-            .field("capacity", &self.bufs.capacity())
-            .field("eager_steps", &self.replay.eager_steps)
-            .field("graph", &self.uses_graph())
+            .field("capacity", &self.capacity)
+            .field("graphs", &self.chain_graphs())
             .finish()
     }
 }
@@ -285,30 +284,22 @@ impl ExactStepper {
             )));
         }
         Ok(Self {
-            bufs: model.exact_step_buffers(capacity)?,
-            replay: Replay::default(),
-            chains: Vec::new(),
+            capacity,
+            rows: Vec::new(),
         })
     }
 
-    /// Whether [`ExactStepper::step_chain`] takes chains of `rows` tokens for `model`.
+    /// Whether [`ExactStepper::step_chain`] takes chains of `rows` tokens for `model`: one
+    /// token always, longer chains where [`rows_graphs_enabled`] and the model runs them.
     pub fn chain_fits(&self, model: &Transformer, rows: usize) -> bool {
-        rows == 1 || (rows_graphs_enabled() && model.exact_rows_fit(self.bufs.capacity(), rows))
+        rows == 1 || (rows_graphs_enabled() && model.exact_rows_fit(self.capacity, rows))
     }
 
-    /// Row counts whose chains replay a captured graph.
+    /// Row counts whose passes replay a captured graph.
     pub fn chain_graphs(&self) -> Vec<usize> {
-        let mut rows: Vec<usize> = (0..self.chains.len())
-            .filter(|&n| {
-                self.chains[n]
-                    .as_ref()
-                    .is_some_and(|r| r.replay.uses_graph())
-            })
-            .collect();
-        if self.uses_graph() {
-            rows.insert(0, 1);
-        }
-        rows
+        (0..self.rows.len())
+            .filter(|&n| self.rows[n].as_ref().is_some_and(|r| r.replay.uses_graph()))
+            .collect()
     }
 
     /// [`ExactStepper::step`] for a chain: `tokens` (each the next one's parent) at the end of
@@ -324,17 +315,13 @@ impl ExactStepper {
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
         let n = tokens.len();
-        if n == 1 {
-            return self.step(model, tokens[0], cache);
-        }
-        if !self.chain_fits(model, n) {
+        if n == 0 || !self.chain_fits(model, n) {
             return Err(ModelError::Unsupported(format!(
                 "no exact {n}-row chain pass for this model"
             )));
         }
         specsplit_core::device::bind_to_thread(model.device())?;
-        let cap = self.bufs.capacity();
-        let RowsReplay { bufs, replay } = rows_replay(&mut self.chains, model, cap, n)?;
+        let RowsReplay { bufs, replay } = rows_replay(&mut self.rows, model, self.capacity, n)?;
         bufs.start(tokens, cache.len())?;
         let store = &*cache;
         replay.run(model, || model.exact_rows(bufs, store))?;
@@ -342,9 +329,12 @@ impl ExactStepper {
         Ok(bufs.logits.clone())
     }
 
-    /// Whether steps are replayed from a captured CUDA graph.
+    /// Whether one-token steps are replayed from a captured CUDA graph.
     pub fn uses_graph(&self) -> bool {
-        self.replay.uses_graph()
+        self.rows
+            .get(1)
+            .and_then(Option::as_ref)
+            .is_some_and(|r| r.replay.uses_graph())
     }
 
     /// Decodes `token` at the end of `cache` (the cache this stepper is used with, every
@@ -357,11 +347,6 @@ impl ExactStepper {
         token: u32,
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
-        specsplit_core::device::bind_to_thread(model.device())?;
-        self.bufs.start(token, cache.len())?;
-        let (bufs, store) = (&self.bufs, &*cache);
-        self.replay.run(model, || model.exact_step(bufs, store))?;
-        cache.advance(1)?;
-        Ok(self.bufs.logits.clone())
+        self.step_chain(model, &[token], cache)
     }
 }

@@ -209,40 +209,6 @@ impl StaticStep {
     }
 }
 
-/// Device buffers of [`Transformer::exact_step`]: its input token and position, its one
-/// row's key count, and the logits it writes.
-pub struct ExactStep {
-    /// `(4,)` u32: the token, its position (= cache slot), then the attention row's
-    /// `[position + 1, 0]`; written together before each step.
-    io: Tensor,
-    token: Tensor,
-    position: Tensor,
-    keys: crate::fused::PassKeys,
-    /// `(1, vocab)` f32: the step's logits.
-    pub logits: Tensor,
-    capacity: usize,
-}
-
-impl ExactStep {
-    /// Sets the next step's input: `token` at cache slot `position` (one small upload).
-    pub fn start(&self, token: u32, position: usize) -> Result<(), ModelError> {
-        if position >= self.capacity {
-            return Err(specsplit_core::cache::CacheError::CapacityExceeded {
-                needed: position + 1,
-                capacity: self.capacity,
-            }
-            .into());
-        }
-        let p = position as u32;
-        Ok(crate::fused::write_u32(&self.io, &[token, p, p + 1, 0])?)
-    }
-
-    /// The cache capacity these buffers serve.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-}
-
 /// Device buffers of [`Transformer::exact_rows`] and [`Transformer::static_rows_step`]: a
 /// chain of `rows` tokens after the cached sequence, their positions (= cache slots), each
 /// row's key count, and the logits the exact pass writes.
@@ -1191,10 +1157,10 @@ impl Transformer {
         Ok(())
     }
 
-    /// Whether [`Transformer::exact_step`] runs for this model over caches of `capacity` slots:
-    /// exactly when a one-token [`Transformer::forward`] takes the fused batch-invariant path
-    /// (bf16 on CUDA, dense weights the kernels take, the fused kernels and batch invariance
-    /// on), and the rotary tables cover the capacity.
+    /// Whether a one-row [`Transformer::exact_rows`] (the exact decoding step) runs for this
+    /// model over caches of `capacity` slots: exactly when a one-token [`Transformer::forward`]
+    /// takes the fused batch-invariant path (bf16 on CUDA, dense weights the kernels take, the
+    /// fused kernels and batch invariance on), and the rotary tables cover the capacity.
     pub fn exact_step_fits(&self, capacity: usize) -> bool {
         self.exact_shape_fits(capacity) && self.fused_layers().is_some()
     }
@@ -1202,75 +1168,6 @@ impl Transformer {
     /// [`Transformer::exact_step_fits`] but for the fused layer stack.
     fn exact_shape_fits(&self, capacity: usize) -> bool {
         capacity > 0 && self.gpu_batch_invariant(1) && self.cos.dim(0).is_ok_and(|d| d >= capacity)
-    }
-
-    /// Device buffers for [`Transformer::exact_step`] over caches of `capacity` slots.
-    pub fn exact_step_buffers(&self, capacity: usize) -> Result<ExactStep, ModelError> {
-        specsplit_core::device::bind_to_thread(&self.device)?;
-        let dev = &self.device;
-        let io = Tensor::zeros(4, DType::U32, dev)?;
-        let keys =
-            crate::fused::PassKeys::device_row(io.narrow(0, 2, 2)?.reshape((1, 2))?, capacity)?;
-        Ok(ExactStep {
-            token: io.narrow(0, 0, 1)?,
-            position: io.narrow(0, 1, 1)?,
-            keys,
-            io,
-            logits: Tensor::zeros((1, self.config.vocab_size), DType::F32, dev)?,
-            capacity,
-        })
-    }
-
-    /// One token through the model with the same kernels and the same arithmetic as a
-    /// one-token [`Transformer::forward`] on the batch-invariant path (so its logits are
-    /// bit-identical to that pass, and to the token's row in a verified tree), but with no
-    /// shape that depends on the cache length, so it can be captured once into a CUDA graph
-    /// and replayed: reads the token and its position from `b` (set by [`ExactStep::start`]),
-    /// writes the token's K/V at that slot, attends over slots `0..=position` (the row's key
-    /// count is read on the device) and writes f32 logits to `b.logits`. The cache's length
-    /// is left alone (the caller advances it). Fails when [`Transformer::exact_step_fits`]
-    /// does not hold.
-    pub fn exact_step(&self, b: &ExactStep, cache: &SessionCache) -> Result<(), ModelError> {
-        use crate::fused;
-        let cap = b.capacity;
-        if cache.capacity() != cap || *cache.spec() != self.cache_spec(cap) {
-            return Err(ModelError::Input(format!(
-                "exact step buffers are for {cap} entries, the cache is {:?}",
-                cache.spec()
-            )));
-        }
-        let layers = match self.fused_layers() {
-            Some(l) if self.exact_shape_fits(cap) => l,
-            _ => {
-                return Err(ModelError::Unsupported(
-                    "the exact step needs bf16 on CUDA with the fused batch-invariant kernels"
-                        .into(),
-                ))
-            }
-        };
-        let c = &self.config;
-        let (heads, hd) = (c.num_attention_heads, c.head_dim);
-        let (shape, scale) = self.fused_attn_shape(cap);
-        let (h, head) = self.fused_stack(&layers, &b.token, fused::bi_matmul, |i, qkv| {
-            let (kb, vb) = cache.buffers(i)?;
-            // One row: the same rotary and cache write as the rows kernel of a pass, at the
-            // device-side position.
-            let q = fused::qkv_rope_cache(
-                qkv,
-                &self.cos,
-                &self.sin,
-                &b.position,
-                kb,
-                vb,
-                shape,
-                self.rope_interleaved,
-            )?
-            .reshape((1, heads, 1, hd))?;
-            Ok(fused::rows_attention(&q, kb, vb, &b.keys, shape, scale)?)
-        })?;
-        let logits = fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?;
-        b.logits.slice_set(&logits, 0, 0)?;
-        Ok(())
     }
 
     /// Whether [`Transformer::exact_rows`] and [`Transformer::static_rows_step`] run for this

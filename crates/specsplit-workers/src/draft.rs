@@ -26,20 +26,19 @@ pub struct DraftSession {
     rng: ChaCha8Rng,
     /// Fixed-shape greedy steps over `cache` for chain drafts (made at the first chain).
     stepper: Option<DecodeStepper>,
-    /// Where the cache and stepper go when the session ends.
-    spares: Option<Arc<Spares<SessionBody<DecodeStepper>>>>,
+    /// Where the cache and stepper go when the session ends (dropped there when it is full).
+    spares: Arc<Spares<SessionBody<DecodeStepper>>>,
 }
 
 impl Drop for DraftSession {
     fn drop(&mut self) {
         // See `TargetSession`'s Drop: free (or keep) GPU buffers with the context current.
         let _ = specsplit_core::device::bind_to_thread(self.cache.device());
-        if let Some(spares) = self.spares.take() {
-            spares.put(SessionBody {
-                cache: self.cache.clone(),
-                stepper: self.stepper.take(),
-            });
-        }
+        // The clone shares the cache's buffers, so the stepper's graphs stay valid.
+        self.spares.put(SessionBody {
+            cache: self.cache.clone(),
+            stepper: self.stepper.take(),
+        });
     }
 }
 
@@ -206,7 +205,7 @@ impl DraftEngine {
             last_logits: None,
             rng: seeded_rng(seed),
             stepper: body.stepper,
-            spares: (self.spares.max() > 0).then(|| self.spares.clone()),
+            spares: self.spares.clone(),
         })
     }
 

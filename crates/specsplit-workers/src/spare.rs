@@ -65,11 +65,6 @@ impl<T> Spares<T> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// The most bodies kept.
-    pub fn max(&self) -> usize {
-        self.max
-    }
 }
 
 /// What a session keeps for the next one: its cache and the stepper (with the CUDA graphs

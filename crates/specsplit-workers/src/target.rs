@@ -28,8 +28,8 @@ pub struct TargetSession {
     /// The graph-replayed one-token step over `cache`, made at the session's first plain
     /// decoding step where the model has one.
     stepper: Option<ExactStepper>,
-    /// Where the cache and stepper go when the session ends.
-    spares: Option<Arc<Spares<SessionBody<ExactStepper>>>>,
+    /// Where the cache and stepper go when the session ends (dropped there when it is full).
+    spares: Arc<Spares<SessionBody<ExactStepper>>>,
 }
 
 impl Drop for TargetSession {
@@ -37,13 +37,11 @@ impl Drop for TargetSession {
         // The session's GPU buffers are freed (or kept) on whatever thread drops it (an
         // eviction, the TTL sweeper, EndSession): make the context current there first.
         let _ = specsplit_core::device::bind_to_thread(self.cache.device());
-        if let Some(spares) = self.spares.take() {
-            // The clone shares the cache's buffers, so the stepper's graphs stay valid.
-            spares.put(SessionBody {
-                cache: self.cache.clone(),
-                stepper: self.stepper.take(),
-            });
-        }
+        // The clone shares the cache's buffers, so the stepper's graphs stay valid.
+        self.spares.put(SessionBody {
+            cache: self.cache.clone(),
+            stepper: self.stepper.take(),
+        });
     }
 }
 
@@ -157,7 +155,7 @@ impl TargetEngine {
             last_logits: None,
             rng: seeded_rng(seed),
             stepper: body.stepper,
-            spares: (self.spares.max() > 0).then(|| self.spares.clone()),
+            spares: self.spares.clone(),
         })
     }
 
@@ -286,10 +284,7 @@ impl TargetEngine {
             // the same bits as the one-token forward below. The logits are the stepper's own
             // buffer, not a copy: its next step runs only for a new token, and `verify` drops
             // `last_logits` (the one view kept past this round) before that.
-            let st = match &mut s.stepper {
-                Some(st) => st,
-                none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
-            };
+            let st = self.stepper(&mut s.stepper)?;
             return Ok(st.step(&self.model, new[0], &mut s.cache)?);
         }
         if tree.is_empty() && new.len() == 1 {
@@ -303,10 +298,7 @@ impl TargetEngine {
         if new.len() == 1 && self.exact_steps && is_chain(tree) {
             // One new token and a chain below it (a chain draft): the rows pass of the eager
             // forward below, replayed from a graph captured for this chain length.
-            let st = match &mut s.stepper {
-                Some(st) => st,
-                none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
-            };
+            let st = self.stepper(&mut s.stepper)?;
             if st.chain_fits(&self.model, 1 + tree.len()) {
                 let mut chain = Vec::with_capacity(1 + tree.len());
                 chain.push(new[0]);
@@ -339,6 +331,17 @@ impl TargetEngine {
         } else {
             Ok(logits)
         }
+    }
+
+    /// The session's graph-replayed stepper, made at its first use.
+    fn stepper<'s>(
+        &self,
+        slot: &'s mut Option<ExactStepper>,
+    ) -> Result<&'s mut ExactStepper, EngineError> {
+        Ok(match slot {
+            Some(st) => st,
+            none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
+        })
     }
 
     /// The verdict from the logits rows: greedy compares device-side argmaxes (one small copy),
