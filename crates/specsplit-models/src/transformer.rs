@@ -243,11 +243,15 @@ impl ExactRows {
             }
             .into());
         }
-        let mut io = Vec::with_capacity(4 * n);
-        io.extend_from_slice(tokens);
-        io.extend((past..past + n).map(|p| p as u32));
-        io.extend((past..past + n).flat_map(|p| [p as u32 + 1, 0]));
-        Ok(crate::fused::write_u32(&self.io, &io)?)
+        // On the stack: a pass has at most BI_MAX_ROWS rows (no allocation per step).
+        let mut io = [0u32; 4 * crate::fused::BI_MAX_ROWS];
+        let io = &mut io[..4 * n];
+        io[..n].copy_from_slice(tokens);
+        for (r, p) in (past..past + n).enumerate() {
+            io[n + r] = p as u32;
+            io[2 * n + 2 * r] = p as u32 + 1;
+        }
+        Ok(crate::fused::write_u32(&self.io, io)?)
     }
 
     /// Rows of the pass.
@@ -1189,8 +1193,11 @@ impl Transformer {
         specsplit_core::device::bind_to_thread(&self.device)?;
         let dev = &self.device;
         let n = rows;
-        if n == 0 {
-            return Err(ModelError::Input("a pass of no rows".into()));
+        if n == 0 || n > crate::fused::BI_MAX_ROWS {
+            return Err(ModelError::Input(format!(
+                "a rows pass takes 1 to {} rows, not {n}",
+                crate::fused::BI_MAX_ROWS
+            )));
         }
         let io = Tensor::zeros(4 * n, DType::U32, dev)?;
         let keys = crate::fused::PassKeys::device_rows(
@@ -1464,5 +1471,31 @@ impl Transformer {
             .transpose(1, 2)?
             .reshape((n, heads * hd))?;
         Ok(layer.o.forward(&y)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_rows_inputs_are_tokens_then_positions_then_key_counts() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let b = m.exact_rows_buffers(16, 3).unwrap();
+        b.start(&[7, 8, 9], 5).unwrap();
+        let io: Vec<u32> = b.io.to_vec1().unwrap();
+        assert_eq!(io, [7, 8, 9, 5, 6, 7, 6, 0, 7, 0, 8, 0]);
+        assert_eq!(b.tokens.to_vec1::<u32>().unwrap(), [7, 8, 9]);
+        assert_eq!(b.positions.to_vec1::<u32>().unwrap(), [5, 6, 7]);
+        // Wrong token counts and chains past the capacity are refused.
+        assert!(b.start(&[1, 2], 0).is_err());
+        assert!(b.start(&[1, 2, 3], 14).is_err());
+        b.start(&[1, 2, 3], 13).unwrap();
+        assert!(m.exact_rows_buffers(16, 0).is_err());
+        assert!(m
+            .exact_rows_buffers(16, crate::fused::BI_MAX_ROWS + 1)
+            .is_err());
+        m.exact_rows_buffers(16, crate::fused::BI_MAX_ROWS).unwrap();
     }
 }
