@@ -25,6 +25,8 @@ fn main() {
         .ok()
         .or_else(|| env::var("CUDA_HOME").ok().map(|h| format!("{h}/bin/nvcc")))
         .unwrap_or_else(|| "nvcc".into());
+    // src/fused.rs launches with programmatic dependent launch only where the PTX has it.
+    println!("cargo::rustc-env=SPECSPLIT_PTX_ARCH={cap}");
     let status = Command::new(&nvcc)
         .args([
             "--ptx",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .device/ carried (scripts/gpu/build.sh):
-#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [e2eenv] [e2e2gpu] [qwen] [smollm2]
+#   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [e2eenv] [fwdenv] [e2e2gpu] [qwen] [smollm2]
 #   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
 # memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
@@ -85,8 +85,22 @@ e2eenv)
         env $set_env timeout 200 /tmp/b e2e --target random:qwen2.5-7b \
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
             --synthetic-beta 0.8 --num-prompts "${PROMPTS:-2}" --max-tokens "$n" \
-            --depths "${DEPTHS:-3,4}" --trees "" --pipelines sequential --out "$OUT" \
-            --name "e2e-b08-env$k-$n" 2>&1 | grep -E 'tok/s|best|first round:'
+            --depths "${DEPTHS:-3,4}" --trees "" --pipelines "${PIPELINES:-sequential}" \
+            --out "$OUT" --name "e2e-b08-env$k-$n" 2>&1 | grep -E 'tok/s|best|first round:'
+    done ;;
+fwdenv)
+    # The forward benchmark (ctx 512, chains 1 and 3, tree 32) of each of MODELS (0.5b 7b) under
+    # each of ENVS in turn (as for e2eenv).
+    k=0
+    for v in ${ENVS:-def}; do
+        k=$((k + 1))
+        set_env=""; [ "$v" != def ] && set_env="${v//,/ }"
+        for m in ${MODELS:-0.5b 7b}; do
+            log "forward $m, settings $v"
+            env $set_env timeout 240 /tmp/b forward --model random:qwen2.5-$m --device cuda:0 \
+                --contexts 512 --chains 1,3 --trees 32 --iters 30 --out "$OUT" \
+                --name "fwd-$m-env$k" 2>&1 | grep -v '^\s*$'
+        done
     done ;;
 e2e2gpu)
     # nvidia-h200-x2: the draft on its own GPU, so the overlapped pipeline does not share one.

@@ -633,6 +633,8 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
             "batch_invariant": specsplit_models::fused::batch_invariant(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
+            "pdl": specsplit_models::fused::pdl(),
+            "graph_scratch": specsplit_models::step::graph_scratch_enabled(),
             "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device_target)).to_lowercase(),
             "target_only_tok_per_s": ar_tps,
         },

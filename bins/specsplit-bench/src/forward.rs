@@ -166,10 +166,13 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         dtype: parse_dtype(&s.dtype)?,
     };
     eprintln!(
-        "loading {} on {} (fused one-token kernels: {:?}) ...",
+        "loading {} on {} (fused one-token kernels: {:?}; programmatic dependent launch: {}; \
+         graph scratch: {}) ...",
         s.model,
         s.device,
-        specsplit_models::fused::scope()
+        specsplit_models::fused::scope(),
+        specsplit_models::fused::pdl(),
+        specsplit_models::step::graph_scratch_enabled()
     );
     let loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
     let model_name = loaded.name.clone();
@@ -320,6 +323,9 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 },
                 100.0 * ex_tok_s / roof_kv
             );
+            if let Some(n) = stepper.graph_nodes(1) {
+                eprintln!("    exact step graph: {n}");
+            }
             rows.push(row(json!({
                 "context": l, "kind": "exact_step", "tokens": 1, "depth": 1,
                 "median_ms": ex.median, "p10_ms": ex.p10, "p90_ms": ex.p90, "mean_ms": ex.mean,
@@ -364,6 +370,9 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             },
             sm.median / st.median
         );
+        if let Some(n) = stepper.graph_nodes() {
+            eprintln!("    static step graph: {n}");
+        }
         rows.push(row(json!({
             "context": l, "kind": "static_step", "tokens": 1, "depth": 1,
             "median_ms": st.median, "p10_ms": st.p10, "p90_ms": st.p90, "mean_ms": st.mean,
@@ -477,6 +486,8 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
             "batch_invariant": specsplit_models::fused::batch_invariant(),
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
+            "pdl": specsplit_models::fused::pdl(),
+            "graph_scratch": specsplit_models::step::graph_scratch_enabled(),
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                 "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,

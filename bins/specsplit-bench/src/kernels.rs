@@ -79,6 +79,40 @@ fn per_launch_ms(
     Ok(util::summarize(&ms).median)
 }
 
+/// Median time per run of `f` when `batch` runs of it are replayed from one CUDA graph (the
+/// fused kernels' outputs carved from a scratch, launched as a step's graph launches them):
+/// the kernel's duration plus the gap between dependent kernels, without the host's launches.
+#[cfg(feature = "cuda")]
+fn in_graph_ms(
+    dev: &Device,
+    iters: usize,
+    batch: usize,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    let f = std::cell::RefCell::new(f);
+    let body =
+        || (f.borrow_mut())().map_err(|e| specsplit_models::ModelError::Input(format!("{e:#}")));
+    let g = specsplit_models::step::RepeatedGraph::capture(dev, batch.max(1), body)?;
+    if g.nodes().memory > 0 {
+        eprintln!("    (graph: {})", g.nodes());
+    }
+    let mut ms = Vec::with_capacity(iters);
+    for i in 0..iters.max(1) + 2 {
+        let t = std::time::Instant::now();
+        g.launch()?;
+        dev.synchronize()?;
+        if i >= 2 {
+            ms.push(t.elapsed().as_secs_f64() * 1e3 / batch.max(1) as f64);
+        }
+    }
+    Ok(util::summarize(&ms).median)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn in_graph_ms(_: &Device, _: usize, _: usize, _: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    bail!("in-graph timings need the `cuda` feature")
+}
+
 /// `depth D splits S tiles T`, `-` for a built-in choice.
 fn tuning_label(t: fused::BiTuning) -> String {
     let f = |v: Option<usize>| v.map_or("-".to_string(), |v| v.to_string());
@@ -223,10 +257,22 @@ pub fn main(a: KernelArgs) -> Result<()> {
     Ok(())
 }
 
+/// A time launched from the host and one replayed from a graph, in ms.
+#[derive(Clone, Copy)]
+struct Both(f64, f64);
+
+impl std::ops::AddAssign for Both {
+    fn add_assign(&mut self, o: Self) {
+        self.0 += o.0;
+        self.1 += o.1;
+    }
+}
+
 /// Times each kernel of the fused one-token step ([`specsplit_models::transformer::Transformer::static_step`]
-/// on CUDA) at shape `c`, per context of `a`, and prints their sum over one step: what the
-/// device spends in the step's kernels when the host keeps it fed, to set beside the replayed
-/// step's time (the rest is the gaps between dependent kernels).
+/// on CUDA) at shape `c`, per context of `a`, two ways: launched back to back from the host
+/// (for the small kernels that is the host's launch rate) and `batch` launches replayed from one
+/// graph (the kernel plus the gap to the next, as in the replayed step); and their sums over a
+/// step, to set beside the replayed step's time.
 fn step_kernels(
     a: &KernelArgs,
     c: &ModelConfig,
@@ -244,27 +290,36 @@ fn step_kernels(
         c.num_key_value_heads,
         c.num_attention_heads,
     );
-    let time = |f: &mut dyn FnMut() -> Result<()>| per_launch_ms(dev, a.iters, a.batch, f);
-    let mut row = |op: &str, context: usize, ms: f64, per_step: usize| {
-        println!("  step {op:14} ctx {context:5}: {ms:.4} ms x {per_step}");
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<(f64, f64)> {
+        Ok((
+            per_launch_ms(dev, a.iters, a.batch, &mut *f)?,
+            in_graph_ms(dev, a.iters, a.batch, f)?,
+        ))
+    };
+    let mut row = |op: &str, context: usize, (ms, graph_ms): (f64, f64), per_step: usize| -> Both {
+        println!(
+            "  step {op:14} ctx {context:5}: {ms:.4} ms launched, {graph_ms:.4} ms in a graph x {per_step}"
+        );
         let mut r = Map::new();
         r.insert("op".into(), json!(format!("step_{op}")));
         r.insert("context".into(), json!(context));
         r.insert("ms".into(), json!(ms));
+        r.insert("graph_ms".into(), json!(graph_ms));
         r.insert("per_step".into(), json!(per_step));
         rows_out.push(r);
-        ms * per_step as f64
+        Both(ms * per_step as f64, graph_ms * per_step as f64)
     };
+
     let layers = c.num_hidden_layers;
     let x = bf(&[1, h], 1.0)?;
     let norm = bf(&[h], 1.0)?;
     let eps = c.rms_norm_eps as f32;
     println!(
-        "{} one-token step kernels (per launch, host keeping the device fed):",
+        "{} one-token step kernels (per launch: launched from the host / replayed in a graph):",
         a.shape
     );
     for &ctx in &a.contexts {
-        let mut total = 0.0;
+        let mut total = Both(0.0, 0.0);
         total += row(
             "add_rmsnorm",
             ctx,
@@ -349,7 +404,7 @@ fn step_kernels(
             })?,
             1,
         );
-        row("total", ctx, total, 1);
+        row("total", ctx, (total.0, total.1), 1);
     }
     Ok(())
 }

@@ -91,6 +91,149 @@ pub fn rows_enabled() -> bool {
     scope() == Scope::All
 }
 
+/// Whether the fused kernels launch with programmatic dependent launch: each kernel may then
+/// be scheduled while the one before it still runs and waits on the device for its results
+/// (kernels.cu, `pdl_wait`), which hides most of the gap between the small kernels of a step.
+/// Needs PTX built for sm_90 or later (`CUDA_COMPUTE_CAP` ≥ 90); `SPECSPLIT_PDL=0` turns it
+/// off (read once; [`set_pdl`] overrides it).
+pub fn pdl() -> bool {
+    match PDL.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("SPECSPLIT_PDL").map_or(true, |v| v.trim() != "0");
+            set_pdl(on);
+            pdl()
+        }
+        v => v == 2,
+    }
+}
+
+/// 0: not decided yet, 1: off, 2: on.
+static PDL: AtomicU8 = AtomicU8::new(0);
+
+/// Turns programmatic dependent launch on or off from here on (on only where the PTX has it;
+/// see [`pdl`]). Kernels launched either way may follow each other in a stream.
+pub fn set_pdl(on: bool) {
+    PDL.store(if on && imp::PDL_BUILT { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Device memory the fused kernels' outputs are carved from while a step is captured into a
+/// CUDA graph ([`carving`]), so that the graph holds no allocation or free nodes between its
+/// kernels (kernels next to each other can then overlap under [`pdl`]). Sized by a
+/// [`counting`] run of the same step; the graph keeps using it, so it lives as long as the
+/// graph.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct Scratch {
+    bf16: Tensor,
+    f32: Tensor,
+}
+
+/// What a [`counting`] run's fused kernels allocated, in elements of each dtype (each output
+/// rounded up to 16 bytes).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScratchNeed {
+    /// bf16 elements.
+    pub bf16: usize,
+    /// f32 elements.
+    pub f32: usize,
+}
+
+#[cfg(feature = "cuda")]
+enum ScratchMode {
+    Count(ScratchNeed),
+    Carve {
+        bf16: (Tensor, usize),
+        f32: (Tensor, usize),
+    },
+}
+
+#[cfg(feature = "cuda")]
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Option<ScratchMode>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Clears this thread's scratch mode when dropped (also on unwinding).
+#[cfg(feature = "cuda")]
+struct ScratchGuard;
+
+#[cfg(feature = "cuda")]
+impl Drop for ScratchGuard {
+    fn drop(&mut self) {
+        SCRATCH.with(|m| m.borrow_mut().take());
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Scratch {
+    /// Scratch for `need` on `device` (zero-filled once).
+    pub fn new(need: ScratchNeed, device: &candle_core::Device) -> Result<Self> {
+        Ok(Self {
+            bf16: Tensor::zeros(need.bf16.max(8), DType::BF16, device)?,
+            f32: Tensor::zeros(need.f32.max(4), DType::F32, device)?,
+        })
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bf16.elem_count() * 2 + self.f32.elem_count() * 4
+    }
+}
+
+/// Runs `f` (on this thread) and returns, with its result, what its fused kernels' outputs
+/// took: the [`Scratch`] a [`carving`] run of the same step needs.
+#[cfg(feature = "cuda")]
+pub fn counting<R>(f: impl FnOnce() -> R) -> (R, ScratchNeed) {
+    SCRATCH.with(|m| *m.borrow_mut() = Some(ScratchMode::Count(ScratchNeed::default())));
+    let guard = ScratchGuard;
+    let r = f();
+    let need = SCRATCH.with(|m| match m.borrow().as_ref() {
+        Some(ScratchMode::Count(n)) => *n,
+        _ => ScratchNeed::default(),
+    });
+    drop(guard);
+    (r, need)
+}
+
+/// Runs `f` (on this thread) with its fused kernels' outputs carved from `scratch` in order
+/// (outputs past its end are allocated as usual).
+#[cfg(feature = "cuda")]
+pub fn carving<R>(scratch: &Scratch, f: impl FnOnce() -> R) -> R {
+    SCRATCH.with(|m| {
+        *m.borrow_mut() = Some(ScratchMode::Carve {
+            bf16: (scratch.bf16.clone(), 0),
+            f32: (scratch.f32.clone(), 0),
+        })
+    });
+    let _guard = ScratchGuard;
+    f()
+}
+
+/// An output of `shape` and `dtype` from this thread's scratch mode: counted (and `None`),
+/// carved, or `None` where no mode is on or the scratch is used up.
+#[cfg(feature = "cuda")]
+fn scratch_output(shape: &[usize], dtype: DType) -> Result<Option<Tensor>> {
+    let n: usize = shape.iter().product();
+    SCRATCH.with(|m| {
+        let mut m = m.borrow_mut();
+        match (m.as_mut(), dtype) {
+            (Some(ScratchMode::Count(need)), DType::BF16) => need.bf16 += n.next_multiple_of(8),
+            (Some(ScratchMode::Count(need)), DType::F32) => need.f32 += n.next_multiple_of(4),
+            (Some(ScratchMode::Carve { bf16: (t, at), .. }), DType::BF16)
+            | (Some(ScratchMode::Carve { f32: (t, at), .. }), DType::F32) => {
+                let step = if dtype == DType::BF16 { 8 } else { 4 };
+                if *at + n <= t.elem_count() {
+                    let out = t.narrow(0, *at, n)?.reshape(shape)?;
+                    *at += n.next_multiple_of(step);
+                    return Ok(Some(out));
+                }
+            }
+            _ => {}
+        }
+        Ok(None)
+    })
+}
+
 /// Whether the fused kernels can run on `t`: built with `cuda`, on CUDA, in bf16.
 pub fn applies(t: &Tensor) -> bool {
     cfg!(feature = "cuda") && t.device().is_cuda() && t.dtype() == DType::BF16
@@ -210,7 +353,8 @@ pub fn qkv_rope_rows(
 
 /// Attention of one query `(1, heads * head_dim)` over cache slots `0..=pos` of the caches
 /// `(1, kv, capacity, head_dim)`, scaled by `scale`: `(1, heads * head_dim)` bf16. `head_dim`
-/// must be 64 or 128.
+/// must be 64 or 128. The slots are split over [`decode_attention_splits`] blocks a head,
+/// merged by a second kernel.
 pub fn decode_attention(
     q: &Tensor,
     k_cache: &Tensor,
@@ -223,6 +367,19 @@ pub fn decode_attention(
         return Err(unfit("decode_attention", &[q]));
     }
     imp::decode_attention(q, k_cache, v_cache, pos, shape, scale)
+}
+
+/// Blocks a head of [`decode_attention`] splits the slots of caches of `capacity` over: one per
+/// 64 slots, at most 16 (`SPECSPLIT_ATTN_SPLITS=n` fixes it; read once).
+pub fn decode_attention_splits(capacity: usize) -> usize {
+    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("SPECSPLIT_ATTN_SPLITS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+    });
+    fixed.unwrap_or(capacity.div_ceil(64).clamp(1, 16))
 }
 
 /// SwiGLU gate of `(rows, 2 n)` = `[gate | up]`: `silu(gate) * up`, `(rows, n)` bf16.
@@ -550,6 +707,23 @@ mod imp {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/specsplit_kernels.ptx"));
     const MODULE: &str = "specsplit_fused";
 
+    /// Whether the PTX was built for sm_90 or later, so that every kernel waits for the one
+    /// before it when launched with programmatic dependent launch.
+    pub(super) const PDL_BUILT: bool = ptx_arch_at_least_90(env!("SPECSPLIT_PTX_ARCH"));
+
+    const fn ptx_arch_at_least_90(arch: &str) -> bool {
+        let b = arch.as_bytes();
+        let mut v = 0u32;
+        let mut i = 0;
+        while i < b.len() {
+            if b[i].is_ascii_digit() {
+                v = v * 10 + (b[i] - b'0') as u32;
+            }
+            i += 1;
+        }
+        v >= 90
+    }
+
     fn cuda(t: &Tensor) -> Result<&CudaDevice> {
         match t.device() {
             Device::Cuda(d) => Ok(d),
@@ -659,6 +833,9 @@ mod imp {
         args: &[Arg],
     ) -> Result<()> {
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        if super::pdl() {
+            return launch_pdl(dev, name, &func, grid, block, smem, args);
+        }
         let mut b = func.builder();
         for a in args {
             match a {
@@ -679,7 +856,74 @@ mod imp {
             .map_err(|e| Error::Msg(format!("launching {name}: {e:?}")))
     }
 
+    /// Most arguments a kernel of kernels.cu takes.
+    const MAX_ARGS: usize = 20;
+
+    /// [`launch_cfg`] with the programmatic-stream-serialization attribute: the kernel may be
+    /// scheduled before the previous kernel in the stream finishes, and waits for it on the
+    /// device (every kernel of kernels.cu starts with `pdl_enter`).
+    fn launch_pdl(
+        dev: &CudaDevice,
+        name: &str,
+        func: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        use std::ffi::c_void;
+        check(args.len() <= MAX_ARGS, || {
+            format!("{name}: {} kernel arguments", args.len())
+        })?;
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, a) in params.iter_mut().zip(args) {
+            *p = match a {
+                Arg::P(v) => v as *const u64 as *mut c_void,
+                Arg::I(v) => v as *const i32 as *mut c_void,
+                Arg::F(v) => v as *const f32 as *mut c_void,
+            };
+        }
+        let stream = dev.cuda_stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::Msg(format!("launching {name}: {e:?}")))?;
+        // SAFETY: an all-zero launch attribute is a valid value of the C struct; its id and
+        // value are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch_cfg`: the kernel takes exactly `args`, in order; `params`
+        // points at them for the duration of the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| Error::Msg(format!("launching {name}: {e:?}")))
+    }
+
     fn empty(shape: &[usize], dtype: DType, like: &Tensor) -> Result<Tensor> {
+        if let Some(t) = super::scratch_output(shape, dtype)? {
+            return Ok(t);
+        }
         // SAFETY: every element is written by the kernel that fills it before any read.
         unsafe { Tensor::empty(shape, dtype, like.device()) }
     }
@@ -884,16 +1128,29 @@ mod imp {
         check_pos(pos)?;
         check_cache(k_cache, s)?;
         check_cache(v_cache, s)?;
-        let y = empty(&[1, s.heads * s.head_dim], DType::BF16, q)?;
-        let mut args = pointers(&[q, k_cache, v_cache, pos, &y])?;
-        args.extend([s.heads, s.kv, s.capacity].map(|v| I(v as i32)));
+        let hd = s.head_dim;
+        let splits = super::decode_attention_splits(s.capacity);
+        let part = empty(&[s.heads, splits, hd + 2], DType::F32, q)?;
+        let mut args = pointers(&[q, k_cache, v_cache, pos, &part])?;
+        args.extend([s.heads, s.kv, s.capacity, splits].map(|v| I(v as i32)));
         args.push(F(scale));
-        let name = if s.head_dim == 64 {
-            "specsplit_decode_attention_bf16_hd64"
+        let name = if hd == 64 {
+            "specsplit_decode_attention_split_bf16_hd64"
         } else {
-            "specsplit_decode_attention_bf16_hd128"
+            "specsplit_decode_attention_split_bf16_hd128"
         };
-        launch(cuda(q)?, name, s.heads as u32, 256, &args)?;
+        let dev = cuda(q)?;
+        launch_2d(dev, name, (s.heads as u32, splits as u32), 256, 0, &args)?;
+        let y = empty(&[1, s.heads * hd], DType::BF16, q)?;
+        let mut args = pointers(&[&part, &y])?;
+        args.extend([splits, hd].map(|v| I(v as i32)));
+        launch(
+            dev,
+            "specsplit_decode_attention_merge_bf16",
+            s.heads as u32,
+            hd as u32,
+            &args,
+        )?;
         Ok(y)
     }
 
@@ -1098,6 +1355,9 @@ mod imp {
     //! through the public functions, which check it first.
     use super::AttnShape;
     use candle_core::{Error, Result, Tensor};
+
+    /// No kernels, so no programmatic dependent launch.
+    pub(super) const PDL_BUILT: bool = false;
 
     fn off() -> Error {
         Error::Msg("fused kernels need the `cuda` feature".into())

@@ -34,9 +34,57 @@ struct Replay {
     graph: Option<Graph>,
     #[cfg(feature = "cuda")]
     capture_failed: bool,
+    /// What the eager step's fused kernels allocated: the scratch the capture carves from.
+    #[cfg(feature = "cuda")]
+    need: Option<crate::fused::ScratchNeed>,
+    /// The captured graph's intermediate outputs (see [`crate::fused::Scratch`]).
+    #[cfg(feature = "cuda")]
+    scratch: Option<crate::fused::Scratch>,
+    /// The captured graph's nodes by kind.
+    #[cfg(feature = "cuda")]
+    nodes: Option<GraphNodes>,
+}
+
+/// A captured graph's nodes by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphNodes {
+    /// Kernel launches.
+    pub kernels: usize,
+    /// Memory allocation and free nodes (stream-ordered allocations captured with the step).
+    pub memory: usize,
+    /// Copies and fills.
+    pub copies: usize,
+    /// Anything else.
+    pub other: usize,
+}
+
+impl std::fmt::Display for GraphNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} kernels, {} alloc/free, {} copies, {} other",
+            self.kernels, self.memory, self.copies, self.other
+        )
+    }
+}
+
+/// Whether captured steps carve their intermediate outputs from a scratch buffer instead of
+/// allocating them inside the graph ([`crate::fused::Scratch`]); `SPECSPLIT_GRAPH_SCRATCH=0`
+/// turns it off. Read once.
+pub fn graph_scratch_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECSPLIT_GRAPH_SCRATCH").map_or(true, |v| v.trim() != "0"))
 }
 
 impl Replay {
+    /// The captured graph's nodes by kind, once captured.
+    fn nodes(&self) -> Option<GraphNodes> {
+        #[cfg(feature = "cuda")]
+        return self.nodes;
+        #[cfg(not(feature = "cuda"))]
+        None
+    }
+
     fn uses_graph(&self) -> bool {
         #[cfg(feature = "cuda")]
         if self.graph.is_some() {
@@ -65,11 +113,23 @@ impl Replay {
             // capture reuses them, so the graph never reads host memory that is gone.
             let _params = d.enable_cuda_graph_htod_cache();
             if self.eager_steps >= 1 && !self.capture_failed {
-                match capture(d, &body) {
+                let scratch = match self.need {
+                    Some(need) if graph_scratch_enabled() => {
+                        Some(crate::fused::Scratch::new(need, model.device())?)
+                    }
+                    _ => None,
+                };
+                let captured = match &scratch {
+                    Some(s) => capture(d, &|| crate::fused::carving(s, &body)),
+                    None => capture(d, &body),
+                };
+                match captured {
                     Ok(g) => {
+                        self.nodes = Some(census(&g));
                         g.0.launch()
                             .map_err(|e| ModelError::Input(format!("CUDA graph launch: {e:?}")))?;
                         self.graph = Some(g);
+                        self.scratch = scratch;
                         return Ok(());
                     }
                     Err(e) => {
@@ -78,8 +138,11 @@ impl Replay {
                     }
                 }
             }
-            // The eager step runs with the parameter cache on, so it warms it for the capture.
-            body()?;
+            // The eager step runs with the parameter cache on, so it warms it for the capture,
+            // and counts the scratch its capture will carve from.
+            let (done, need) = crate::fused::counting(&body);
+            done?;
+            self.need = Some(need);
             self.eager_steps += 1;
             return Ok(());
         }
@@ -88,6 +151,47 @@ impl Replay {
         self.eager_steps += 1;
         Ok(())
     }
+}
+
+/// Counts `g`'s nodes by kind (all zero where the driver will not list them).
+#[cfg(feature = "cuda")]
+fn census(g: &Graph) -> GraphNodes {
+    use candle_core::cuda_backend::cudarc::driver::sys::{self, CUgraphNodeType as T};
+    let graph = g.0.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: `graph` is the live graph `g` owns; a null array asks for the count only.
+    if unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count) }
+        .result()
+        .is_err()
+    {
+        return GraphNodes::default();
+    }
+    let mut nodes = vec![std::ptr::null_mut(); count];
+    // SAFETY: `nodes` has room for the `count` nodes just reported.
+    if unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count) }
+        .result()
+        .is_err()
+    {
+        return GraphNodes::default();
+    }
+    let mut out = GraphNodes::default();
+    for &n in &nodes[..count.min(nodes.len())] {
+        let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `n` is a node of the live graph.
+        if unsafe { sys::cuGraphNodeGetType(n, &mut t) }
+            .result()
+            .is_err()
+        {
+            continue;
+        }
+        match t {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => out.kernels += 1,
+            T::CU_GRAPH_NODE_TYPE_MEM_ALLOC | T::CU_GRAPH_NODE_TYPE_MEM_FREE => out.memory += 1,
+            T::CU_GRAPH_NODE_TYPE_MEMCPY | T::CU_GRAPH_NODE_TYPE_MEMSET => out.copies += 1,
+            _ => out.other += 1,
+        }
+    }
+    out
 }
 
 /// Captures one run of `body` on `d`'s stream into a CUDA graph.
@@ -112,6 +216,59 @@ fn capture(
     match graph.map_err(|e| err("end capture", &e))? {
         Some(g) => Ok(Graph(g)),
         None => Err(ModelError::Input("the captured graph is empty".into())),
+    }
+}
+
+/// `times` runs of a body captured into one CUDA graph, with the fused kernels' outputs carved
+/// from a scratch (as a step's graph is): for timing kernels as a replayed step runs them.
+#[cfg(feature = "cuda")]
+pub struct RepeatedGraph {
+    graph: Graph,
+    _scratch: crate::fused::Scratch,
+    nodes: GraphNodes,
+}
+
+#[cfg(feature = "cuda")]
+impl RepeatedGraph {
+    /// Runs `body` once eagerly (to size the scratch), then captures `times` runs of it on
+    /// `device`'s stream.
+    pub fn capture(
+        device: &candle_core::Device,
+        times: usize,
+        body: impl Fn() -> Result<(), ModelError>,
+    ) -> Result<Self, ModelError> {
+        let candle_core::Device::Cuda(d) = device else {
+            return Err(ModelError::Unsupported("graph capture off CUDA".into()));
+        };
+        let _params = d.enable_cuda_graph_htod_cache();
+        let (done, need) = crate::fused::counting(&body);
+        done?;
+        let need = crate::fused::ScratchNeed {
+            bf16: need.bf16 * times,
+            f32: need.f32 * times,
+        };
+        let scratch = crate::fused::Scratch::new(need, device)?;
+        let graph = capture(d, &|| {
+            crate::fused::carving(&scratch, || (0..times).try_for_each(|_| body()))
+        })?;
+        Ok(Self {
+            nodes: census(&graph),
+            graph,
+            _scratch: scratch,
+        })
+    }
+
+    /// Launches the graph (asynchronously).
+    pub fn launch(&self) -> Result<(), ModelError> {
+        self.graph
+            .0
+            .launch()
+            .map_err(|e| ModelError::Input(format!("CUDA graph launch: {e:?}")))
+    }
+
+    /// The graph's nodes by kind.
+    pub fn nodes(&self) -> GraphNodes {
+        self.nodes
     }
 }
 
@@ -216,6 +373,11 @@ impl DecodeStepper {
     /// Whether steps are replayed from a captured CUDA graph.
     pub fn uses_graph(&self) -> bool {
         self.replay.uses_graph()
+    }
+
+    /// The one-token step's captured graph, by kind of node, once captured.
+    pub fn graph_nodes(&self) -> Option<GraphNodes> {
+        self.replay.nodes()
     }
 
     /// Sets the next step's input: `token` at cache slot `position` (one small upload each).
@@ -327,6 +489,11 @@ impl ExactStepper {
         replay.run(model, || model.exact_rows(bufs, store))?;
         cache.advance(n)?;
         Ok(bufs.logits.clone())
+    }
+
+    /// The captured graph of `rows`-row passes, by kind of node, once captured.
+    pub fn graph_nodes(&self, rows: usize) -> Option<GraphNodes> {
+        self.rows.get(rows)?.as_ref()?.replay.nodes()
     }
 
     /// Whether one-token steps are replayed from a captured CUDA graph.

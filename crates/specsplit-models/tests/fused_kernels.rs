@@ -1072,3 +1072,80 @@ fn a_decode_stepper_feeds_several_tokens_in_one_pass_like_one_step_each() {
         assert_eq!(passes, 7, "{preset}: every feed took one pass");
     }
 }
+
+/// Every round's chain logits, the draft's (pick, log-probability bits) a round, and a
+/// description of the graphs.
+type Rounds = (Vec<Vec<Vec<f32>>>, Vec<(u32, u32)>, String);
+
+#[test]
+fn programmatic_launch_and_graph_scratch_change_no_bit() {
+    let Some(dev) = gpu() else { return };
+    let was = fused::pdl();
+    fused::set_scope(fused::Scope::Step);
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let m = small_model(preset, 37, &dev);
+        let cap = 512;
+        let prompt: Vec<u32> = (0..280).map(|i| (i * 61 + 7) % 8192).collect();
+        let lengths = [1usize, 4, 4, 2, 1, 4, 3, 4, 1, 1];
+        // The same rounds twice, kernels launched normally then with programmatic dependent
+        // launch, each on its own cache and steppers: target chains (exact rows graphs) and
+        // the draft's greedy steps must give the same bits.
+        let run = |pdl: bool| -> Rounds {
+            fused::set_pdl(pdl);
+            let mut cache = m.new_cache(cap).unwrap();
+            forward_last(&m, &mut cache, &prompt);
+            let mut draft_cache = m.new_cache(cap).unwrap();
+            forward_last(&m, &mut draft_cache, &prompt);
+            let mut stepper = ExactStepper::new(&m, cap).unwrap();
+            let mut drafter = DecodeStepper::new(&m, cap).unwrap();
+            drafter.start(5, prompt.len()).unwrap();
+            let (mut logits, mut picks) = (Vec::new(), Vec::new());
+            let mut seed = 3u32;
+            for &n in &lengths {
+                let chain: Vec<u32> = (0..n)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                        (seed >> 8) % 8192
+                    })
+                    .collect();
+                logits.push(rows_of(
+                    &stepper.step_chain(&m, &chain, &mut cache).unwrap(),
+                ));
+                cache.truncate(cache.len() - n / 2).unwrap();
+                drafter.step(&m, &draft_cache).unwrap();
+                draft_cache.advance(1).unwrap();
+                let b = drafter.buffers();
+                picks.push((
+                    b.next.to_vec1::<u32>().unwrap()[0],
+                    b.next_logprob.to_vec1::<f32>().unwrap()[0].to_bits(),
+                ));
+            }
+            assert!(stepper.chain_graphs().contains(&4) && drafter.uses_graph());
+            let (chain, step) = (
+                stepper.graph_nodes(4).unwrap(),
+                drafter.graph_nodes().unwrap(),
+            );
+            if specsplit_models::step::graph_scratch_enabled() {
+                // Only candle's own ops (embedding, casts) allocate inside the graphs.
+                for g in [chain, step] {
+                    assert!(g.kernels > 20 && g.memory * 8 < g.kernels, "{preset}: {g}");
+                }
+            }
+            let nodes = format!("chain-4 graph: {chain}; step graph: {step}");
+            (logits, picks, nodes)
+        };
+        let (plain, plain_picks, _) = run(false);
+        let (pdl, pdl_picks, nodes) = run(true);
+        assert!(
+            plain == pdl,
+            "{preset}: chain logits differ with programmatic launch"
+        );
+        assert_eq!(plain_picks, pdl_picks, "{preset}: draft picks differ");
+        eprintln!(
+            "{preset}: {} rounds identical with programmatic launch {} ({nodes})",
+            lengths.len(),
+            if fused::pdl() { "on" } else { "unavailable" }
+        );
+    }
+    fused::set_pdl(was);
+}

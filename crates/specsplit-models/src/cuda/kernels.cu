@@ -17,6 +17,28 @@ typedef __nv_bfloat16 bf16;
 
 #define WARP 32
 
+// Programmatic dependent launch (sm_90 and later; src/fused.rs sets the launch attribute only
+// where this PTX has it). A kernel launched that way may start while the kernel before it in the
+// stream still runs: pdl_wait() blocks until that kernel has finished and its writes are
+// visible, so every kernel calls it before touching anything an earlier kernel writes or reads
+// (only constant weights may be loaded before it). pdl_release() then lets the next kernel's
+// blocks be scheduled as this one's run. Both are no-ops for a kernel launched normally.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_release() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+#else
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void pdl_release() {}
+#endif
+
+// The start of every kernel: wait for the kernel before, then release the one after.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_release();
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -104,12 +126,29 @@ extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
                                                bf16* __restrict__ y, int n, int k) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
-    if (row >= n) return;
+    if (row >= n) {
+        pdl_enter();
+        return;
+    }
     const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
     const uint4* xr = reinterpret_cast<const uint4*>(x);
     const int k8 = k / 8;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
     int i = lane;
+    // The first four words of the lane's share of the row are loaded before waiting for the
+    // kernel that writes x (weights are constant), then summed exactly as the loop would.
+    if (i + 3 * WARP < k8) {
+        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
+        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
+        pdl_enter();
+        a0 += dot8(w0, __ldg(xr + i));
+        a1 += dot8(w1, __ldg(xr + i + WARP));
+        a2 += dot8(w2, __ldg(xr + i + 2 * WARP));
+        a3 += dot8(w3, __ldg(xr + i + 3 * WARP));
+        i += 4 * WARP;
+    } else {
+        pdl_enter();
+    }
     for (; i + 3 * WARP < k8; i += 4 * WARP) {
         const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
         const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
@@ -135,6 +174,7 @@ extern "C" __global__ void specsplit_add_rmsnorm_bf16(const bf16* __restrict__ x
                                                       const bf16* __restrict__ w,
                                                       bf16* __restrict__ out, int rows, int d,
                                                       float eps) {
+    pdl_enter();
     const int row = blockIdx.x;
     const bf16* xr = x + (size_t)row * d;
     bf16* sum_out = out + (size_t)row * d;
@@ -162,6 +202,7 @@ extern "C" __global__ void specsplit_qkv_rope_cache_bf16(
     const bf16* __restrict__ qkv, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
     const uint32_t* __restrict__ pos, bf16* __restrict__ kc, bf16* __restrict__ vc,
     bf16* __restrict__ q_out, int heads, int kv, int hd, int cap, int interleaved) {
+    pdl_enter();
     const int h = blockIdx.x;
     const int half = hd / 2;
     const int i = threadIdx.x;
@@ -197,6 +238,7 @@ extern "C" __global__ void specsplit_qkv_rope_rows_bf16(
     const uint32_t* __restrict__ positions, bf16* __restrict__ kc, bf16* __restrict__ vc,
     bf16* __restrict__ q_out, int heads, int kv, int hd, int cap, int n, int past,
     int interleaved) {
+    pdl_enter();
     const int h = blockIdx.x, r = blockIdx.y;
     const int half = hd / 2;
     const int i = threadIdx.x;
@@ -226,12 +268,6 @@ extern "C" __global__ void specsplit_qkv_rope_rows_bf16(
 #define ATT_THREADS 256
 #define ATT_TILE 2048
 
-// The cache slots a query attends to, in order: slots 0..len (one decoded token).
-struct LeadingKeys {
-    int len;
-    __device__ __forceinline__ int operator()(int t) const { return t; }
-};
-
 // The cache slots one row of a pass attends to, in order: slots 0..lead, then `len - lead`
 // listed slots (a tree node's ancestors among the pass's own tokens).
 struct ListedKeys {
@@ -249,10 +285,12 @@ struct ListedKeys {
 // Every reduction is ordered by a key's index in `keys` alone, so the result depends only on
 // the query and the sequence of visible keys (not on where they sit in the cache or on other
 // rows of the pass).
+// With `partial` set, the unnormalised result goes there instead: the exp-weighted V sum (HD
+// floats), then the running maximum and exp-sum (a split of decode_attention_split).
 template <int HD, typename Keys>
 __device__ void attend(const bf16* __restrict__ q, const bf16* __restrict__ kh,
                        const bf16* __restrict__ vh, Keys keys, bf16* __restrict__ out,
-                       float scale) {
+                       float scale, float* __restrict__ partial = nullptr) {
     constexpr int WARPS = ATT_THREADS / WARP;
     constexpr int PER = HD / WARP;  // values of a V row per lane
     __shared__ float qs[HD];
@@ -328,35 +366,82 @@ __device__ void attend(const bf16* __restrict__ q, const bf16* __restrict__ kh,
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += acc_part[w][d];
-        out[d] = __float2bfloat16(s * inv);
+        if (partial != nullptr)
+            partial[d] = s;
+        else
+            out[d] = __float2bfloat16(s * inv);
+    }
+    if (partial != nullptr && threadIdx.x == 0) {
+        partial[HD] = run_max;
+        partial[HD + 1] = run_sum;
     }
 }
 
-// Attention of one query token over cache slots 0..=*pos: q (heads * hd), caches (kv, cap, hd),
-// query head h reads KV head h / (heads / kv). One block of ATT_THREADS per head.
+// The cache slots lo, lo + 1, ..., lo + len - 1 (one split of a decoded token's keys).
+struct SpanKeys {
+    int lo;
+    int len;
+    __device__ __forceinline__ int operator()(int t) const { return lo + t; }
+};
+
+// Attention of one query token over cache slots 0..=*pos, in two kernels: q (heads * hd),
+// caches (kv, cap, hd), query head h reads KV head h / (heads / kv). The slots are cut into
+// `splits` spans of ceil(len / splits); block (h, s) of the first kernel (ATT_THREADS threads)
+// writes span s's exp-weighted V sum, maximum and exp-sum for head h to part (heads, splits,
+// hd + 2); the second merges a head's spans in order. More blocks than heads keep a short
+// decode step from waiting on a few SMs.
 template <int HD>
-__device__ void decode_attention(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                 const bf16* __restrict__ vc, const uint32_t* __restrict__ pos,
-                                 bf16* __restrict__ out, int heads, int kv, int cap, float scale) {
-    const int h = blockIdx.x;
+__device__ void decode_attention_split(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                       const bf16* __restrict__ vc,
+                                       const uint32_t* __restrict__ pos,
+                                       float* __restrict__ part, int heads, int kv, int cap,
+                                       int splits, float scale) {
+    const int h = blockIdx.x, s = blockIdx.y;
     const int j = h / (heads / kv);
-    const LeadingKeys keys{min((int)*pos + 1, cap)};
+    const int len = min((int)*pos + 1, cap);
+    const int per = (len + splits - 1) / splits;
+    const int lo = min(len, s * per);
+    const SpanKeys keys{lo, min(len, lo + per) - lo};
     attend<HD>(q + (size_t)h * HD, kc + (size_t)j * cap * HD, vc + (size_t)j * cap * HD, keys,
-               out + (size_t)h * HD, scale);
+               nullptr, scale, part + ((size_t)h * splits + s) * (HD + 2));
 }
 
-extern "C" __global__ void specsplit_decode_attention_bf16_hd64(
+extern "C" __global__ void specsplit_decode_attention_split_bf16_hd64(
     const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-    const uint32_t* __restrict__ pos, bf16* __restrict__ out, int heads, int kv, int cap,
-    float scale) {
-    decode_attention<64>(q, kc, vc, pos, out, heads, kv, cap, scale);
+    const uint32_t* __restrict__ pos, float* __restrict__ part, int heads, int kv, int cap,
+    int splits, float scale) {
+    pdl_enter();
+    decode_attention_split<64>(q, kc, vc, pos, part, heads, kv, cap, splits, scale);
 }
 
-extern "C" __global__ void specsplit_decode_attention_bf16_hd128(
+extern "C" __global__ void specsplit_decode_attention_split_bf16_hd128(
     const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-    const uint32_t* __restrict__ pos, bf16* __restrict__ out, int heads, int kv, int cap,
-    float scale) {
-    decode_attention<128>(q, kc, vc, pos, out, heads, kv, cap, scale);
+    const uint32_t* __restrict__ pos, float* __restrict__ part, int heads, int kv, int cap,
+    int splits, float scale) {
+    pdl_enter();
+    decode_attention_split<128>(q, kc, vc, pos, part, heads, kv, cap, splits, scale);
+}
+
+// Merges head h's `splits` spans (part as written above) in span order into out[h * hd + d].
+// Grid heads, hd threads. Empty spans (maximum -inf) add nothing.
+extern "C" __global__ void specsplit_decode_attention_merge_bf16(const float* __restrict__ part,
+                                                                 bf16* __restrict__ out,
+                                                                 int splits, int hd) {
+    pdl_enter();
+    const int h = blockIdx.x, d = threadIdx.x;
+    const float* p = part + (size_t)h * splits * (hd + 2);
+    float m = -INFINITY;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, p[(size_t)s * (hd + 2) + hd]);
+    float l = 0.f, acc = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float* ps = p + (size_t)s * (hd + 2);
+        const float ms = ps[hd];
+        if (ms == -INFINITY) continue;
+        const float c = __expf(ms - m);
+        l = fmaf(ps[hd + 1], c, l);
+        acc = fmaf(ps[d], c, acc);
+    }
+    out[(size_t)h * hd + d] = __float2bfloat16(acc / l);
 }
 
 // Batch-invariant attention of the n rows of one pass, in two kernels. Row r attends to slots
@@ -628,21 +713,25 @@ __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __
         float scale
 
 extern "C" __global__ void specsplit_rows_attention_part_bf16_hd64(RA_PART_ARGS) {
+    pdl_enter();
     rows_attention_part<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
                             scale);
 }
 
 extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(RA_PART_ARGS) {
+    pdl_enter();
     rows_attention_part<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
                              scale);
 }
 
 extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd64(RA_PART_ARGS, int group) {
+    pdl_enter();
     rows_attention_staged<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
                               scale, group);
 }
 
 extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd128(RA_PART_ARGS, int group) {
+    pdl_enter();
     rows_attention_staged<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
                                chunks, scale, group);
 }
@@ -652,6 +741,7 @@ extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd128(RA_PART_AR
 extern "C" __global__ void specsplit_rows_attention_merge_bf16(
     const float* __restrict__ part, const uint32_t* __restrict__ meta, bf16* __restrict__ out,
     int heads, int chunks, int hd) {
+    pdl_enter();
     // Each chunk's max and exp-sum, loaded by all threads at once; the chunks are merged in
     // order, RA_MERGE at a time from shared memory.
     __shared__ float cm[RA_MERGE], cl[RA_MERGE];
@@ -813,6 +903,7 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
                                                     const bf16* __restrict__ bias,
                                                     bf16* __restrict__ y, int m, int n, int k,
                                                     int splits, int nt, int deep) {
+    pdl_enter();
     extern __shared__ float red[];
     const int n0 = blockIdx.x * 8 * nt, m0 = blockIdx.y * BI_ROWS;
     const int rows = min(BI_ROWS, m - m0);
@@ -846,6 +937,7 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
 // bf16 after the silu and after the product like the unfused ops.
 extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
                                                    bf16* __restrict__ out, int rows, int n) {
+    pdl_enter();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * n) return;
     const size_t r = i / n, c = i % n;
@@ -863,6 +955,7 @@ extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
 // it (as int bits) and the sum of exp(x - its maximum). Block of 256.
 extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restrict__ logits, int v,
                                                            int chunk, float* __restrict__ part) {
+    pdl_enter();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -913,6 +1006,7 @@ extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict_
                                                         float* __restrict__ logprob,
                                                         uint32_t* __restrict__ token,
                                                         uint32_t* __restrict__ pos) {
+    pdl_enter();
     const int lane = threadIdx.x;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
