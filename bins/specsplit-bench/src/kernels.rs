@@ -332,21 +332,15 @@ fn step_kernels(
         for (name, n, k, bias, per) in [
             ("gemv_qkv", (qh + 2 * kvh) * hd, h, true, layers),
             ("gemv_o", h, qh * hd, false, layers),
-            ("gemv_swiglu", 2 * c.intermediate_size, h, false, layers),
+            ("gemv_gate_up", 2 * c.intermediate_size, h, false, layers),
             ("gemv_down", h, c.intermediate_size, false, layers),
             ("gemv_head", c.vocab_size, h, false, 1),
         ] {
             let w = bf(&[n, k], 0.02)?;
             let b = if bias { Some(bf(&[n], 0.1)?) } else { None };
             let xi = bf(&[1, k], 1.0)?;
-            // The gate|up product runs with the SwiGLU gate in one kernel.
-            let product = if name == "gemv_swiglu" {
-                fused::gemv_swiglu
-            } else {
-                fused::gemv
-            };
             let ms = time(&mut || {
-                product(&xi, &w, b.as_ref())?;
+                fused::gemv(&xi, &w, b.as_ref())?;
                 Ok(())
             })?;
             total += row(name, ctx, ms, per);
@@ -380,6 +374,16 @@ fn step_kernels(
             ctx,
             time(&mut || {
                 fused::decode_attention(&q, &kc, &vc, &pos, shape, scale)?;
+                Ok(())
+            })?,
+            layers,
+        );
+        let gu = bf(&[1, 2 * c.intermediate_size], 1.0)?;
+        total += row(
+            "silu_mul",
+            ctx,
+            time(&mut || {
+                fused::silu_mul(&gu)?;
                 Ok(())
             })?,
             layers,

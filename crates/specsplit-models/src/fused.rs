@@ -269,16 +269,6 @@ pub fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     imp::gemv(x, w, b)
 }
 
-/// The gate|up product and the SwiGLU gate of one row in one kernel: `w` `(2 n, k)` = `[gate |
-/// up]`, `b` `(2 n,)`; the same bits as `silu_mul(&gemv(x, w, b)?)`, `(1, n)` bf16. Fails
-/// unless [`gemv_fits`] and `w` has an even number of rows.
-pub fn gemv_swiglu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    if !gemv_fits(x, w) || !w.dim(0)?.is_multiple_of(2) {
-        return Err(unfit("gemv_swiglu", &[x, w]));
-    }
-    imp::gemv_swiglu(x, w, b)
-}
-
 /// Residual add and RMSNorm of `rows` rows: `s = x + delta` (`s = x` without `delta`), returns
 /// `(s, s / rms(s) * weight)`, both `(rows, d)` bf16.
 pub fn add_rmsnorm(
@@ -947,33 +937,15 @@ mod imp {
     }
 
     pub(super) fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-        let n = w.dim(0)?;
-        gemv_kernel("specsplit_gemv_bf16", x, w, b, n)
-    }
-
-    pub(super) fn gemv_swiglu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-        let n = w.dim(0)? / 2;
-        gemv_kernel("specsplit_gemv_swiglu_bf16", x, w, b, n)
-    }
-
-    /// Launches the one-warp-per-output product `name` over `w` `(rows, k)` (bias `(rows,)`)
-    /// for `n` outputs.
-    fn gemv_kernel(
-        name: &str,
-        x: &Tensor,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        n: usize,
-    ) -> Result<Tensor> {
-        let (rows, k) = w.dims2()?;
+        let (n, k) = w.dims2()?;
         if let Some(b) = b {
-            check(b.dims() == [rows] && b.dtype() == DType::BF16, || {
-                format!("{name} bias {:?} {:?} for {rows} rows", b.dims(), b.dtype())
+            check(b.dims() == [n] && b.dtype() == DType::BF16, || {
+                format!("gemv bias {:?} {:?} for {n} rows", b.dims(), b.dtype())
             })?;
         }
         let y = empty(&[1, n], DType::BF16, x)?;
         let pb = b.map(ptr).transpose()?.unwrap_or(0);
-        const OUTPUTS_PER_BLOCK: usize = 8;
+        const ROWS_PER_BLOCK: usize = 8;
         let args = [
             P(ptr(w)?),
             P(ptr(x)?),
@@ -982,9 +954,9 @@ mod imp {
             I(n as i32),
             I(k as i32),
         ];
-        let grid = n.div_ceil(OUTPUTS_PER_BLOCK) as u32;
-        let block = (OUTPUTS_PER_BLOCK * 32) as u32;
-        launch(cuda(x)?, name, grid, block, &args)?;
+        let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
+        let block = (ROWS_PER_BLOCK * 32) as u32;
+        launch(cuda(x)?, "specsplit_gemv_bf16", grid, block, &args)?;
         Ok(y)
     }
 
@@ -1397,9 +1369,6 @@ mod imp {
         Err(off())
     }
     pub(super) fn gemv(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
-        Err(off())
-    }
-    pub(super) fn gemv_swiglu(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
         Err(off())
     }
     pub(super) fn add_rmsnorm(

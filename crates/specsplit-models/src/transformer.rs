@@ -55,25 +55,6 @@ impl Linear {
 
 /// Whether `x W^T` runs [`crate::fused::bi_matmul`]: batch invariance on, a bf16 CUDA pass of
 /// at most [`crate::fused::BI_MAX_ROWS`] rows, and a weight whose width is a multiple of 32.
-/// The gate|up product of a one-token step and the SwiGLU gate: one kernel
-/// ([`crate::fused::gemv_swiglu`]), or the product and the gate where
-/// `SPECSPLIT_STEP_SWIGLU=0` (the same bits either way).
-fn gemv_gate(h: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *FUSED
-        .get_or_init(|| std::env::var("SPECSPLIT_STEP_SWIGLU").map_or(true, |v| v.trim() != "0"))
-    {
-        crate::fused::gemv_swiglu(h, w, b)
-    } else {
-        crate::fused::silu_mul(&crate::fused::gemv(h, w, b)?)
-    }
-}
-
-/// The gate|up product of a batch-invariant pass and the SwiGLU gate (two kernels).
-fn bi_swiglu(h: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    crate::fused::silu_mul(&crate::fused::bi_matmul(h, w, b)?)
-}
-
 fn bi_wanted(x: &Tensor, w: &Tensor) -> bool {
     crate::fused::batch_invariant()
         && crate::fused::applies(x)
@@ -987,22 +968,21 @@ impl Transformer {
         let past = cache.len();
         let (shape, scale) = self.fused_attn_shape(cache.capacity());
         let store: &SessionCache = cache;
-        let (h, head) =
-            self.fused_stack(layers, tokens, fused::bi_matmul, bi_swiglu, |i, qkv| {
-                let (kb, vb) = store.buffers(i)?;
-                let q = fused::qkv_rope_rows(
-                    qkv,
-                    &self.cos,
-                    &self.sin,
-                    positions,
-                    kb,
-                    vb,
-                    Some(past),
-                    shape,
-                    self.rope_interleaved,
-                )?;
-                Ok(fused::rows_attention(&q, kb, vb, keys, shape, scale)?)
-            })?;
+        let (h, head) = self.fused_stack(layers, tokens, fused::bi_matmul, |i, qkv| {
+            let (kb, vb) = store.buffers(i)?;
+            let q = fused::qkv_rope_rows(
+                qkv,
+                &self.cos,
+                &self.sin,
+                positions,
+                kb,
+                vb,
+                Some(past),
+                shape,
+                self.rope_interleaved,
+            )?;
+            Ok(fused::rows_attention(&q, kb, vb, keys, shape, scale)?)
+        })?;
         cache.advance(tokens.dim(0)?)?;
         let h = h.index_select(rows, 0)?;
         Ok(fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?)
@@ -1023,15 +1003,14 @@ impl Transformer {
 
     /// The fused layer stack shared by the graph step and the batch-invariant passes: embeds
     /// `tokens`, then per layer add+RMSNorm, the Q|K|V product, `attend(layer, qkv)` (rotary,
-    /// cache write and attention), the output product, add+RMSNorm, `swiglu` (the gate|up
-    /// product and the SwiGLU gate), and the down product, with `product` for every other dense
-    /// product. Returns the final-normed hidden rows and the head's weight.
+    /// cache write and attention), the output product, add+RMSNorm, the gate|up product, the
+    /// SwiGLU gate and the down product, with `product` for every dense product. Returns the
+    /// final-normed hidden rows and the head's weight.
     fn fused_stack<'a>(
         &'a self,
         layers: &[FusedLayer<'_>],
         tokens: &Tensor,
         product: fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
-        swiglu: fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
         mut attend: impl FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
     ) -> Result<(Tensor, &'a Tensor), ModelError> {
         use crate::fused;
@@ -1049,8 +1028,8 @@ impl Transformer {
             let y = attend(i, &qkv)?;
             let a = product(&y, &l.o.0, l.o.1.as_ref())?;
             (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps)?;
-            let g = swiglu(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
-            let m = product(&g, &l.down.0, l.down.1.as_ref())?;
+            let gu = product(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
+            let m = product(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
             let next_norm = layers.get(i + 1).map_or(&self.norm, |n| &n.layer.attn_norm);
             (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps)?;
         }
@@ -1301,7 +1280,7 @@ impl Transformer {
             }
         };
         let (shape, scale) = self.fused_attn_shape(cap);
-        self.fused_stack(&layers, &b.tokens, fused::bi_matmul, bi_swiglu, |i, qkv| {
+        self.fused_stack(&layers, &b.tokens, fused::bi_matmul, |i, qkv| {
             let (kb, vb) = cache.buffers(i)?;
             // The rows kernel of a pass, with the slots read from the positions.
             let q = fused::qkv_rope_rows(
@@ -1372,7 +1351,7 @@ impl Transformer {
     ) -> Result<(), ModelError> {
         use crate::fused;
         let (shape, scale) = self.fused_attn_shape(b.capacity);
-        let (h, head) = self.fused_stack(layers, &b.token, fused::gemv, gemv_gate, |i, qkv| {
+        let (h, head) = self.fused_stack(layers, &b.token, fused::gemv, |i, qkv| {
             let (kb, vb) = cache.buffers(i)?;
             let q = fused::qkv_rope_cache(
                 qkv,

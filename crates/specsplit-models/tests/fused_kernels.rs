@@ -106,29 +106,6 @@ fn gemv_matches_an_f32_product_with_and_without_bias() {
 }
 
 #[test]
-fn gemv_swiglu_gives_the_bits_of_gemv_then_silu_mul() {
-    let Some(dev) = gpu() else { return };
-    for (n, k) in [(4, 8), (37, 264), (4864, 896), (300, 3584)] {
-        let x = randn(&dev, &[1, k], 1.0);
-        let w = randn(&dev, &[2 * n, k], 0.05);
-        let b = randn(&dev, &[2 * n], 0.5);
-        for bias in [None, Some(&b)] {
-            let want = host(&fused::silu_mul(&fused::gemv(&x, &w, bias).unwrap()).unwrap());
-            let got = host(&fused::gemv_swiglu(&x, &w, bias).unwrap());
-            assert_eq!(got.len(), n);
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "gemv_swiglu {n}x{k} (bias {})", bias.is_some());
-        }
-    }
-    // An odd number of rows has no gate|up halves.
-    let x = randn(&dev, &[1, 8], 1.0);
-    assert!(fused::gemv_swiglu(&x, &randn(&dev, &[3, 8], 1.0), None).is_err());
-}
-
-#[test]
 fn gemv_refuses_what_it_cannot_run() {
     let Some(dev) = gpu() else { return };
     let w = randn(&dev, &[16, 64], 1.0);

@@ -117,104 +117,9 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
 // Streaming 16-byte load of weights (read once per step: do not keep them in L1).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
-// The first four 16-byte words of a lane's share of a weight row (words lane, lane + 32, ...),
-// loaded before waiting for the kernel that writes x: weights are constant.
-struct RowHead {
-    uint4 w[4];
-    bool full;  // the row has all four (else the lane's share is summed by the tail loop alone)
-};
-
-__device__ __forceinline__ RowHead row_head(const uint4* wr, int k8, int lane) {
-    RowHead h;
-    h.full = lane + 3 * WARP < k8;
-    if (h.full) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) h.w[e] = load_stream(wr + lane + e * WARP);
-    }
-    return h;
-}
-
-// W's row wr . x as one warp computes it (every lane gets the sum): four independent 16-byte
-// loads in flight per lane, the first four from `head`.
-__device__ __forceinline__ float row_dot(const uint4* wr, const uint4* xr, int k8, int lane,
-                                         const RowHead& head) {
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    int i = lane;
-    if (head.full) {
-        a0 += dot8(head.w[0], __ldg(xr + i));
-        a1 += dot8(head.w[1], __ldg(xr + i + WARP));
-        a2 += dot8(head.w[2], __ldg(xr + i + 2 * WARP));
-        a3 += dot8(head.w[3], __ldg(xr + i + 3 * WARP));
-        i += 4 * WARP;
-    }
-    for (; i + 3 * WARP < k8; i += 4 * WARP) {
-        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
-        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
-        a0 += dot8(w0, __ldg(xr + i));
-        a1 += dot8(w1, __ldg(xr + i + WARP));
-        a2 += dot8(w2, __ldg(xr + i + 2 * WARP));
-        a3 += dot8(w3, __ldg(xr + i + 3 * WARP));
-    }
-    // Unrolled so that the tail's loads are in flight together (the sums keep their order).
-#pragma unroll 4
-    for (; i < k8; i += WARP) a0 += dot8(load_stream(wr + i), __ldg(xr + i));
-    return warp_sum((a0 + a1) + (a2 + a3));
-}
-
-// row_dot of two rows at once, their loads interleaved (each row's sums in row_dot's order):
-// twice the loads in flight of one row_dot after the other. Returns (wa . x, wb . x).
-__device__ __forceinline__ float2 row_dot2(const uint4* wa, const uint4* wb, const uint4* xr,
-                                           int k8, int lane, const RowHead& ha,
-                                           const RowHead& hb) {
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    float b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
-    int i = lane;
-    if (ha.full) {  // ha.full == hb.full: the same k8
-        const uint4 x0 = __ldg(xr + i), x1 = __ldg(xr + i + WARP);
-        const uint4 x2 = __ldg(xr + i + 2 * WARP), x3 = __ldg(xr + i + 3 * WARP);
-        a0 += dot8(ha.w[0], x0);
-        a1 += dot8(ha.w[1], x1);
-        a2 += dot8(ha.w[2], x2);
-        a3 += dot8(ha.w[3], x3);
-        b0 += dot8(hb.w[0], x0);
-        b1 += dot8(hb.w[1], x1);
-        b2 += dot8(hb.w[2], x2);
-        b3 += dot8(hb.w[3], x3);
-        i += 4 * WARP;
-    }
-    for (; i + 3 * WARP < k8; i += 4 * WARP) {
-        const uint4 w0 = load_stream(wa + i), w1 = load_stream(wa + i + WARP);
-        const uint4 w2 = load_stream(wa + i + 2 * WARP), w3 = load_stream(wa + i + 3 * WARP);
-        const uint4 v0 = load_stream(wb + i), v1 = load_stream(wb + i + WARP);
-        const uint4 v2 = load_stream(wb + i + 2 * WARP), v3 = load_stream(wb + i + 3 * WARP);
-        const uint4 x0 = __ldg(xr + i), x1 = __ldg(xr + i + WARP);
-        const uint4 x2 = __ldg(xr + i + 2 * WARP), x3 = __ldg(xr + i + 3 * WARP);
-        a0 += dot8(w0, x0);
-        a1 += dot8(w1, x1);
-        a2 += dot8(w2, x2);
-        a3 += dot8(w3, x3);
-        b0 += dot8(v0, x0);
-        b1 += dot8(v1, x1);
-        b2 += dot8(v2, x2);
-        b3 += dot8(v3, x3);
-    }
-#pragma unroll 4
-    for (; i < k8; i += WARP) {
-        const uint4 x = __ldg(xr + i);
-        a0 += dot8(load_stream(wa + i), x);
-        b0 += dot8(load_stream(wb + i), x);
-    }
-    return make_float2(warp_sum((a0 + a1) + (a2 + a3)), warp_sum((b0 + b1) + (b2 + b3)));
-}
-
-// A product as the unfused path stores it: rounded to bf16, then the bias added and rounded.
-__device__ __forceinline__ float stored_product(float acc, const bf16* __restrict__ bias, int row) {
-    if (bias != nullptr) acc = round_bf16(acc) + __bfloat162float(bias[row]);
-    return round_bf16(acc);
-}
-
 // y[r] = W[r, :] . x (+ bias[r]) for r < n: a matrix-vector product for one-token steps.
-// W is (n, k) row-major, k % 8 == 0, rows 16-byte aligned; x has k entries. One warp per row.
+// W is (n, k) row-major, k % 8 == 0, rows 16-byte aligned; x has k entries. One warp per row,
+// four independent 16-byte loads in flight per lane.
 extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
                                                const bf16* __restrict__ x,
                                                const bf16* __restrict__ bias,
@@ -226,35 +131,39 @@ extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
         return;
     }
     const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
-    const RowHead head = row_head(wr, k / 8, lane);
-    pdl_enter();
-    const float acc = row_dot(wr, reinterpret_cast<const uint4*>(x), k / 8, lane, head);
-    if (lane == 0) y[row] = __float2bfloat16(stored_product(acc, bias, row));
-}
-
-// The gate|up product and the SwiGLU gate of one token in one kernel: W is (2 n, k) = [gate |
-// up]; y[c] = silu(g) * u for c < n with g and u the products of rows c and n + c, each
-// computed and rounded exactly as specsplit_gemv_bf16 stores it, and the gate rounded as
-// specsplit_silu_mul_bf16 rounds it: the same bits as those two kernels. One warp per c.
-extern "C" __global__ void specsplit_gemv_swiglu_bf16(const bf16* __restrict__ w,
-                                                      const bf16* __restrict__ x,
-                                                      const bf16* __restrict__ bias,
-                                                      bf16* __restrict__ y, int n, int k) {
-    const int c = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    const int lane = threadIdx.x % WARP;
-    if (c >= n) {
-        pdl_enter();
-        return;
-    }
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
     const int k8 = k / 8;
-    const uint4* wg = reinterpret_cast<const uint4*>(w + (size_t)c * k);
-    const uint4* wu = reinterpret_cast<const uint4*>(w + (size_t)(n + c) * k);
-    const RowHead hg = row_head(wg, k8, lane), hu = row_head(wu, k8, lane);
-    pdl_enter();
-    const float2 gu = row_dot2(wg, wu, reinterpret_cast<const uint4*>(x), k8, lane, hg, hu);
-    const float g = stored_product(gu.x, bias, c);
-    const float u = stored_product(gu.y, bias, n + c);
-    if (lane == 0) y[c] = __float2bfloat16(round_bf16(g / (1.f + __expf(-g))) * u);
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int i = lane;
+    // The first four words of the lane's share of the row are loaded before waiting for the
+    // kernel that writes x (weights are constant), then summed exactly as the loop would.
+    if (i + 3 * WARP < k8) {
+        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
+        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
+        pdl_enter();
+        a0 += dot8(w0, __ldg(xr + i));
+        a1 += dot8(w1, __ldg(xr + i + WARP));
+        a2 += dot8(w2, __ldg(xr + i + 2 * WARP));
+        a3 += dot8(w3, __ldg(xr + i + 3 * WARP));
+        i += 4 * WARP;
+    } else {
+        pdl_enter();
+    }
+    for (; i + 3 * WARP < k8; i += 4 * WARP) {
+        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
+        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
+        a0 += dot8(w0, __ldg(xr + i));
+        a1 += dot8(w1, __ldg(xr + i + WARP));
+        a2 += dot8(w2, __ldg(xr + i + 2 * WARP));
+        a3 += dot8(w3, __ldg(xr + i + 3 * WARP));
+    }
+    for (; i < k8; i += WARP) a0 += dot8(load_stream(wr + i), __ldg(xr + i));
+    float acc = warp_sum((a0 + a1) + (a2 + a3));
+    if (lane == 0) {
+        // The unfused path rounds the product to bf16 before adding the bias.
+        if (bias != nullptr) acc = round_bf16(acc) + __bfloat162float(bias[row]);
+        y[row] = __float2bfloat16(acc);
+    }
 }
 
 // For each of `rows` rows of width d (one block per row): s = x + delta (rounded to bf16; s = x
