@@ -795,6 +795,38 @@ impl Transformer {
         Ok(Tensor::cat(&[&zeros, &tri], 1)?)
     }
 
+    /// Appends `tokens` to the end of `cache` (causal, positions following the cached ones),
+    /// computing no logits a caller needs: a prompt's prefill. Where the model runs the fused
+    /// rows kernels for passes of [`crate::fused::BI_MAX_ROWS`] rows (bf16 on CUDA), the tokens
+    /// go through in passes of that many, about ten launches a layer each, instead of one pass
+    /// of candle's batched ops (several times the launches); `SPECSPLIT_PREFILL_CHUNKS=0` keeps
+    /// one pass. The same tokens always go through the same passes, so the cache gets the same
+    /// bits whoever prefills them.
+    pub fn prefill(&self, tokens: &[u32], cache: &mut SessionCache) -> Result<(), ModelError> {
+        static CHUNKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let chunks = *CHUNKS.get_or_init(|| {
+            std::env::var("SPECSPLIT_PREFILL_CHUNKS").map_or(true, |v| v.trim() != "0")
+        });
+        let rows = crate::fused::BI_MAX_ROWS;
+        let size = if chunks && self.exact_rows_fit(cache.capacity(), rows) {
+            rows
+        } else {
+            tokens.len().max(1)
+        };
+        for part in tokens.chunks(size) {
+            let at = cache.len() as u32;
+            let pos: Vec<u32> = (at..at + part.len() as u32).collect();
+            self.forward(
+                &Tensor::new(part, &self.device)?,
+                &Tensor::new(pos.as_slice(), &self.device)?,
+                None,
+                cache,
+                &Tensor::new(&[part.len() as u32 - 1], &self.device)?,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Runs `n` new tokens through the model.
     ///
     /// - `tokens`: u32 `(n,)`; `positions`: u32 `(n,)` rotary position ids (any order, any values

@@ -12,7 +12,6 @@ use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::{Distribution, TokenTree};
 use specsplit_models::cpu_attention::TreeRows;
-use specsplit_models::fused::BI_MAX_ROWS;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
@@ -435,26 +434,7 @@ impl DraftEngine {
         let mut feed = &tokens[keep..];
         if feed.len() > STATIC_FEED_MAX {
             let head = &feed[..feed.len() - 1];
-            // On the GPU a pass of at most BI_MAX_ROWS rows runs the fused rows kernels (about
-            // ten launches a layer); a longer one runs candle's batched ops, several times as
-            // many. The prefill only fills the cache (the draft's numbers never reach the
-            // output), so it goes through in such chunks where the model has them.
-            let chunk = if self.model.exact_rows_fit(cache.capacity(), BI_MAX_ROWS) {
-                BI_MAX_ROWS
-            } else {
-                head.len()
-            };
-            for part in head.chunks(chunk) {
-                let at = cache.len() as u32;
-                let pos: Vec<u32> = (at..at + part.len() as u32).collect();
-                self.model.forward(
-                    &Tensor::new(part, dev)?,
-                    &Tensor::new(pos.as_slice(), dev)?,
-                    None,
-                    cache,
-                    &Tensor::new(&[part.len() as u32 - 1], dev)?,
-                )?;
-            }
+            self.model.prefill(head, cache)?;
             cached.extend_from_slice(head);
             feed = &feed[feed.len() - 1..];
         }

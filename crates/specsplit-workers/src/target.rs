@@ -264,11 +264,7 @@ impl TargetEngine {
         // chain+tree mask below stays small.
         let (keep, new) = if new.len() > 1 {
             let head = &new[..new.len() - 1];
-            let ids = Tensor::new(head, &dev)?;
-            let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
-            let pos = Tensor::new(pos.as_slice(), &dev)?;
-            let rows = Tensor::new(&[0u32], &dev)?;
-            self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
+            self.model.prefill(head, &mut s.cache)?;
             (keep + head.len(), &new[new.len() - 1..])
         } else {
             (keep, new)
