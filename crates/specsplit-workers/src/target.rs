@@ -263,8 +263,14 @@ impl TargetEngine {
         // A long uncached tail (the prompt) is prefilled causally first, so the combined
         // chain+tree mask below stays small.
         let (keep, new) = if new.len() > 1 {
+            // One pass (not `Transformer::prefill`'s chunks): at the 7B shape the chunked
+            // prefill of a 127-token prompt took 28 ms against 19 ms (H100, fourteenth session).
             let head = &new[..new.len() - 1];
-            self.model.prefill(head, &mut s.cache)?;
+            let ids = Tensor::new(head, &dev)?;
+            let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
+            let pos = Tensor::new(pos.as_slice(), &dev)?;
+            let rows = Tensor::new(&[0u32], &dev)?;
+            self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
             (keep + head.len(), &new[new.len() - 1..])
         } else {
             (keep, new)
