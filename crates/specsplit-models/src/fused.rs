@@ -140,6 +140,14 @@ pub struct ScratchNeed {
 }
 
 #[cfg(feature = "cuda")]
+impl ScratchNeed {
+    /// Bytes a [`Scratch`] for this need holds.
+    pub fn bytes(&self) -> usize {
+        self.bf16.max(8) * 2 + self.f32.max(4) * 4
+    }
+}
+
+#[cfg(feature = "cuda")]
 enum ScratchMode {
     Count(ScratchNeed),
     Carve {

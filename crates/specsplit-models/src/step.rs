@@ -56,16 +56,39 @@ pub struct GraphNodes {
     pub copies: usize,
     /// Anything else.
     pub other: usize,
+    /// Bytes of scratch the graph's intermediate outputs are carved from (0: allocated inside
+    /// the graph).
+    pub scratch_bytes: usize,
 }
 
 impl std::fmt::Display for GraphNodes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} kernels, {} alloc/free, {} copies, {} other",
-            self.kernels, self.memory, self.copies, self.other
+            "{} kernels, {} alloc/free, {} copies, {} other; scratch {:.1} MiB",
+            self.kernels,
+            self.memory,
+            self.copies,
+            self.other,
+            self.scratch_bytes as f64 / (1024.0 * 1024.0)
         )
     }
+}
+
+/// The largest scratch a captured graph gets, in bytes: `SPECSPLIT_GRAPH_SCRATCH_MAX_MIB`
+/// (default 64) MiB. The scratch holds every intermediate output of a step at once (a graph's
+/// own allocations reuse memory as they are freed), so it grows with the rows, the layers and
+/// the capacity (the rows attention's per-chunk partials); a larger step is captured with its
+/// allocations inside the graph, as without a scratch. Read once.
+pub fn graph_scratch_max() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        let mib = std::env::var("SPECSPLIT_GRAPH_SCRATCH_MAX_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(64);
+        mib * 1024 * 1024
+    })
 }
 
 /// Whether captured steps carve their intermediate outputs from a scratch buffer instead of
@@ -114,7 +137,9 @@ impl Replay {
             let _params = d.enable_cuda_graph_htod_cache();
             if self.eager_steps >= 1 && !self.capture_failed {
                 let scratch = match self.need {
-                    Some(need) if graph_scratch_enabled() => {
+                    Some(need)
+                        if graph_scratch_enabled() && need.bytes() <= graph_scratch_max() =>
+                    {
                         Some(crate::fused::Scratch::new(need, model.device())?)
                     }
                     _ => None,
@@ -125,7 +150,10 @@ impl Replay {
                 };
                 match captured {
                     Ok(g) => {
-                        self.nodes = Some(census(&g));
+                        self.nodes = Some(GraphNodes {
+                            scratch_bytes: scratch.as_ref().map_or(0, |s| s.bytes()),
+                            ..census(&g)
+                        });
                         g.0.launch()
                             .map_err(|e| ModelError::Input(format!("CUDA graph launch: {e:?}")))?;
                         self.graph = Some(g);
@@ -252,7 +280,10 @@ impl RepeatedGraph {
             crate::fused::carving(&scratch, || (0..times).try_for_each(|_| body()))
         })?;
         Ok(Self {
-            nodes: census(&graph),
+            nodes: GraphNodes {
+                scratch_bytes: scratch.bytes(),
+                ..census(&graph)
+            },
             graph,
             _scratch: scratch,
         })
