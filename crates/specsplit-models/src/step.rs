@@ -137,10 +137,15 @@ impl Replay {
             let _params = d.enable_cuda_graph_htod_cache();
             if self.eager_steps >= 1 && !self.capture_failed {
                 let scratch = match self.need {
+                    // Without room for it the graph allocates its outputs itself, as before.
                     Some(need)
                         if graph_scratch_enabled() && need.bytes() <= graph_scratch_max() =>
                     {
-                        Some(crate::fused::Scratch::new(need, model.device())?)
+                        crate::fused::Scratch::new(need, model.device())
+                            .inspect_err(|e| {
+                                tracing::warn!("no graph scratch ({} bytes): {e}", need.bytes())
+                            })
+                            .ok()
                     }
                     _ => None,
                 };
