@@ -12,6 +12,9 @@ fn main() {
     for var in ["CUDA_COMPUTE_CAP", "NVCC", "CUDA_HOME"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
+    // Set when the PTX is built for sm_90 or later: src/fused.rs launches with programmatic
+    // dependent launch only then.
+    println!("cargo::rustc-check-cfg=cfg(specsplit_pdl)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -25,8 +28,9 @@ fn main() {
         .ok()
         .or_else(|| env::var("CUDA_HOME").ok().map(|h| format!("{h}/bin/nvcc")))
         .unwrap_or_else(|| "nvcc".into());
-    // src/fused.rs launches with programmatic dependent launch only where the PTX has it.
-    println!("cargo::rustc-env=SPECSPLIT_PTX_ARCH={cap}");
+    if cap >= 90 {
+        println!("cargo::rustc-cfg=specsplit_pdl");
+    }
     let status = Command::new(&nvcc)
         .args([
             "--ptx",

@@ -113,7 +113,12 @@ static PDL: AtomicU8 = AtomicU8::new(0);
 /// Turns programmatic dependent launch on or off from here on (on only where the PTX has it;
 /// see [`pdl`]). Kernels launched either way may follow each other in a stream.
 pub fn set_pdl(on: bool) {
-    PDL.store(if on && imp::PDL_BUILT { 2 } else { 1 }, Ordering::Relaxed);
+    // Only PTX built for sm_90 or later (the build script's `specsplit_pdl`) waits in every
+    // kernel for the one before it.
+    PDL.store(
+        if on && cfg!(specsplit_pdl) { 2 } else { 1 },
+        Ordering::Relaxed,
+    );
 }
 
 /// Device memory the fused kernels' outputs are carved from while a step is captured into a
@@ -707,30 +712,13 @@ fn unfit(kernel: &str, ts: &[&Tensor]) -> candle_core::Error {
 mod imp {
     use super::AttnShape;
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Error, Result, Storage, Tensor};
     use Arg::{F, I, P};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/specsplit_kernels.ptx"));
     const MODULE: &str = "specsplit_fused";
-
-    /// Whether the PTX was built for sm_90 or later, so that every kernel waits for the one
-    /// before it when launched with programmatic dependent launch.
-    pub(super) const PDL_BUILT: bool = ptx_arch_at_least_90(env!("SPECSPLIT_PTX_ARCH"));
-
-    const fn ptx_arch_at_least_90(arch: &str) -> bool {
-        let b = arch.as_bytes();
-        let mut v = 0u32;
-        let mut i = 0;
-        while i < b.len() {
-            if b[i].is_ascii_digit() {
-                v = v * 10 + (b[i] - b'0') as u32;
-            }
-            i += 1;
-        }
-        v >= 90
-    }
 
     fn cuda(t: &Tensor) -> Result<&CudaDevice> {
         match t.device() {
@@ -832,6 +820,14 @@ mod imp {
         .map_err(|e| Error::Msg(format!("{name}: {smem} bytes of shared memory: {e:?}")))
     }
 
+    /// Most arguments a kernel of kernels.cu takes.
+    const MAX_ARGS: usize = 20;
+
+    /// Launches `name` on `dev`'s stream over a `(x, y, z)` grid of `block`-thread blocks with
+    /// `smem` bytes of dynamic shared memory and `args` in order. Under [`super::pdl`] with the
+    /// programmatic-stream-serialization attribute: the kernel may be scheduled before the
+    /// previous kernel in the stream finishes, and waits for it on the device (every kernel of
+    /// kernels.cu starts with `pdl_enter`).
     fn launch_cfg(
         dev: &CudaDevice,
         name: &str,
@@ -840,47 +836,9 @@ mod imp {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-        if super::pdl() {
-            return launch_pdl(dev, name, &func, grid, block, smem, args);
-        }
-        let mut b = func.builder();
-        for a in args {
-            match a {
-                Arg::P(v) => b.arg(v),
-                Arg::I(v) => b.arg(v),
-                Arg::F(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        // SAFETY: every kernel of kernels.cu takes exactly the arguments its caller below
-        // passes, in order, with addresses of live allocations of the sizes it indexes.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| Error::Msg(format!("launching {name}: {e:?}")))
-    }
-
-    /// Most arguments a kernel of kernels.cu takes.
-    const MAX_ARGS: usize = 20;
-
-    /// [`launch_cfg`] with the programmatic-stream-serialization attribute: the kernel may be
-    /// scheduled before the previous kernel in the stream finishes, and waits for it on the
-    /// device (every kernel of kernels.cu starts with `pdl_enter`).
-    fn launch_pdl(
-        dev: &CudaDevice,
-        name: &str,
-        func: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-    ) -> Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         use std::ffi::c_void;
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         check(args.len() <= MAX_ARGS, || {
             format!("{name}: {} kernel arguments", args.len())
         })?;
@@ -912,10 +870,11 @@ mod imp {
             sharedMemBytes: smem,
             hStream: stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: u32::from(super::pdl()),
         };
-        // SAFETY: as in `launch_cfg`: the kernel takes exactly `args`, in order; `params`
-        // points at them for the duration of the call, which copies them.
+        // SAFETY: every kernel of kernels.cu takes exactly the arguments its caller below
+        // passes, in order, with addresses of live allocations of the sizes it indexes;
+        // `params` points at them for the duration of the call, which copies them.
         unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,
@@ -1363,9 +1322,6 @@ mod imp {
     //! through the public functions, which check it first.
     use super::AttnShape;
     use candle_core::{Error, Result, Tensor};
-
-    /// No kernels, so no programmatic dependent launch.
-    pub(super) const PDL_BUILT: bool = false;
 
     fn off() -> Error {
         Error::Msg("fused kernels need the `cuda` feature".into())

@@ -149,16 +149,9 @@ impl Replay {
                     }
                     _ => None,
                 };
-                let captured = match &scratch {
-                    Some(s) => capture(d, &|| crate::fused::carving(s, &body)),
-                    None => capture(d, &body),
-                };
-                match captured {
-                    Ok(g) => {
-                        self.nodes = Some(GraphNodes {
-                            scratch_bytes: scratch.as_ref().map_or(0, |s| s.bytes()),
-                            ..census(&g)
-                        });
+                match capture(d, scratch.as_ref(), &body) {
+                    Ok((g, nodes)) => {
+                        self.nodes = Some(nodes);
                         g.0.launch()
                             .map_err(|e| ModelError::Input(format!("CUDA graph launch: {e:?}")))?;
                         self.graph = Some(g);
@@ -227,9 +220,29 @@ fn census(g: &Graph) -> GraphNodes {
     out
 }
 
-/// Captures one run of `body` on `d`'s stream into a CUDA graph.
+/// Captures one run of `body` on `d`'s stream into a CUDA graph, with the fused kernels'
+/// outputs carved from `scratch` where given (else allocated inside the graph); returns it
+/// with its census.
 #[cfg(feature = "cuda")]
 fn capture(
+    d: &candle_core::CudaDevice,
+    scratch: Option<&crate::fused::Scratch>,
+    body: &impl Fn() -> Result<(), ModelError>,
+) -> Result<(Graph, GraphNodes), ModelError> {
+    let graph = match scratch {
+        Some(s) => capture_stream(d, &|| crate::fused::carving(s, body))?,
+        None => capture_stream(d, body)?,
+    };
+    let nodes = GraphNodes {
+        scratch_bytes: scratch.map_or(0, |s| s.bytes()),
+        ..census(&graph)
+    };
+    Ok((graph, nodes))
+}
+
+/// Captures one run of `body` on `d`'s stream into a CUDA graph.
+#[cfg(feature = "cuda")]
+fn capture_stream(
     d: &candle_core::CudaDevice,
     body: &impl Fn() -> Result<(), ModelError>,
 ) -> Result<Graph, ModelError> {
@@ -281,14 +294,9 @@ impl RepeatedGraph {
             f32: need.f32 * times,
         };
         let scratch = crate::fused::Scratch::new(need, device)?;
-        let graph = capture(d, &|| {
-            crate::fused::carving(&scratch, || (0..times).try_for_each(|_| body()))
-        })?;
+        let (graph, nodes) = capture(d, Some(&scratch), &|| (0..times).try_for_each(|_| body()))?;
         Ok(Self {
-            nodes: GraphNodes {
-                scratch_bytes: scratch.bytes(),
-                ..census(&graph)
-            },
+            nodes,
             graph,
             _scratch: scratch,
         })

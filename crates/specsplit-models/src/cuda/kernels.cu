@@ -280,17 +280,15 @@ struct ListedKeys {
 };
 
 // Attention of one query head `q` (HD values) over the slots `keys` of one KV head's caches
-// kh / vh (slot-major, HD values a slot), written to `out`. One block of ATT_THREADS; the keys
-// are walked in tiles of ATT_TILE scores kept in shared memory, merged with a running max.
-// Every reduction is ordered by a key's index in `keys` alone, so the result depends only on
-// the query and the sequence of visible keys (not on where they sit in the cache or on other
-// rows of the pass).
-// With `partial` set, the unnormalised result goes there instead: the exp-weighted V sum (HD
-// floats), then the running maximum and exp-sum (a split of decode_attention_split).
+// kh / vh (slot-major, HD values a slot), unnormalised: `partial` gets the exp-weighted V sum
+// (HD floats), then the running maximum and exp-sum (one span of decode_attention_split). One
+// block of ATT_THREADS; the keys are walked in tiles of ATT_TILE scores kept in shared memory,
+// merged with a running max. Every reduction is ordered by a key's index in `keys` alone, so
+// the result depends only on the query and the sequence of visible keys.
 template <int HD, typename Keys>
 __device__ void attend(const bf16* __restrict__ q, const bf16* __restrict__ kh,
-                       const bf16* __restrict__ vh, Keys keys, bf16* __restrict__ out,
-                       float scale, float* __restrict__ partial = nullptr) {
+                       const bf16* __restrict__ vh, Keys keys, float scale,
+                       float* __restrict__ partial) {
     constexpr int WARPS = ATT_THREADS / WARP;
     constexpr int PER = HD / WARP;  // values of a V row per lane
     __shared__ float qs[HD];
@@ -361,17 +359,13 @@ __device__ void attend(const bf16* __restrict__ q, const bf16* __restrict__ kh,
 #pragma unroll
     for (int e = 0; e < PER; ++e) acc_part[warp][lane * PER + e] = acc[e];
     __syncthreads();
-    const float inv = 1.f / run_sum;
     for (int d = threadIdx.x; d < HD; d += ATT_THREADS) {
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += acc_part[w][d];
-        if (partial != nullptr)
-            partial[d] = s;
-        else
-            out[d] = __float2bfloat16(s * inv);
+        partial[d] = s;
     }
-    if (partial != nullptr && threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
         partial[HD] = run_max;
         partial[HD + 1] = run_sum;
     }
@@ -403,7 +397,7 @@ __device__ void decode_attention_split(const bf16* __restrict__ q, const bf16* _
     const int lo = min(len, s * per);
     const SpanKeys keys{lo, min(len, lo + per) - lo};
     attend<HD>(q + (size_t)h * HD, kc + (size_t)j * cap * HD, vc + (size_t)j * cap * HD, keys,
-               nullptr, scale, part + ((size_t)h * splits + s) * (HD + 2));
+               scale, part + ((size_t)h * splits + s) * (HD + 2));
 }
 
 extern "C" __global__ void specsplit_decode_attention_split_bf16_hd64(
