@@ -75,7 +75,8 @@ e2ewake)
     done ;;
 e2eenv)
     # ENVS lists settings run in turn, each a comma-separated list of VAR=value ("def": none),
-    # e.g. ENVS="SPECSPLIT_SPARE_SESSIONS=0 def SPECSPLIT_SPARE_SESSIONS=0 def".
+    # e.g. ENVS="SPECSPLIT_SPARE_SESSIONS=0 def SPECSPLIT_SPARE_SESSIONS=0 def". E2E_ARGS adds
+    # flags to every run (e.g. "--warmup 0"); TAG names the files (e2e-b08-<TAG><k>-<n>).
     n="${MAX_TOKENS:-64}"
     k=0
     for v in ${ENVS:-def}; do
@@ -86,7 +87,8 @@ e2eenv)
             --draft random:qwen2.5-0.5b --device-target cuda:0 --device-draft cuda:0 \
             --synthetic-beta 0.8 --num-prompts "${PROMPTS:-2}" --max-tokens "$n" \
             --depths "${DEPTHS:-3,4}" --trees "" --pipelines "${PIPELINES:-sequential}" \
-            --out "$OUT" --name "e2e-b08-env$k-$n" 2>&1 | grep -E 'tok/s|best|first round:'
+            ${E2E_ARGS:-} --out "$OUT" --name "e2e-b08-${TAG:-env}$k-$n" 2>&1 \
+            | grep -E 'tok/s|best|first round:'
     done ;;
 fwdenv)
     # The forward benchmark (ctx 512, chains 1 and 3, tree 32) of each of MODELS (0.5b 7b) under

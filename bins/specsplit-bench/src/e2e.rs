@@ -63,6 +63,8 @@ pub struct E2eSettings {
     pub ignore_eos: bool,
     /// Seed of the pseudo-random prompts.
     pub seed: u64,
+    /// Unmeasured passes over every prompt before each configuration is measured.
+    pub warmup: usize,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -268,10 +270,54 @@ async fn generate_all(
     cfg: &GenerateConfig,
 ) -> Result<Vec<Generation>> {
     let mut out = Vec::with_capacity(prompts.len());
-    for p in prompts {
-        out.push(o.generate(p, cfg, |_| {}).await?);
+    for (i, p) in prompts.iter().enumerate() {
+        // Each generation its own seed: a synthetic drafter's acceptance draws (and a sampled
+        // generation's) are then independent across the prompt set instead of one sequence
+        // repeated for every prompt. Greedy target outputs do not depend on it.
+        let cfg = GenerateConfig {
+            seed: cfg.seed.wrapping_add(i as u64),
+            ..cfg.clone()
+        };
+        out.push(o.generate(p, &cfg, |_| {}).await?);
     }
     Ok(out)
+}
+
+/// Runs `cfg` unmeasured before it is measured: `passes` times over every prompt, so that each
+/// pass length the configuration meets has been seen twice (a stepper runs a new length eagerly
+/// once, captures its graph the second time and replays it after); with `passes` 0 only one
+/// short generation of the first prompt (kernels loaded, the common lengths started).
+async fn warm_up(
+    o: &Orchestrator,
+    prompts: &[Vec<u32>],
+    cfg: &GenerateConfig,
+    passes: usize,
+) -> Result<()> {
+    if passes == 0 {
+        let short = GenerateConfig {
+            max_tokens: cfg.max_tokens.min(8),
+            ..cfg.clone()
+        };
+        generate_all(o, &prompts[..prompts.len().min(1)], &short).await?;
+    }
+    for _ in 0..passes {
+        generate_all(o, prompts, cfg).await?;
+    }
+    Ok(())
+}
+
+/// The median of `v` (0 when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 /// Aggregates the generations of one configuration into a result row: the orchestrator's own
@@ -335,6 +381,10 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "steady_round_ms": steady_mean(&|r| r.round_ms),
         "steady_draft_model_ms": steady_mean(&|r| r.draft_model_ms),
         "steady_verify_model_ms": steady_mean(&|r| r.verify_model_ms),
+        "steady_draft_model_ms_median": median(steady.iter().map(|r| r.draft_model_ms).collect()),
+        "steady_verify_model_ms_median": median(steady.iter().map(|r| r.verify_model_ms).collect()),
+        "steady_verify_model_ms_max": steady.iter().map(|r| r.verify_model_ms).fold(0.0, f64::max),
+        "steady_draft_model_ms_max": steady.iter().map(|r| r.draft_model_ms).fold(0.0, f64::max),
         "steady_round_overhead_ms": steady_mean(&RoundRecord::overhead_ms),
         "steady_tok_per_s": ratio(
             steady.iter().map(|r| r.emitted.len() as f64).sum::<f64>() * 1e3,
@@ -423,11 +473,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         mode: Mode::Ar,
         ..base_cfg.clone()
     };
-    let warm = GenerateConfig {
-        max_tokens: s.max_tokens.min(8),
-        ..ar_cfg.clone()
-    };
-    generate_all(&ar_orch, &prompts[..1], &warm).await?;
+    warm_up(&ar_orch, &prompts, &ar_cfg, s.warmup).await?;
     eprintln!("target-only ...");
     let ar = generate_all(&ar_orch, &prompts, &ar_cfg).await?;
     let ar_row = merge(
@@ -442,12 +488,14 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     let ar_steady = num(&ar_row, "steady_tok_per_s");
     eprintln!(
         "  {ar_tps:.1} tok/s, overhead {:.3} ms/round, target server {:.2} ms (model {:.2}); \
-         after the first round: {ar_steady:.1} tok/s, model {:.2} ms, overhead {:.3} ms/round; \
-         ttft {:.2} ms",
+         after the first round: {ar_steady:.1} tok/s, model {:.2} ms (median {:.2}, max {:.2}), \
+         overhead {:.3} ms/round; ttft {:.2} ms",
         num(&ar_row, "mean_round_overhead_ms"),
         num(&ar_row, "mean_verify_server_ms"),
         num(&ar_row, "mean_verify_model_ms"),
         num(&ar_row, "steady_verify_model_ms"),
+        num(&ar_row, "steady_verify_model_ms_median"),
+        num(&ar_row, "steady_verify_model_ms_max"),
         num(&ar_row, "steady_round_overhead_ms"),
         num(&ar_row, "ttft_ms"),
     );
@@ -495,14 +543,6 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         };
         let d_server = start_draft(engine, label.clone()).await?;
         let orch = Orchestrator::connect(Some(&d_server.addr), &t_server.addr).await?;
-        if let Some(r) = runs.first() {
-            let warm = GenerateConfig {
-                max_tokens: s.max_tokens.min(8),
-                widths: r.widths.clone(),
-                ..base_cfg.clone()
-            };
-            generate_all(&orch, &prompts[..1], &warm).await?;
-        }
         let drafter = if beta.is_some() { "synthetic" } else { "real" };
         let mut best: Vec<(Pipeline, usize, f64)> = Vec::new();
         for r in &runs {
@@ -512,6 +552,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 widths: r.widths.clone(),
                 ..base_cfg.clone()
             };
+            warm_up(&orch, &prompts, &cfg, s.warmup).await?;
             // With a synthetic drafter, a generation that left every reference (the target's
             // verification broke a near-tie unlike its single-token decode) becomes a
             // reference itself and the configuration runs again, so the proposer follows the
@@ -542,13 +583,20 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let tps = num(&agg, "tok_per_s");
             let speedup = if ar_tps > 0.0 { tps / ar_tps } else { 0.0 };
             let widths = util::widths_label(&r.widths);
+            // A chain of `depth` tokens each accepted with probability β while its parent was:
+            // 1 + β + … + β^depth tokens a round in expectation (before max-tokens cuts).
+            let expected_len = beta.map(|b| (0..=depth as i32).map(|i| b.powi(i)).sum::<f64>());
             eprintln!(
-                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}, same {:.2}, draft {:.2} ms (server {:.2}, model {:.2}), verify {:.2} ms (server {:.2}, model {:.2}), overhead {:.3} ms/round, attempts {}",
+                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}{}, same {:.2}, draft {:.2} ms (server {:.2}, model {:.2}), verify {:.2} ms (server {:.2}, model {:.2}), overhead {:.3} ms/round, attempts {}",
                 beta.map(|b| format!(" β={b}")).unwrap_or_default(),
                 r.kind,
                 pipeline_name(r.pipeline),
                 num(&agg, "acceptance_rate"),
                 num(&agg, "mean_accepted_len"),
+                match (r.kind, expected_len) {
+                    ("chain", Some(e)) => format!(" (expected {e:.2})"),
+                    _ => String::new(),
+                },
                 num(&agg, "identical_to_target_only"),
                 num(&agg, "mean_draft_ms"),
                 num(&agg, "mean_draft_server_ms"),
@@ -573,15 +621,20 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             );
             let steady = num(&agg, "steady_tok_per_s");
             eprintln!(
-                "    after the first round: {steady:.1} tok/s ({:.2}x), draft model {:.2} ms, \
-                 verify model {:.2} ms, overhead {:.3} ms/round; ttft {:.2} ms",
+                "    after the first round: {steady:.1} tok/s ({:.2}x), draft model {:.2} ms \
+                 (median {:.2}, max {:.2}), verify model {:.2} ms (median {:.2}, max {:.2}), \
+                 overhead {:.3} ms/round; ttft {:.2} ms",
                 if ar_steady > 0.0 {
                     steady / ar_steady
                 } else {
                     0.0
                 },
                 num(&agg, "steady_draft_model_ms"),
+                num(&agg, "steady_draft_model_ms_median"),
+                num(&agg, "steady_draft_model_ms_max"),
                 num(&agg, "steady_verify_model_ms"),
+                num(&agg, "steady_verify_model_ms_median"),
+                num(&agg, "steady_verify_model_ms_max"),
                 num(&agg, "steady_round_overhead_ms"),
                 num(&agg, "ttft_ms"),
             );
@@ -598,6 +651,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 "widths": widths, "depth": depth, "tree_nodes": tree_size(&r.widths),
                 "synthetic": beta.is_some(), "beta": beta, "drafter": drafter,
                 "speedup": speedup, "target_only_tok_per_s": ar_tps,
+                "expected_mean_accepted_len": if r.kind == "chain" { expected_len } else { None },
             });
             rows.push(merge(merge(row, agg), meta_models.clone()));
         }
@@ -626,7 +680,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
             "prompts": prompts.len(), "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
             "random_prompts": random,
-            "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos,
+            "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "warmup_passes": s.warmup,
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,

@@ -282,6 +282,35 @@ pub fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     imp::gemv(x, w, b)
 }
 
+/// Whether a draft's multi-token feed ([`crate::transformer::Transformer::static_rows_step`])
+/// of up to [`GEMV_MAX_ROWS`] rows runs the one-token step's kernels over its rows (default:
+/// [`gemv_rows`], [`qkv_rope_cache`], [`decode_attention`]) instead of the batch-invariant
+/// rows pass; `SPECSPLIT_STEP_ROWS=0` turns it off. Read once.
+pub fn step_rows_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECSPLIT_STEP_ROWS").map_or(true, |v| v.trim() != "0"))
+}
+
+/// The most rows of `x` one [`gemv_rows`] takes.
+pub const GEMV_MAX_ROWS: usize = 4;
+
+/// Whether `gemv_rows(x, w, _)` can run: `w` [`weight_fits`] and `x` a contiguous, 16-byte
+/// aligned bf16 `(r, k)` matrix on CUDA of the same width with `1 <= r <= GEMV_MAX_ROWS`.
+pub fn gemv_rows_fits(x: &Tensor, w: &Tensor) -> bool {
+    matches!((x.dims(), w.dims()), ([r, k], [_, kw]) if k == kw && (1..=GEMV_MAX_ROWS).contains(r))
+        && operands_fit(x, w)
+}
+
+/// `x W^T (+ b)` for a few rows: `x` `(r, k)`, `w` `(n, k)`, `b` `(n,)` → `(r, n)` bf16, each
+/// weight read once for all rows. Row `j` of the result is [`gemv`] of row `j` alone, bit for
+/// bit. Fails unless [`gemv_rows_fits`].
+pub fn gemv_rows(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if !gemv_rows_fits(x, w) {
+        return Err(unfit("gemv_rows", &[x, w]));
+    }
+    imp::gemv(x, w, b)
+}
+
 /// Residual add and RMSNorm of `rows` rows: `s = x + delta` (`s = x` without `delta`), returns
 /// `(s, s / rms(s) * weight)`, both `(rows, d)` bf16.
 pub fn add_rmsnorm(
@@ -309,10 +338,11 @@ pub struct AttnShape {
     pub capacity: usize,
 }
 
-/// Splits one token's fused Q|K|V row `(1, (heads + 2 kv) * head_dim)`: applies rotary at the
-/// device-side position `pos` (`(1,)` u32) with the `(positions, head_dim / 2)` tables to Q and
-/// K, writes K and V into the caches `(1, kv, capacity, head_dim)` at slot `pos`, and returns
-/// the rotated Q `(1, heads * head_dim)`. `interleaved` selects the `(2i, 2i + 1)` pair layout.
+/// Splits the fused Q|K|V rows `(r, (heads + 2 kv) * head_dim)` of `r` consecutive tokens
+/// (`1 <= r <= GEMV_MAX_ROWS`), row `i` at the device-side position `pos + i` (`pos` a `(1,)`
+/// u32 buffer): applies rotary with the `(positions, head_dim / 2)` tables to Q and K, writes K
+/// and V into the caches `(1, kv, capacity, head_dim)` at slot `pos + i`, and returns the
+/// rotated Q `(r, heads * head_dim)`. `interleaved` selects the `(2i, 2i + 1)` pair layout.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_cache(
     qkv: &Tensor,
@@ -364,10 +394,11 @@ pub fn qkv_rope_rows(
     )
 }
 
-/// Attention of one query `(1, heads * head_dim)` over cache slots `0..=pos` of the caches
-/// `(1, kv, capacity, head_dim)`, scaled by `scale`: `(1, heads * head_dim)` bf16. `head_dim`
-/// must be 64 or 128. The slots are split over [`decode_attention_splits`] blocks a head,
-/// merged by a second kernel.
+/// Attention of the queries `(r, heads * head_dim)` of `r` consecutive tokens
+/// (`1 <= r <= GEMV_MAX_ROWS`), row `i` over cache slots `0..=pos + i` of the caches
+/// `(1, kv, capacity, head_dim)`, scaled by `scale`: `(r, heads * head_dim)` bf16. `head_dim`
+/// must be 64 or 128. The slots are split over [`decode_attention_splits`] blocks a head and
+/// row, merged by a second kernel; a row's result does not depend on the other rows.
 pub fn decode_attention(
     q: &Tensor,
     k_cache: &Tensor,
@@ -910,7 +941,15 @@ mod imp {
                 format!("gemv bias {:?} {:?} for {n} rows", b.dims(), b.dtype())
             })?;
         }
-        let y = empty(&[1, n], DType::BF16, x)?;
+        let r = x.dims2()?.0;
+        let name = match r {
+            1 => "specsplit_gemv_bf16",
+            2 => "specsplit_gemv_rows2_bf16",
+            3 => "specsplit_gemv_rows3_bf16",
+            4 => "specsplit_gemv_rows4_bf16",
+            _ => return Err(Error::Msg(format!("gemv of {r} rows"))),
+        };
+        let y = empty(&[r, n], DType::BF16, x)?;
         let pb = b.map(ptr).transpose()?.unwrap_or(0);
         const ROWS_PER_BLOCK: usize = 8;
         let args = [
@@ -923,7 +962,7 @@ mod imp {
         ];
         let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
         let block = (ROWS_PER_BLOCK * 32) as u32;
-        launch(cuda(x)?, "specsplit_gemv_bf16", grid, block, &args)?;
+        launch(cuda(x)?, name, grid, block, &args)?;
         Ok(y)
     }
 
@@ -1001,9 +1040,13 @@ mod imp {
         interleaved: bool,
     ) -> Result<Tensor> {
         let hd = s.head_dim;
+        let rows = qkv.dim(0)?;
         check(
-            qkv.dims() == [1, (s.heads + 2 * s.kv) * hd] && hd.is_multiple_of(2) && hd <= 2048,
-            || format!("fused QKV row {:?} does not match {s:?}", qkv.dims()),
+            qkv.dims() == [rows, (s.heads + 2 * s.kv) * hd]
+                && (1..=super::GEMV_MAX_ROWS).contains(&rows)
+                && hd.is_multiple_of(2)
+                && hd <= 2048,
+            || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
         )?;
         for t in [cos, sin] {
             check(
@@ -1014,15 +1057,16 @@ mod imp {
         check_pos(pos)?;
         check_cache(k_cache, s)?;
         check_cache(v_cache, s)?;
-        let q = empty(&[1, s.heads * hd], DType::BF16, qkv)?;
+        let q = empty(&[rows, s.heads * hd], DType::BF16, qkv)?;
         let mut args = pointers(&[qkv, cos, sin, pos, k_cache, v_cache, &q])?;
         args.extend([s.heads, s.kv, hd, s.capacity, interleaved as usize].map(|v| I(v as i32)));
-        let grid = (s.heads + 2 * s.kv) as u32;
-        launch(
+        let grid = ((s.heads + 2 * s.kv) as u32, rows as u32);
+        launch_2d(
             cuda(qkv)?,
             "specsplit_qkv_rope_cache_bf16",
             grid,
             (hd / 2) as u32,
+            0,
             &args,
         )?;
         Ok(q)
@@ -1088,16 +1132,20 @@ mod imp {
         s: AttnShape,
         scale: f32,
     ) -> Result<Tensor> {
+        let rows = q.dim(0)?;
         check(
-            q.dims() == [1, s.heads * s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
-            || format!("query {:?} does not match {s:?}", q.dims()),
+            q.dims() == [rows, s.heads * s.head_dim]
+                && (1..=super::GEMV_MAX_ROWS).contains(&rows)
+                && s.kv > 0
+                && s.heads.is_multiple_of(s.kv),
+            || format!("queries {:?} do not match {s:?}", q.dims()),
         )?;
         check_pos(pos)?;
         check_cache(k_cache, s)?;
         check_cache(v_cache, s)?;
         let hd = s.head_dim;
         let splits = super::decode_attention_splits(s.capacity);
-        let part = empty(&[s.heads, splits, hd + 2], DType::F32, q)?;
+        let part = empty(&[rows, s.heads, splits, hd + 2], DType::F32, q)?;
         let mut args = pointers(&[q, k_cache, v_cache, pos, &part])?;
         args.extend([s.heads, s.kv, s.capacity, splits].map(|v| I(v as i32)));
         args.push(F(scale));
@@ -1107,14 +1155,15 @@ mod imp {
             "specsplit_decode_attention_split_bf16_hd128"
         };
         let dev = cuda(q)?;
-        launch_2d(dev, name, (s.heads as u32, splits as u32), 256, 0, &args)?;
-        let y = empty(&[1, s.heads * hd], DType::BF16, q)?;
+        let grid = (s.heads as u32, splits as u32, rows as u32);
+        launch_3d(dev, name, grid, 256, &args)?;
+        let y = empty(&[rows, s.heads * hd], DType::BF16, q)?;
         let mut args = pointers(&[&part, &y])?;
         args.extend([splits, hd].map(|v| I(v as i32)));
         launch(
             dev,
             "specsplit_decode_attention_merge_bf16",
-            s.heads as u32,
+            (rows * s.heads) as u32,
             hd as u32,
             &args,
         )?;
@@ -1463,6 +1512,13 @@ mod tests {
         assert!(!gemv_fits(&x, &w));
         let e = gemv(&x, &w, None).unwrap_err().to_string();
         assert!(e.contains("needs bf16 on CUDA"), "{e}");
+        let rows = Tensor::zeros((2, 16), DType::BF16, &Device::Cpu).unwrap();
+        assert!(!gemv_rows_fits(&rows, &w));
+        let e = gemv_rows(&rows, &w, None).unwrap_err().to_string();
+        assert!(
+            e.contains("gemv_rows") && e.contains("needs bf16 on CUDA"),
+            "{e}"
+        );
         assert!(silu_mul(&x).is_err());
         assert!(add_rmsnorm(&x, None, &w.get(0).unwrap(), 1e-6).is_err());
     }

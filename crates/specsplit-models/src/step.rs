@@ -381,9 +381,11 @@ impl DecodeStepper {
     /// the greedy token after the last one in `next` / `next_logprob` / `token`, and the
     /// position past them. Where the model runs [`Transformer::static_rows_step`] (bf16 on
     /// CUDA with the fused kernels; see [`rows_graphs_enabled`]) several tokens go through
-    /// in one pass, replayed from a graph per row count (that pass computes the rows with the
-    /// batch-invariant kernels, so its greedy pick may break a near-tie differently than the
-    /// single steps); elsewhere one step a token. Returns the passes run.
+    /// in one pass, replayed from a graph per row count: up to [`crate::fused::GEMV_MAX_ROWS`]
+    /// tokens through the step's own kernels, bit for bit what one step a token gives; past
+    /// that (or with `SPECSPLIT_STEP_ROWS=0`) through the batch-invariant rows pass, whose
+    /// greedy pick may break a near-tie differently. Elsewhere one step a token. Returns the
+    /// passes run.
     pub fn feed(
         &mut self,
         model: &Transformer,

@@ -106,6 +106,43 @@ fn gemv_matches_an_f32_product_with_and_without_bias() {
 }
 
 #[test]
+fn gemv_rows_give_each_row_its_one_row_product_bit_for_bit() {
+    let Some(dev) = gpu() else { return };
+    for (n, k) in [(37, 264), (896, 896), (129, 4864), (9728, 896)] {
+        let w = randn(&dev, &[n, k], 0.05);
+        let b = randn(&dev, &[n], 0.5);
+        for r in 1..=fused::GEMV_MAX_ROWS {
+            let x = randn(&dev, &[r, k], 1.0);
+            assert!(fused::gemv_rows_fits(&x, &w));
+            for bias in [None, Some(&b)] {
+                let got = host(&fused::gemv_rows(&x, &w, bias).unwrap());
+                assert_eq!(got.len(), r * n);
+                for j in 0..r {
+                    let alone = host(&fused::gemv(&x.narrow(0, j, 1).unwrap(), &w, bias).unwrap());
+                    let row = &got[j * n..(j + 1) * n];
+                    let same = row
+                        .iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{r} rows of {n}x{k}, row {j}, bias {}",
+                        bias.is_some()
+                    );
+                }
+            }
+        }
+    }
+    // Past the row limit, or a width that does not match: refused with a clear error.
+    let w = randn(&dev, &[16, 64], 1.0);
+    let five = randn(&dev, &[fused::GEMV_MAX_ROWS + 1, 64], 1.0);
+    assert!(!fused::gemv_rows_fits(&five, &w));
+    let e = fused::gemv_rows(&five, &w, None).unwrap_err().to_string();
+    assert!(e.contains("gemv_rows"), "{e}");
+    assert!(!fused::gemv_rows_fits(&randn(&dev, &[2, 72], 1.0), &w));
+}
+
+#[test]
 fn gemv_refuses_what_it_cannot_run() {
     let Some(dev) = gpu() else { return };
     let w = randn(&dev, &[16, 64], 1.0);
@@ -1070,6 +1107,72 @@ fn a_decode_stepper_feeds_several_tokens_in_one_pass_like_one_step_each() {
         );
         assert!(same * 4 >= picks * 3, "{preset}: only {same}/{picks} equal");
         assert_eq!(passes, 7, "{preset}: every feed took one pass");
+    }
+}
+
+#[test]
+fn a_feed_of_a_few_tokens_is_bit_identical_to_one_step_each() {
+    let Some(dev) = gpu() else { return };
+    if !fused::step_rows_enabled() {
+        eprintln!("SPECSPLIT_STEP_ROWS=0: the feed runs the batch-invariant pass, skipping");
+        return;
+    }
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let m = small_model(preset, 7, &dev);
+        let cap = 300;
+        let prompt: Vec<u32> = (0..130).map(|i| (i * 71 + 5) % 8192).collect();
+        let (mut one_pass, mut stepped) = (m.new_cache(cap).unwrap(), m.new_cache(cap).unwrap());
+        forward_last(&m, &mut one_pass, &prompt);
+        forward_last(&m, &mut stepped, &prompt);
+        let (mut a, mut b) = (
+            DecodeStepper::new(&m, cap).unwrap(),
+            DecodeStepper::new(&m, cap).unwrap(),
+        );
+        // Rounds of 2 to 4 tokens (graphs captured from the second round of a length on).
+        for (round, n) in [2usize, 4, 3, 2, 4, 3, 2].into_iter().enumerate() {
+            let feed: Vec<u32> = (0..n as u32)
+                .map(|i| (round as u32 * 977 + i * 31) % 8192)
+                .collect();
+            let at = one_pass.len();
+            assert_eq!(
+                a.feed(&m, &one_pass, &feed, at).unwrap(),
+                1,
+                "{preset}: one pass"
+            );
+            one_pass.advance(n).unwrap();
+            for (i, &t) in feed.iter().enumerate() {
+                b.feed(&m, &stepped, &[t], at + i).unwrap();
+                stepped.advance(1).unwrap();
+            }
+            let bits = |s: &DecodeStepper| {
+                let x = s.buffers();
+                (
+                    x.next.to_vec1::<u32>().unwrap()[0],
+                    x.next_logprob.to_vec1::<f32>().unwrap()[0].to_bits(),
+                    x.position.to_vec1::<u32>().unwrap()[0],
+                )
+            };
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "{preset} round {round}: pick, log-probability, position"
+            );
+            for layer in 0..3 {
+                let (ka, va) = one_pass.buffers(layer).unwrap();
+                let (kb, vb) = stepped.buffers(layer).unwrap();
+                assert_eq!(
+                    host(ka),
+                    host(kb),
+                    "{preset} round {round} layer {layer}: K"
+                );
+                assert_eq!(
+                    host(va),
+                    host(vb),
+                    "{preset} round {round} layer {layer}: V"
+                );
+            }
+        }
+        eprintln!("{preset}: feeds of 2-4 tokens in one pass equal one step each, bit for bit");
     }
 }
 

@@ -117,13 +117,16 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
 // Streaming 16-byte load of weights (read once per step: do not keep them in L1).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
-// y[r] = W[r, :] . x (+ bias[r]) for r < n: a matrix-vector product for one-token steps.
-// W is (n, k) row-major, k % 8 == 0, rows 16-byte aligned; x has k entries. One warp per row,
-// four independent 16-byte loads in flight per lane.
-extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
-                                               const bf16* __restrict__ x,
-                                               const bf16* __restrict__ bias,
-                                               bf16* __restrict__ y, int n, int k) {
+// y[j][r] = W[r, :] . x[j] (+ bias[r]) for r < n and each of the R rows x[j] of x (R, k):
+// matrix-vector products for steps of one to a few tokens. W is (n, k) row-major, k % 8 == 0,
+// rows 16-byte aligned; x is (R, k) contiguous. One warp per row of W, four independent
+// 16-byte weight loads in flight per lane, each weight word loaded once for all R rows of x.
+// Row j's sums run in the same order whatever R is, so its result is the one-row product's,
+// bit for bit.
+template <int R>
+__device__ __forceinline__ void gemv_rows(const bf16* __restrict__ w, const bf16* __restrict__ x,
+                                          const bf16* __restrict__ bias, bf16* __restrict__ y,
+                                          int n, int k) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
     if (row >= n) {
@@ -131,9 +134,11 @@ extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
         return;
     }
     const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
-    const uint4* xr = reinterpret_cast<const uint4*>(x);
     const int k8 = k / 8;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    float a0[R], a1[R], a2[R], a3[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) a0[j] = a1[j] = a2[j] = a3[j] = 0.f;
     int i = lane;
     // The first four words of the lane's share of the row are loaded before waiting for the
     // kernel that writes x (weights are constant), then summed exactly as the loop would.
@@ -141,10 +146,14 @@ extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
         const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
         const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
         pdl_enter();
-        a0 += dot8(w0, __ldg(xr + i));
-        a1 += dot8(w1, __ldg(xr + i + WARP));
-        a2 += dot8(w2, __ldg(xr + i + 2 * WARP));
-        a3 += dot8(w3, __ldg(xr + i + 3 * WARP));
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+            const uint4* xj = xr + (size_t)j * k8;
+            a0[j] += dot8(w0, __ldg(xj + i));
+            a1[j] += dot8(w1, __ldg(xj + i + WARP));
+            a2[j] += dot8(w2, __ldg(xj + i + 2 * WARP));
+            a3[j] += dot8(w3, __ldg(xj + i + 3 * WARP));
+        }
         i += 4 * WARP;
     } else {
         pdl_enter();
@@ -152,19 +161,41 @@ extern "C" __global__ void specsplit_gemv_bf16(const bf16* __restrict__ w,
     for (; i + 3 * WARP < k8; i += 4 * WARP) {
         const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
         const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
-        a0 += dot8(w0, __ldg(xr + i));
-        a1 += dot8(w1, __ldg(xr + i + WARP));
-        a2 += dot8(w2, __ldg(xr + i + 2 * WARP));
-        a3 += dot8(w3, __ldg(xr + i + 3 * WARP));
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+            const uint4* xj = xr + (size_t)j * k8;
+            a0[j] += dot8(w0, __ldg(xj + i));
+            a1[j] += dot8(w1, __ldg(xj + i + WARP));
+            a2[j] += dot8(w2, __ldg(xj + i + 2 * WARP));
+            a3[j] += dot8(w3, __ldg(xj + i + 3 * WARP));
+        }
     }
-    for (; i < k8; i += WARP) a0 += dot8(load_stream(wr + i), __ldg(xr + i));
-    float acc = warp_sum((a0 + a1) + (a2 + a3));
-    if (lane == 0) {
-        // The unfused path rounds the product to bf16 before adding the bias.
-        if (bias != nullptr) acc = round_bf16(acc) + __bfloat162float(bias[row]);
-        y[row] = __float2bfloat16(acc);
+    for (; i < k8; i += WARP) {
+        const uint4 w0 = load_stream(wr + i);
+#pragma unroll
+        for (int j = 0; j < R; ++j) a0[j] += dot8(w0, __ldg(xr + (size_t)j * k8 + i));
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        float acc = warp_sum((a0[j] + a1[j]) + (a2[j] + a3[j]));
+        if (lane == 0) {
+            // The unfused path rounds the product to bf16 before adding the bias.
+            if (bias != nullptr) acc = round_bf16(acc) + __bfloat162float(bias[row]);
+            y[(size_t)j * n + row] = __float2bfloat16(acc);
+        }
     }
 }
+
+#define GEMV_ROWS_KERNEL(NAME, R)                                                             \
+    extern "C" __global__ void NAME(const bf16* __restrict__ w, const bf16* __restrict__ x,   \
+                                    const bf16* __restrict__ bias, bf16* __restrict__ y,      \
+                                    int n, int k) {                                           \
+        gemv_rows<R>(w, x, bias, y, n, k);                                                    \
+    }
+GEMV_ROWS_KERNEL(specsplit_gemv_bf16, 1)
+GEMV_ROWS_KERNEL(specsplit_gemv_rows2_bf16, 2)
+GEMV_ROWS_KERNEL(specsplit_gemv_rows3_bf16, 3)
+GEMV_ROWS_KERNEL(specsplit_gemv_rows4_bf16, 4)
 
 // For each of `rows` rows of width d (one block per row): s = x + delta (rounded to bf16; s = x
 // when delta is null), out[0][row] = s, out[1][row] = s / sqrt(mean(s^2) + eps) * w.
@@ -194,22 +225,24 @@ extern "C" __global__ void specsplit_add_rmsnorm_bf16(const bf16* __restrict__ x
     }
 }
 
-// One token's fused Q|K|V row (heads + 2 * kv heads of hd values) → rotary on Q and K at the
-// position *pos, Q written to q_out (heads * hd), K and V written into the caches
-// (kv, cap, hd) at slot *pos. cos / sin are (positions, hd / 2) tables. `interleaved` selects
-// the (2i, 2i + 1) pair layout instead of (i, i + hd / 2). One block per head, hd / 2 threads.
+// The fused Q|K|V rows (heads + 2 * kv heads of hd values each) of consecutive tokens, row r
+// at position *pos + r → rotary on Q and K at that position, Q written to row r of q_out
+// (rows, heads * hd), K and V written into the caches (kv, cap, hd) at slot *pos + r. cos / sin
+// are (positions, hd / 2) tables. `interleaved` selects the (2i, 2i + 1) pair layout instead
+// of (i, i + hd / 2). Grid (heads + 2 * kv, rows), hd / 2 threads.
 extern "C" __global__ void specsplit_qkv_rope_cache_bf16(
     const bf16* __restrict__ qkv, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
     const uint32_t* __restrict__ pos, bf16* __restrict__ kc, bf16* __restrict__ vc,
     bf16* __restrict__ q_out, int heads, int kv, int hd, int cap, int interleaved) {
     pdl_enter();
-    const int h = blockIdx.x;
+    const int h = blockIdx.x, r = blockIdx.y;
     const int half = hd / 2;
     const int i = threadIdx.x;
     if (i >= half) return;
-    const uint32_t p = *pos;
+    const uint32_t p = *pos + r;
     if (p >= (uint32_t)cap) return;  // the host keeps positions below capacity; never write past it
-    const bf16* src = qkv + (size_t)h * hd;
+    q_out += (size_t)r * heads * hd;
+    const bf16* src = qkv + ((size_t)r * (heads + 2 * kv) + h) * hd;
     if (h >= heads + kv) {
         bf16* dst = vc + ((size_t)(h - heads - kv) * cap + p) * hd;
         dst[i] = src[i];
@@ -378,21 +411,23 @@ struct SpanKeys {
     __device__ __forceinline__ int operator()(int t) const { return lo + t; }
 };
 
-// Attention of one query token over cache slots 0..=*pos, in two kernels: q (heads * hd),
-// caches (kv, cap, hd), query head h reads KV head h / (heads / kv). The slots are cut into
-// `splits` spans of ceil(len / splits); block (h, s) of the first kernel (ATT_THREADS threads)
-// writes span s's exp-weighted V sum, maximum and exp-sum for head h to part (heads, splits,
-// hd + 2); the second merges a head's spans in order. More blocks than heads keep a short
-// decode step from waiting on a few SMs.
+// Attention of consecutive query tokens, row r over cache slots 0..=*pos + r, in two kernels:
+// q (rows, heads * hd), caches (kv, cap, hd), query head h reads KV head h / (heads / kv). A
+// row's slots are cut into `splits` spans of ceil(len / splits); block (h, s, r) of the first
+// kernel (ATT_THREADS threads) writes span s's exp-weighted V sum, maximum and exp-sum for
+// head h of row r to part (rows, heads, splits, hd + 2); the second merges a head's spans in
+// order. More blocks than heads keep a short decode step from waiting on a few SMs.
 template <int HD>
 __device__ void decode_attention_split(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                        const bf16* __restrict__ vc,
                                        const uint32_t* __restrict__ pos,
                                        float* __restrict__ part, int heads, int kv, int cap,
                                        int splits, float scale) {
-    const int h = blockIdx.x, s = blockIdx.y;
+    const int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z;
     const int j = h / (heads / kv);
-    const int len = min((int)*pos + 1, cap);
+    const int len = min((int)*pos + 1 + r, cap);
+    q += (size_t)r * heads * HD;
+    part += (size_t)r * heads * splits * (HD + 2);
     const int per = (len + splits - 1) / splits;
     const int lo = min(len, s * per);
     const SpanKeys keys{lo, min(len, lo + per) - lo};
@@ -416,8 +451,9 @@ extern "C" __global__ void specsplit_decode_attention_split_bf16_hd128(
     decode_attention_split<128>(q, kc, vc, pos, part, heads, kv, cap, splits, scale);
 }
 
-// Merges head h's `splits` spans (part as written above) in span order into out[h * hd + d].
-// Grid heads, hd threads. Empty spans (maximum -inf) add nothing.
+// Merges head h's `splits` spans (part as written above) in span order into out[h * hd + d],
+// h over every row's heads. Grid rows * heads, hd threads. Empty spans (maximum -inf) add
+// nothing.
 extern "C" __global__ void specsplit_decode_attention_merge_bf16(const float* __restrict__ part,
                                                                  bf16* __restrict__ out,
                                                                  int splits, int hd) {
