@@ -306,18 +306,11 @@ async fn warm_up(
     Ok(())
 }
 
-/// The median of `v` (0 when empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
+/// Tokens a round a chain of `depth` synthetic proposals yields in expectation when each is
+/// accepted with probability `beta` once its parent was: `1 + β + … + β^depth` (the target's
+/// own next token included; before max-tokens cuts a round short).
+fn expected_chain_len(beta: f64, depth: usize) -> f64 {
+    (0..=depth as i32).map(|i| beta.powi(i)).sum()
 }
 
 /// Aggregates the generations of one configuration into a result row: the orchestrator's own
@@ -336,6 +329,9 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
     let steady: Vec<&RoundRecord> = gens.iter().flat_map(|g| g.rounds.iter().skip(1)).collect();
     let steady_mean = |f: &dyn Fn(&RoundRecord) -> f64| {
         ratio(steady.iter().map(|r| f(r)).sum(), steady.len() as f64)
+    };
+    let steady_median = |f: &dyn Fn(&RoundRecord) -> f64| {
+        util::summarize(&steady.iter().map(|r| f(r)).collect::<Vec<_>>()).median
     };
     let first: Vec<&RoundRecord> = gens.iter().filter_map(|g| g.rounds.first()).collect();
     let first_mean = |f: &dyn Fn(&RoundRecord) -> f64| {
@@ -381,8 +377,8 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "steady_round_ms": steady_mean(&|r| r.round_ms),
         "steady_draft_model_ms": steady_mean(&|r| r.draft_model_ms),
         "steady_verify_model_ms": steady_mean(&|r| r.verify_model_ms),
-        "steady_draft_model_ms_median": median(steady.iter().map(|r| r.draft_model_ms).collect()),
-        "steady_verify_model_ms_median": median(steady.iter().map(|r| r.verify_model_ms).collect()),
+        "steady_draft_model_ms_median": steady_median(&|r| r.draft_model_ms),
+        "steady_verify_model_ms_median": steady_median(&|r| r.verify_model_ms),
         "steady_verify_model_ms_max": steady.iter().map(|r| r.verify_model_ms).fold(0.0, f64::max),
         "steady_draft_model_ms_max": steady.iter().map(|r| r.draft_model_ms).fold(0.0, f64::max),
         "steady_round_overhead_ms": steady_mean(&RoundRecord::overhead_ms),
@@ -583,9 +579,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let tps = num(&agg, "tok_per_s");
             let speedup = if ar_tps > 0.0 { tps / ar_tps } else { 0.0 };
             let widths = util::widths_label(&r.widths);
-            // A chain of `depth` tokens each accepted with probability β while its parent was:
-            // 1 + β + … + β^depth tokens a round in expectation (before max-tokens cuts).
-            let expected_len = beta.map(|b| (0..=depth as i32).map(|i| b.powi(i)).sum::<f64>());
+            let expected_len = beta.map(|b| expected_chain_len(b, depth));
             eprintln!(
                 "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}{}, same {:.2}, draft {:.2} ms (server {:.2}, model {:.2}), verify {:.2} ms (server {:.2}, model {:.2}), overhead {:.3} ms/round, attempts {}",
                 beta.map(|b| format!(" β={b}")).unwrap_or_default(),
@@ -698,4 +692,37 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     let (j, c) = crate::report::write(&s.out, &s.name, &doc)?;
     eprintln!("wrote {} and {}", j.display(), c.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expected_chain_len;
+
+    #[test]
+    fn expected_chain_len_sums_the_acceptance_of_every_prefix() {
+        // Brute force: the mean over every accept/reject pattern of `depth` proposals, each
+        // pattern weighted by its probability, of 1 + the accepted prefix's length.
+        for (beta, depth) in [(0.8, 3), (0.8, 6), (0.5, 1), (1.0, 4), (0.0, 5)] {
+            let mut mean = 0.0;
+            for bits in 0u32..1 << depth {
+                let p: f64 = (0..depth)
+                    .map(|i| {
+                        if (bits >> i) & 1 == 1 {
+                            beta
+                        } else {
+                            1.0 - beta
+                        }
+                    })
+                    .product();
+                let accepted = (0..depth).take_while(|i| (bits >> i) & 1 == 1).count();
+                mean += p * (1 + accepted) as f64;
+            }
+            let got = expected_chain_len(beta, depth);
+            assert!(
+                (got - mean).abs() < 1e-12,
+                "β {beta} depth {depth}: {got} vs {mean}"
+            );
+        }
+        assert!((expected_chain_len(0.8, 3) - 2.952).abs() < 1e-12);
+    }
 }

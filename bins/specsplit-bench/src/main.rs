@@ -149,9 +149,10 @@ struct E2eArgs {
     seed: u64,
     /// Unmeasured passes over the whole prompt set before each configuration is measured
     /// (target-only too), so that every pass length a configuration meets (chains cut short
-    /// near max-tokens included) has its CUDA graph captured before the timed run.
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
+    /// near max-tokens included) has its CUDA graph captured before the timed run; 0 = one
+    /// short generation [default: 2; quick: 0].
+    #[arg(long)]
+    warmup: Option<usize>,
     /// Small preset that finishes quickly.
     #[arg(long)]
     quick: bool,
@@ -237,7 +238,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
         real_too: a.real_too,
         ignore_eos: a.ignore_eos || random,
         seed: a.seed,
-        warmup: a.warmup,
+        warmup: pick(a.warmup, q, 0, 2),
         target: a.target,
         draft: a.draft,
         device_target: a.device_target,
