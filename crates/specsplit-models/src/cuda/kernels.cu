@@ -123,6 +123,23 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p);
 // 16-byte weight loads in flight per lane, each weight word loaded once for all R rows of x.
 // Row j's sums run in the same order whatever R is, so its result is the one-row product's,
 // bit for bit.
+// Adds four weight words (a lane's words i, i + WARP, i + 2 WARP, i + 3 WARP of one W row)
+// times the same words of each of the R rows of x (k8 words a row) to that row's four sums.
+template <int R>
+__device__ __forceinline__ void gemv_add4(uint4 w0, uint4 w1, uint4 w2, uint4 w3,
+                                          const uint4* __restrict__ xr, int k8, int i,
+                                          float (&a0)[R], float (&a1)[R], float (&a2)[R],
+                                          float (&a3)[R]) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const uint4* xj = xr + (size_t)j * k8;
+        a0[j] += dot8(w0, __ldg(xj + i));
+        a1[j] += dot8(w1, __ldg(xj + i + WARP));
+        a2[j] += dot8(w2, __ldg(xj + i + 2 * WARP));
+        a3[j] += dot8(w3, __ldg(xj + i + 3 * WARP));
+    }
+}
+
 template <int R>
 __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ w, const bf16* __restrict__ x,
                                           const bf16* __restrict__ bias, bf16* __restrict__ y,
@@ -146,14 +163,7 @@ __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ w, const bf16
         const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
         const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
         pdl_enter();
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            const uint4* xj = xr + (size_t)j * k8;
-            a0[j] += dot8(w0, __ldg(xj + i));
-            a1[j] += dot8(w1, __ldg(xj + i + WARP));
-            a2[j] += dot8(w2, __ldg(xj + i + 2 * WARP));
-            a3[j] += dot8(w3, __ldg(xj + i + 3 * WARP));
-        }
+        gemv_add4<R>(w0, w1, w2, w3, xr, k8, i, a0, a1, a2, a3);
         i += 4 * WARP;
     } else {
         pdl_enter();
@@ -161,14 +171,7 @@ __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ w, const bf16
     for (; i + 3 * WARP < k8; i += 4 * WARP) {
         const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
         const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            const uint4* xj = xr + (size_t)j * k8;
-            a0[j] += dot8(w0, __ldg(xj + i));
-            a1[j] += dot8(w1, __ldg(xj + i + WARP));
-            a2[j] += dot8(w2, __ldg(xj + i + 2 * WARP));
-            a3[j] += dot8(w3, __ldg(xj + i + 3 * WARP));
-        }
+        gemv_add4<R>(w0, w1, w2, w3, xr, k8, i, a0, a1, a2, a3);
     }
     for (; i < k8; i += WARP) {
         const uint4 w0 = load_stream(wr + i);
