@@ -306,6 +306,27 @@ async fn warm_up(
     Ok(())
 }
 
+/// Prints the target's device time a verification pass (`SPECSPLIT_DEVICE_TIMING=1`) by the
+/// pass's rows: median, 10th and 90th percentile, for the row counts of at least ten passes.
+fn print_device_times(times: &[(usize, f64)]) {
+    let mut rows: Vec<usize> = times.iter().map(|t| t.0).collect();
+    rows.sort_unstable();
+    rows.dedup();
+    for n in rows {
+        let ms: Vec<f64> = times.iter().filter(|t| t.0 == n).map(|t| t.1).collect();
+        if ms.len() >= 10 {
+            let sm = util::summarize(&ms);
+            eprintln!(
+                "    device time of {n}-row verify passes: median {:.3} ms (p10 {:.3}, p90 {:.3}; {} passes)",
+                sm.median,
+                sm.p10,
+                sm.p90,
+                ms.len()
+            );
+        }
+    }
+}
+
 /// Tokens a round a chain of `depth` synthetic proposals yields in expectation when each is
 /// accepted with probability `beta` once its parent was: `1 + β + … + β^depth` (the target's
 /// own next token included; before max-tokens cuts a round short).
@@ -443,8 +464,9 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         &s.device_target,
         &z,
     );
+    let t_engine = Arc::new(TargetEngine::new(target_model.clone(), z.max_context));
     let t_worker = TargetWorker::new(
-        Arc::new(TargetEngine::new(target_model.clone(), z.max_context)),
+        t_engine.clone(),
         limits(),
         t_info,
     );
@@ -471,7 +493,9 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     };
     warm_up(&ar_orch, &prompts, &ar_cfg, s.warmup).await?;
     eprintln!("target-only ...");
+    t_engine.take_device_times();
     let ar = generate_all(&ar_orch, &prompts, &ar_cfg).await?;
+    print_device_times(&t_engine.take_device_times());
     let ar_row = merge(
         json!({
             "label": "target-only", "kind": "ar", "mode": "ar", "pipeline": "none",
@@ -549,6 +573,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 ..base_cfg.clone()
             };
             warm_up(&orch, &prompts, &cfg, s.warmup).await?;
+            t_engine.take_device_times();
             // With a synthetic drafter, a generation that left every reference (the target's
             // verification broke a near-tie unlike its single-token decode) becomes a
             // reference itself and the configuration runs again, so the proposer follows the
@@ -568,6 +593,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                     break gens;
                 }
             };
+            print_device_times(&t_engine.take_device_times());
             let depth = r.widths.len();
             let agg = merge(
                 aggregate(&gens, depth, &ar),

@@ -69,6 +69,73 @@ pub fn retain_pool_memory(device: &Device) -> candle_core::Result<bool> {
     Ok(false)
 }
 
+/// Whether the target measures each verification pass's device time with CUDA events
+/// (`SPECSPLIT_DEVICE_TIMING=1`; off by default: two events a round).
+pub fn device_timing_wanted() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECSPLIT_DEVICE_TIMING").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Event flags that keep timing on (cudarc's default disables it).
+#[cfg(feature = "cuda")]
+fn timing_event() -> candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags {
+    candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
+}
+
+/// The device time of work enqueued on a CUDA device's stream between [`DeviceSpan::start`]
+/// and [`DeviceSpan::end`], from two timing events: what the GPU spent, apart from the host's
+/// waits around it.
+pub struct DeviceSpan {
+    #[cfg(feature = "cuda")]
+    start: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+    #[cfg(feature = "cuda")]
+    end: Option<candle_core::cuda_backend::cudarc::driver::CudaEvent>,
+}
+
+impl DeviceSpan {
+    /// Records the start on `device`'s stream; `None` on the CPU.
+    pub fn start(device: &Device) -> candle_core::Result<Option<Self>> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            let start = d
+                .cuda_stream()
+                .record_event(Some(timing_event()))
+                .map_err(|e| candle_core::Error::Msg(format!("recording a CUDA event: {e:?}")))?;
+            return Ok(Some(Self { start, end: None }));
+        }
+        let _ = device;
+        Ok(None)
+    }
+
+    /// Records the end on `device`'s stream (the same device as the start).
+    pub fn end(&mut self, device: &Device) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            let end = d
+                .cuda_stream()
+                .record_event(Some(timing_event()))
+                .map_err(|e| candle_core::Error::Msg(format!("recording a CUDA event: {e:?}")))?;
+            self.end = Some(end);
+        }
+        let _ = device;
+        Ok(())
+    }
+
+    /// Milliseconds between the start and the end (waits for the end); `None` before
+    /// [`DeviceSpan::end`].
+    pub fn elapsed_ms(&self) -> candle_core::Result<Option<f64>> {
+        #[cfg(feature = "cuda")]
+        if let Some(end) = &self.end {
+            let ms = self
+                .start
+                .elapsed_ms(end)
+                .map_err(|e| candle_core::Error::Msg(format!("timing CUDA events: {e:?}")))?;
+            return Ok(Some(f64::from(ms)));
+        }
+        Ok(None)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -485,6 +485,52 @@ pub fn set_batch_invariant(on: bool) {
     BATCH_INVARIANT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
 
+/// The most rows a pass may have for the model to run it as one *wide* fused pass: passes of
+/// more than [`BI_MAX_ROWS`] rows (prompt prefills) run the fused layer stack with cuBLAS
+/// products ([`cublas_product`]) and [`rows_attention`], about eleven launches a layer instead
+/// of the twenty-odd of candle's batched ops. Longer passes keep the batched ops, whose
+/// attention scores take less memory than [`rows_attention`]'s partial sums.
+pub const WIDE_MAX_ROWS: usize = 256;
+
+static WIDE_ROWS: AtomicU8 = AtomicU8::new(0);
+
+/// Whether dense bf16 passes of more than [`BI_MAX_ROWS`] and at most [`WIDE_MAX_ROWS`] rows on
+/// CUDA run as one wide fused pass. Such passes are prompt prefills, which a target runs the
+/// same way whether it decodes alone or verifies drafts, so this changes no output's
+/// exactness. `SPECSPLIT_WIDE_ROWS=0` (or `off`) turns it off; always false without `cuda`.
+pub fn wide_rows() -> bool {
+    if !cfg!(feature = "cuda") {
+        return false;
+    }
+    match WIDE_ROWS.load(Ordering::Relaxed) {
+        0 => {
+            let on = !matches!(
+                std::env::var("SPECSPLIT_WIDE_ROWS").as_deref().map(str::trim),
+                Ok("0") | Ok("off")
+            );
+            set_wide_rows(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Turns the wide fused passes on or off from here on (overrides the environment).
+pub fn set_wide_rows(on: bool) {
+    WIDE_ROWS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// `x W^T (+ b)` through candle's matmul (cuBLAS on CUDA): `x` `(m, k)`, `w` `(n, k)`, `b`
+/// `(n,)` → `(m, n)`. The product of the wide fused passes, where tensor-core GEMMs over many
+/// rows beat [`bi_matmul`] and batch invariance is not needed.
+pub fn cublas_product(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
 /// Overrides of [`bi_matmul`]'s launch shape, for side-by-side tuning; `None` keeps the
 /// built-in choice. `depth` (1 or 2: the weight chunks each lane keeps in flight, base or twice)
 /// and `col_tiles` (2 or 4 column tiles of 8 a warp) change the speed only. `splits` (warps

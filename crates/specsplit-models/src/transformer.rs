@@ -796,20 +796,24 @@ impl Transformer {
     }
 
     /// Appends `tokens` to the end of `cache` (causal, positions following the cached ones),
-    /// computing no logits a caller needs: a draft's prefill. Where the model runs the fused
-    /// rows kernels for passes of [`crate::fused::BI_MAX_ROWS`] rows (bf16 on CUDA), the tokens
-    /// go through in passes of that many, about ten launches a layer each, instead of one pass
-    /// of candle's batched ops (several times the launches): faster for a small, launch-bound
-    /// model (0.5B shape, 127 tokens: 9.8–10.6 → 7.2 ms with the draft's first chain), slower
-    /// for a large one, whose weights each pass reads again (7B: 19 → 28 ms).
-    /// `SPECSPLIT_PREFILL_CHUNKS=0` keeps one pass.
+    /// computing no logits a caller needs: a draft's prefill. Where the model runs wide fused
+    /// passes (bf16 on CUDA, [`crate::fused::wide_rows`]), the tokens go through in passes of
+    /// up to [`crate::fused::WIDE_MAX_ROWS`] rows; else, where it runs the batch-invariant rows
+    /// kernels, in passes of [`crate::fused::BI_MAX_ROWS`] rows, about ten launches a layer
+    /// each, instead of one pass of candle's batched ops (several times the launches): faster
+    /// for a small, launch-bound model (0.5B shape, 127 tokens: 9.8–10.6 → 7.2 ms with the
+    /// draft's first chain). `SPECSPLIT_PREFILL_CHUNKS=0` keeps one pass.
     pub fn prefill(&self, tokens: &[u32], cache: &mut SessionCache) -> Result<(), ModelError> {
         static CHUNKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let chunks = *CHUNKS.get_or_init(|| {
             std::env::var("SPECSPLIT_PREFILL_CHUNKS").map_or(true, |v| v.trim() != "0")
         });
-        let rows = crate::fused::BI_MAX_ROWS;
-        let size = if chunks && self.exact_rows_fit(cache.capacity(), rows) {
+        let (wide, rows) = (crate::fused::WIDE_MAX_ROWS, crate::fused::BI_MAX_ROWS);
+        let size = if !chunks {
+            tokens.len().max(1)
+        } else if tokens.len() > rows && self.gpu_wide(tokens.len().min(wide)) {
+            wide
+        } else if self.exact_rows_fit(cache.capacity(), rows) {
             rows
         } else {
             tokens.len().max(1)
@@ -921,6 +925,7 @@ impl Transformer {
         let past = cache.len();
         let total = past + n;
         let gpu_exact = self.gpu_batch_invariant(n);
+        let gpu_wide = !gpu_exact && self.gpu_wide(n);
         if total > cache.capacity() {
             return Err(specsplit_core::cache::CacheError::CapacityExceeded {
                 needed: total,
@@ -938,7 +943,7 @@ impl Transformer {
         }
         // The batch-invariant paths need each row's visible keys (computed once per pass) and
         // no device mask; the batched path needs the mask.
-        let per_row = self.exact_attention() || gpu_exact;
+        let per_row = self.exact_attention() || gpu_exact || gpu_wide;
         let mask = match vis {
             _ if per_row => None,
             Visibility::Mask(m) => Some(m.to_dtype(self.dtype)?),
@@ -953,7 +958,7 @@ impl Transformer {
             None
         };
         let pass_keys = match &row_keys {
-            Some(keys) if gpu_exact => Some(crate::fused::PassKeys::new(
+            Some(keys) if gpu_exact || gpu_wide => Some(crate::fused::PassKeys::new(
                 &keys.split_rows(),
                 &self.device,
             )?),
@@ -961,7 +966,14 @@ impl Transformer {
         };
         if let Some(keys) = &pass_keys {
             if let Some(layers) = self.fused_layers() {
-                return self.forward_fused_rows(&layers, tokens, positions, keys, cache, rows);
+                // A wide pass (a prompt's prefill) needs no batch invariance: cuBLAS products.
+                let product = if gpu_exact {
+                    crate::fused::bi_matmul
+                } else {
+                    crate::fused::cublas_product
+                };
+                return self
+                    .forward_fused_rows(&layers, product, tokens, positions, keys, cache, rows);
             }
         }
         let cos = self.cos.index_select(positions, 0)?;
@@ -984,13 +996,16 @@ impl Transformer {
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
-    /// [`Transformer::forward`] of a batch-invariant pass with the fused kernels
-    /// ([`Transformer::fused_stack`] with the batch-invariant product, rotary and cache write
-    /// for all rows, and the rows' attention): about 10 launches a layer instead of about 19.
-    /// Every kernel computes a row from that row alone, so the pass stays batch-invariant.
+    /// [`Transformer::forward`] of a pass with the fused kernels ([`Transformer::fused_stack`]
+    /// with `product`, rotary and cache write for all rows, and the rows' attention): about 10
+    /// launches a layer instead of about 19. With [`crate::fused::bi_matmul`] every kernel
+    /// computes a row from that row alone, so the pass is batch-invariant; a wide pass uses
+    /// [`crate::fused::cublas_product`].
+    #[allow(clippy::too_many_arguments)]
     fn forward_fused_rows(
         &self,
         layers: &[FusedLayer<'_>],
+        product: fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
         tokens: &Tensor,
         positions: &Tensor,
         keys: &crate::fused::PassKeys,
@@ -1001,7 +1016,7 @@ impl Transformer {
         let past = cache.len();
         let (shape, scale) = self.fused_attn_shape(cache.capacity());
         let store: &SessionCache = cache;
-        let (h, head) = self.fused_stack(layers, tokens, fused::bi_matmul, |i, qkv| {
+        let (h, head) = self.fused_stack(layers, tokens, product, |i, qkv| {
             let (kb, vb) = store.buffers(i)?;
             let q = fused::qkv_rope_rows(
                 qkv,
@@ -1018,7 +1033,7 @@ impl Transformer {
         })?;
         cache.advance(tokens.dim(0)?)?;
         let h = h.index_select(rows, 0)?;
-        Ok(fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?)
+        Ok(product(&h, head, None)?.to_dtype(DType::F32)?)
     }
 
     /// The attention shape of the fused kernels over caches of `capacity` slots, and the
@@ -1446,10 +1461,27 @@ impl Transformer {
     /// and attention): [`crate::fused::batch_invariant`] on, a dense bf16 model whose widths
     /// the kernels take, and `n` at most [`crate::fused::BI_MAX_ROWS`].
     fn gpu_batch_invariant(&self, n: usize) -> bool {
-        let c = &self.config;
         n <= crate::fused::BI_MAX_ROWS
             && crate::fused::batch_invariant()
-            && crate::fused::applies(&self.norm)
+            && self.gpu_rows_kernels_fit()
+    }
+
+    /// Whether a CUDA pass of `n` rows runs as one wide fused pass (see
+    /// [`crate::fused::WIDE_MAX_ROWS`]): more rows than the batch-invariant passes take, at most
+    /// the wide limit, [`crate::fused::wide_rows`] on, and a model the rows kernels take.
+    fn gpu_wide(&self, n: usize) -> bool {
+        n > crate::fused::BI_MAX_ROWS
+            && n <= crate::fused::WIDE_MAX_ROWS
+            && crate::fused::wide_rows()
+            && self.gpu_rows_kernels_fit()
+    }
+
+    /// Whether the rows kernels ([`crate::fused::rows_attention`], the rotary and cache write
+    /// of every row) take this model: dense bf16 on CUDA, head size 64 or 128, at most
+    /// [`crate::fused::RA_MAX_REP`] query heads a KV head, widths that are multiples of 32.
+    fn gpu_rows_kernels_fit(&self) -> bool {
+        let c = &self.config;
+        crate::fused::applies(&self.norm)
             && matches!(c.head_dim, 64 | 128)
             && c.num_key_value_heads > 0
             && c.num_attention_heads / c.num_key_value_heads <= crate::fused::RA_MAX_REP

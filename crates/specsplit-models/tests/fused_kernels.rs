@@ -1252,3 +1252,88 @@ fn programmatic_launch_and_graph_scratch_change_no_bit() {
     }
     fused::set_pdl(was);
 }
+
+/// Every layer's K and V cache entries of slots `0..n`, as f32.
+fn cache_entries(m: &Transformer, cache: &SessionCache, n: usize) -> Vec<Vec<f32>> {
+    (0..m.config().num_hidden_layers)
+        .flat_map(|layer| {
+            let (k, v) = cache.buffers(layer).unwrap();
+            [k, v].map(|t| host(&t.narrow(2, 0, n).unwrap()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_wide_pass_computes_what_the_batched_pass_computes() {
+    let Some(dev) = gpu() else { return };
+    assert!(fused::wide_rows(), "wide passes are on by default");
+    for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
+        let m = small_model(preset, 37, &dev);
+        let cap = 512;
+        // A prompt of more rows than the batch-invariant passes take: one wide pass, against
+        // candle's batched ops (wide passes off) over the same rows; then 30 tokens after a
+        // cached prefix, so that rows see cached slots as well as their own.
+        let prompt: Vec<u32> = (0..200).map(|i| (i * 53 + 11) % 8192).collect();
+        let (head, tail) = prompt.split_at(130);
+        let mut wide = m.new_cache(cap).unwrap();
+        let mut batched = m.new_cache(cap).unwrap();
+        let got = forward_rows(&m, &mut wide, head);
+        fused::set_wide_rows(false);
+        let want = forward_rows(&m, &mut batched, head);
+        fused::set_wide_rows(true);
+        let scale = want.iter().map(|r| max_abs(r)).fold(0f32, f32::max);
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("{preset} row {r}"), g, w, scale, 1.0 / 16.0);
+        }
+        // Row picks agree where the batched pass's best is clear of its runner-up.
+        let clear = want
+            .iter()
+            .zip(&got)
+            .filter(|(w, _)| {
+                let mut s = (*w).clone();
+                s.sort_by(|a, b| b.total_cmp(a));
+                s[0] - s[1] > scale / 16.0
+            })
+            .collect::<Vec<_>>();
+        assert!(
+            clear.iter().all(|(w, g)| argmax(w) == argmax(g)),
+            "{preset}: a clear pick differs"
+        );
+        for (e, (g, w)) in cache_entries(&m, &wide, head.len())
+            .iter()
+            .zip(&cache_entries(&m, &batched, head.len()))
+            .enumerate()
+        {
+            assert_close(&format!("{preset} cache {e}"), g, w, max_abs(w), 1.0 / 32.0);
+        }
+        // 70 more rows after the 130 cached ones: a wide pass over a cached prefix.
+        let (mut wide2, mut batched2) = (m.new_cache(cap).unwrap(), m.new_cache(cap).unwrap());
+        forward_last(&m, &mut wide2, head);
+        forward_last(&m, &mut batched2, head);
+        let got = forward_rows(&m, &mut wide2, tail);
+        fused::set_wide_rows(false);
+        let want = forward_rows(&m, &mut batched2, tail);
+        fused::set_wide_rows(true);
+        assert_eq!(wide2.len(), prompt.len());
+        let scale = want.iter().map(|r| max_abs(r)).fold(0f32, f32::max);
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("{preset} tail row {r}"), g, w, scale, 1.0 / 16.0);
+        }
+        // A draft's prefill of the whole prompt (a wide pass, then the rest) fills the cache as
+        // one pass per token range would: the same entries as the batched passes, within bf16.
+        let mut pre = m.new_cache(cap).unwrap();
+        m.prefill(&prompt, &mut pre).unwrap();
+        assert_eq!(pre.len(), prompt.len());
+        for (e, (g, w)) in cache_entries(&m, &pre, prompt.len())
+            .iter()
+            .zip(&cache_entries(&m, &batched2, prompt.len()))
+            .enumerate()
+        {
+            assert_close(&format!("{preset} prefill cache {e}"), g, w, max_abs(w), 1.0 / 32.0);
+        }
+        eprintln!(
+            "{preset}: wide passes equal the batched ones within bf16 ({} clear picks equal)",
+            clear.len()
+        );
+    }
+}

@@ -102,6 +102,8 @@ pub struct TargetEngine {
     exact_steps: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
     spares: Arc<Spares<SessionBody<ExactStepper>>>,
+    /// Per verification pass with `SPECSPLIT_DEVICE_TIMING=1`: its rows and device ms.
+    device_times: std::sync::Mutex<Vec<(usize, f64)>>,
 }
 
 impl TargetEngine {
@@ -114,7 +116,14 @@ impl TargetEngine {
             max_context,
             exact_steps,
             spares: Arc::new(Spares::new(crate::spare::spare_sessions_from_env())),
+            device_times: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// The rows and device milliseconds of every pass verified since the last call, when
+    /// `SPECSPLIT_DEVICE_TIMING=1` (else none), timed with CUDA events around the pass.
+    pub fn take_device_times(&self) -> Vec<(usize, f64)> {
+        std::mem::take(&mut *self.device_times.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
@@ -224,11 +233,34 @@ impl TargetEngine {
         if !new.is_empty() {
             s.last_logits = None;
         }
+        // Timing is a diagnostic: its failures are logged, never the round's.
+        fn timing_failed<T>(e: candle_core::Error) -> Option<T> {
+            tracing::warn!("device timing: {e}");
+            None
+        }
+        let mut span = if specsplit_core::device::device_timing_wanted() {
+            specsplit_core::device::DeviceSpan::start(self.model.device())
+                .unwrap_or_else(timing_failed)
+        } else {
+            None
+        };
         let t0 = Instant::now();
         let logits = self.forward_round(s, keep, &new, tree)?;
         let enqueue_time = t0.elapsed();
+        if let Some(sp) = span.as_mut() {
+            if let Err(e) = sp.end(self.model.device()) {
+                span = timing_failed(e);
+            }
+        }
         let verdict = self.decide(tree, &logits, params, &mut s.rng)?;
         let model_time = t0.elapsed();
+        let device_ms = span.and_then(|sp| sp.elapsed_ms().unwrap_or_else(timing_failed));
+        if let Some(ms) = device_ms {
+            self.device_times
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((new.len() + tree.len(), ms));
+        }
 
         // Keep the accepted path: the prefix and the new tokens stay, the accepted tree nodes
         // move down next to them, the rest is dropped.
