@@ -88,7 +88,7 @@ e2eenv)
             --synthetic-beta 0.8 --num-prompts "${PROMPTS:-2}" --max-tokens "$n" \
             --depths "${DEPTHS:-3,4}" --trees "" --pipelines "${PIPELINES:-sequential}" \
             ${E2E_ARGS:-} --out "$OUT" --name "e2e-b08-${TAG:-env}$k-$n" 2>&1 \
-            | grep -E 'tok/s|best|first round:|device time'
+            | grep -E 'tok/s|best|first round:|device time|row verify'
     done ;;
 fwdenv)
     # The forward benchmark (ctx 512, chains 1 and 3, tree 32) of each of MODELS (0.5b 7b) under

@@ -22,7 +22,7 @@ use specsplit_workers::service::{
     serve_draft, serve_target, DraftWorker, TargetWorker, WorkPlacement, WorkerInfo,
 };
 use specsplit_workers::session::SessionLimits;
-use specsplit_workers::target::TargetEngine;
+use specsplit_workers::target::{PassTiming, TargetEngine};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
@@ -306,25 +306,42 @@ async fn warm_up(
     Ok(())
 }
 
-/// Prints the target's device time a verification pass (`SPECSPLIT_DEVICE_TIMING=1`) by the
-/// pass's rows: median, 10th and 90th percentile, for the row counts of at least ten passes.
-fn print_device_times(times: &[(usize, f64)]) {
-    let mut rows: Vec<usize> = times.iter().map(|t| t.0).collect();
+/// Prints the target's verification passes timed with `SPECSPLIT_DEVICE_TIMING=1`, by the
+/// pass's rows (row counts of at least ten passes): the device time's median, 10th and 90th
+/// percentile, the median host time until enqueued and the median model time.
+fn print_device_times(times: &[PassTiming]) {
+    let mut rows: Vec<usize> = times.iter().map(|t| t.rows).collect();
     rows.sort_unstable();
     rows.dedup();
     for n in rows {
-        let ms: Vec<f64> = times.iter().filter(|t| t.0 == n).map(|t| t.1).collect();
-        if ms.len() >= 10 {
-            let sm = util::summarize(&ms);
+        let of = |f: fn(&PassTiming) -> f64| -> util::Summary {
+            util::summarize(&times.iter().filter(|t| t.rows == n).map(f).collect::<Vec<_>>())
+        };
+        let count = times.iter().filter(|t| t.rows == n).count();
+        if count < 10 {
+            continue;
+        }
+        let (device, enqueue, model) = (of(|t| t.device_ms), of(|t| t.enqueue_ms), of(|t| t.model_ms));
+        let context = of(|t| t.context as f64);
+        {
             eprintln!(
-                "    device time of {n}-row verify passes: median {:.3} ms (p10 {:.3}, p90 {:.3}; {} passes)",
-                sm.median,
-                sm.p10,
-                sm.p90,
-                ms.len()
+                "    {n}-row verify passes: device {:.3} ms (p10 {:.3}, p90 {:.3}), host enqueue {:.3} ms, model {:.3} ms, context median {:.0} ({count} passes)",
+                device.median, device.p10, device.p90, enqueue.median, model.median, context.median
             );
         }
     }
+}
+
+/// The passes of [`print_device_times`], one `[rows, context, device ms, host enqueue ms,
+/// model ms, graph]` array each (null when none were timed).
+fn pass_timings_json(times: &[PassTiming]) -> Value {
+    if times.is_empty() {
+        return Value::Null;
+    }
+    times
+        .iter()
+        .map(|t| json!([t.rows, t.context, t.device_ms, t.enqueue_ms, t.model_ms, t.graph]))
+        .collect()
 }
 
 /// Tokens a round a chain of `depth` synthetic proposals yields in expectation when each is
@@ -495,12 +512,13 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     eprintln!("target-only ...");
     t_engine.take_device_times();
     let ar = generate_all(&ar_orch, &prompts, &ar_cfg).await?;
-    print_device_times(&t_engine.take_device_times());
+    let ar_passes = t_engine.take_device_times();
+    print_device_times(&ar_passes);
     let ar_row = merge(
         json!({
             "label": "target-only", "kind": "ar", "mode": "ar", "pipeline": "none",
             "widths": "", "depth": 0, "tree_nodes": 0, "synthetic": false, "beta": null,
-            "drafter": "none",
+            "drafter": "none", "verify_pass_timings": pass_timings_json(&ar_passes),
         }),
         aggregate(&ar, 0, &ar),
     );
@@ -593,13 +611,15 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                     break gens;
                 }
             };
-            print_device_times(&t_engine.take_device_times());
+            let passes = t_engine.take_device_times();
+            print_device_times(&passes);
             let depth = r.widths.len();
             let agg = merge(
                 aggregate(&gens, depth, &ar),
                 json!({
                     "attempts": attempts,
                     "oracle_references": oracle.as_ref().map(|o| o.num_references()),
+                    "verify_pass_timings": pass_timings_json(&passes),
                 }),
             );
             let tps = num(&agg, "tok_per_s");

@@ -453,7 +453,11 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             let graph = sess.graph_passes().contains(&(tree.len() + 1));
             let skip = s.warmup.max(2);
             // With SPECSPLIT_DEVICE_TIMING=1: the passes' device time, from CUDA events.
-            let device: Vec<f64> = engine.take_device_times().into_iter().map(|t| t.1).collect();
+            let device: Vec<f64> = engine
+                .take_device_times()
+                .iter()
+                .map(|t| t.device_ms)
+                .collect();
             if device.len() > skip {
                 eprintln!(
                     "  engine round, chain {:>2}: device time {:.3} ms",

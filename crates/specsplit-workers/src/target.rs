@@ -93,6 +93,24 @@ pub struct VerifyOutcome {
     pub tokens_processed: usize,
 }
 
+/// How long one verification pass took (`SPECSPLIT_DEVICE_TIMING=1`).
+#[derive(Debug, Clone, Copy)]
+pub struct PassTiming {
+    /// Tokens that went through the model.
+    pub rows: usize,
+    /// Cached tokens before them.
+    pub context: usize,
+    /// Device time from CUDA events recorded before the pass's inputs were uploaded and after
+    /// it was enqueued (host gaps between the two included).
+    pub device_ms: f64,
+    /// Host time until the pass was enqueued.
+    pub enqueue_ms: f64,
+    /// The round's model time (pass, verdict and its copy).
+    pub model_ms: f64,
+    /// Whether the session holds a captured graph for passes of one new token and this tree.
+    pub graph: bool,
+}
+
 /// Verifies draft trees with the target model.
 pub struct TargetEngine {
     model: Arc<Transformer>,
@@ -102,8 +120,8 @@ pub struct TargetEngine {
     exact_steps: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
     spares: Arc<Spares<SessionBody<ExactStepper>>>,
-    /// Per verification pass with `SPECSPLIT_DEVICE_TIMING=1`: its rows and device ms.
-    device_times: std::sync::Mutex<Vec<(usize, f64)>>,
+    /// Per verification pass with `SPECSPLIT_DEVICE_TIMING=1`.
+    device_times: std::sync::Mutex<Vec<PassTiming>>,
 }
 
 impl TargetEngine {
@@ -120,9 +138,9 @@ impl TargetEngine {
         }
     }
 
-    /// The rows and device milliseconds of every pass verified since the last call, when
-    /// `SPECSPLIT_DEVICE_TIMING=1` (else none), timed with CUDA events around the pass.
-    pub fn take_device_times(&self) -> Vec<(usize, f64)> {
+    /// The timings of every pass verified since the last call, when
+    /// `SPECSPLIT_DEVICE_TIMING=1` (else none).
+    pub fn take_device_times(&self) -> Vec<PassTiming> {
         std::mem::take(&mut *self.device_times.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
@@ -255,11 +273,18 @@ impl TargetEngine {
         let verdict = self.decide(tree, &logits, params, &mut s.rng)?;
         let model_time = t0.elapsed();
         let device_ms = span.and_then(|sp| sp.elapsed_ms().unwrap_or_else(timing_failed));
-        if let Some(ms) = device_ms {
+        if let Some(device_ms) = device_ms {
             self.device_times
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push((new.len() + tree.len(), ms));
+                .push(PassTiming {
+                    rows: new.len() + tree.len(),
+                    context: keep,
+                    device_ms,
+                    enqueue_ms: enqueue_time.as_secs_f64() * 1e3,
+                    model_ms: model_time.as_secs_f64() * 1e3,
+                    graph: s.graph_passes().contains(&(1 + tree.len())),
+                });
         }
 
         // Keep the accepted path: the prefix and the new tokens stay, the accepted tree nodes

@@ -499,17 +499,19 @@ __device__ __forceinline__ void ra_sync(int id) {
 #define RA_KPAD 8
 
 // One row's chunk c of the rows attention, computed by the RA_CHUNK threads t = 0.. of barrier
-// `bar` (block-uniform early return past the row's keys). STAGED: the chunk lies inside the
-// row's leading run and its K and V rows were staged in shared memory (ksh, vsh) by the block;
-// otherwise they are read from the caches. The values and the order of every operation are the
-// same either way, so the row gets the same bits.
-template <int HD, bool STAGED>
+// `bar` (block-uniform early return past the row's keys). The block staged the K and V rows of
+// slots c * RA_CHUNK + k, k < staged, in shared memory (ksh, vsh; staged = 0: none): a key of
+// the chunk that lies in the row's leading run (list index = slot) and was staged is read
+// there, every other key from the caches. The values and the order of every operation are the
+// same either way, so the row gets the same bits. STAGING false: no block stages (staged is 0).
+template <int HD, bool STAGING>
 __device__ __forceinline__ void rows_attention_row(
     const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
     const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra,
     float* __restrict__ part, int heads, int kv, int n, int cap, int max_extra, int chunks,
     float scale, int r, int c, int t, int bar, float (*qs)[HD], float (*prob)[RA_CHUNK],
-    int* slot, float (*red)[RA_MAX_REP], float (*vsum)[HD], const bf16* ksh, const bf16* vsh) {
+    int* slot, float (*red)[RA_MAX_REP], float (*vsum)[HD], const bf16* ksh, const bf16* vsh,
+    int staged) {
     constexpr int PER = HD / WARP;  // values of a V row per lane
     const int j = blockIdx.x;
     const int rep = heads / kv;
@@ -541,7 +543,9 @@ __device__ __forceinline__ void rows_attention_row(
     const int i = c * RA_CHUNK + t;
     const bool valid = i < keys.len;
     const int sl = valid ? keys(i) : 0;
-    if (!STAGED) slot[t] = sl;
+    slot[t] = sl;
+    // Keys k < shared of this chunk are this row's staged ones (in its leading run and staged).
+    const int shared = STAGING ? max(0, min(staged, lead - c * RA_CHUNK)) : 0;
     ra_sync(bar);
     const bf16* kh = kc + (size_t)j * cap * HD;
     const bf16* vh = vc + (size_t)j * cap * HD;
@@ -549,11 +553,16 @@ __device__ __forceinline__ void rows_attention_row(
 #pragma unroll
     for (int h = 0; h < RA_MAX_REP; ++h) s[h] = -INFINITY;
     if (valid) {
-        const uint4* kr = STAGED ? reinterpret_cast<const uint4*>(ksh + t * (HD + RA_KPAD))
-                                 : reinterpret_cast<const uint4*>(kh + (size_t)sl * HD);
         uint4 words[HD / 8];
+        if (STAGING && t < shared) {
+            const uint4* kr = reinterpret_cast<const uint4*>(ksh + t * (HD + RA_KPAD));
 #pragma unroll
-        for (int w = 0; w < HD / 8; ++w) words[w] = kr[w];
+            for (int w = 0; w < HD / 8; ++w) words[w] = kr[w];
+        } else {
+            const uint4* kr = reinterpret_cast<const uint4*>(kh + (size_t)sl * HD);
+#pragma unroll
+            for (int w = 0; w < HD / 8; ++w) words[w] = kr[w];
+        }
         // Every head's dot product is the same sequence of fmaf over the values in order; the
         // heads' sequences are interleaved so that they run side by side.
         float d[RA_MAX_REP];
@@ -617,7 +626,7 @@ __device__ __forceinline__ void rows_attention_row(
         for (int u = 0; u < VU; ++u) {
             const int k = k0 + 2 * u;
             if (k < last) {
-                const bf16* vr = (STAGED ? vsh + k * HD : vh + (size_t)slot[k] * HD) + lane * PER;
+                const bf16* vr = (STAGING && k < shared ? vsh + k * HD : vh + (size_t)slot[k] * HD) + lane * PER;
 #pragma unroll
                 for (int e = 0; e < PER; e += 2) {
                     const float2 f =
@@ -677,7 +686,7 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
     __shared__ float vsum[RA_MAX_REP][HD];
     rows_attention_row<HD, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
                                   chunks, scale, blockIdx.y, blockIdx.z, threadIdx.x, 0, qs, prob,
-                                  slot, red, vsum, nullptr, nullptr);
+                                  slot, red, vsum, nullptr, nullptr, 0);
 }
 
 // Shared memory of one row group of rows_attention_staged: its heads' query values (reused
@@ -692,10 +701,11 @@ struct RowScratch {
 
 // The same partial results as rows_attention_part, with `group` rows of a chunk in one block
 // of group * RA_CHUNK threads (row group g = threadIdx.x / RA_CHUNK takes row blockIdx.y *
-// group + g). Where the chunk lies inside the leading run of every row of the block (the prefix
-// the rows of a verify pass share), the block first stages its RA_CHUNK K and V rows in shared
-// memory with coalesced loads, and every row group reads them there: the prefix is read from
-// memory once per `group` rows instead of once per row. Each row's arithmetic is that of
+// group + g). The block first stages, with coalesced loads, the K and V rows of the chunk's
+// slots that lie below the longest leading run of its rows (the prefix the rows of a verify
+// pass share, up to the chunk's end), and every row group reads there the keys of its own
+// leading run: the prefix is read from memory once per `group` rows instead of once per row,
+// also in the chunk where the prefix ends. Each row's arithmetic is that of
 // rows_attention_row, so the bits are those of the row alone. Dynamic shared memory: the staged
 // K (RA_CHUNK x (HD + RA_KPAD)) and V (RA_CHUNK x HD) bf16, then one RowScratch per row group.
 template <int HD>
@@ -712,14 +722,16 @@ __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __
     const int j = blockIdx.x, c = blockIdx.z;
     const int g = threadIdx.x / RA_CHUNK, t = threadIdx.x % RA_CHUNK;
     const int r0 = blockIdx.y * group, rows = min(group, n - r0);
-    // Block-uniform: every thread reads the same leads.
-    bool staged = true;
-    for (int i = 0; i < rows; ++i) staged = staged && (int)meta[2 * (r0 + i)] >= (c + 1) * RA_CHUNK;
-    if (staged) {
+    // Block-uniform: every thread reads the same leads. Slots below a lead are below the
+    // capacity, so every staged slot is inside the caches.
+    int top = 0;
+    for (int i = 0; i < rows; ++i) top = max(top, (int)meta[2 * (r0 + i)]);
+    const int staged = max(0, min(RA_CHUNK, top - c * RA_CHUNK));
+    if (staged > 0) {
         constexpr int W = HD / 8;  // 16-byte words a row
         const uint4* kg = reinterpret_cast<const uint4*>(kc + ((size_t)j * cap + (size_t)c * RA_CHUNK) * HD);
         const uint4* vg = reinterpret_cast<const uint4*>(vc + ((size_t)j * cap + (size_t)c * RA_CHUNK) * HD);
-        for (int e = threadIdx.x; e < RA_CHUNK * W; e += blockDim.x) {
+        for (int e = threadIdx.x; e < staged * W; e += blockDim.x) {
             const int k = e / W, w = e % W;
             *reinterpret_cast<uint4*>(ksh + k * (HD + RA_KPAD) + w * 8) = kg[e];
             reinterpret_cast<uint4*>(vsh)[e] = vg[e];
@@ -729,14 +741,9 @@ __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __
     if (g >= rows) return;
     RowScratch<HD>& sc = scratch[g];
     float(*vsum)[HD] = sc.qs;  // written only after every score is computed
-    if (staged)
-        rows_attention_row<HD, true>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
-                                     chunks, scale, r0 + g, c, t, 1 + g, sc.qs, sc.prob, sc.slot,
-                                     sc.red, vsum, ksh, vsh);
-    else
-        rows_attention_row<HD, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
-                                      chunks, scale, r0 + g, c, t, 1 + g, sc.qs, sc.prob, sc.slot,
-                                      sc.red, vsum, ksh, vsh);
+    rows_attention_row<HD, true>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
+                                 chunks, scale, r0 + g, c, t, 1 + g, sc.qs, sc.prob, sc.slot,
+                                 sc.red, vsum, ksh, vsh, staged);
 }
 
 #define RA_PART_ARGS                                                                             \
