@@ -315,13 +315,23 @@ fn print_device_times(times: &[PassTiming]) {
     rows.dedup();
     for n in rows {
         let of = |f: fn(&PassTiming) -> f64| -> util::Summary {
-            util::summarize(&times.iter().filter(|t| t.rows == n).map(f).collect::<Vec<_>>())
+            util::summarize(
+                &times
+                    .iter()
+                    .filter(|t| t.rows == n)
+                    .map(f)
+                    .collect::<Vec<_>>(),
+            )
         };
         let count = times.iter().filter(|t| t.rows == n).count();
         if count < 10 {
             continue;
         }
-        let (device, enqueue, model) = (of(|t| t.device_ms), of(|t| t.enqueue_ms), of(|t| t.model_ms));
+        let (device, enqueue, model) = (
+            of(|t| t.device_ms),
+            of(|t| t.enqueue_ms),
+            of(|t| t.model_ms),
+        );
         let context = of(|t| t.context as f64);
         {
             eprintln!(
@@ -340,7 +350,16 @@ fn pass_timings_json(times: &[PassTiming]) -> Value {
     }
     times
         .iter()
-        .map(|t| json!([t.rows, t.context, t.device_ms, t.enqueue_ms, t.model_ms, t.graph]))
+        .map(|t| {
+            json!([
+                t.rows,
+                t.context,
+                t.device_ms,
+                t.enqueue_ms,
+                t.model_ms,
+                t.graph
+            ])
+        })
         .collect()
 }
 
@@ -482,11 +501,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         &z,
     );
     let t_engine = Arc::new(TargetEngine::new(target_model.clone(), z.max_context));
-    let t_worker = TargetWorker::new(
-        t_engine.clone(),
-        limits(),
-        t_info,
-    );
+    let t_worker = TargetWorker::new(t_engine.clone(), limits(), t_info);
     let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
     let start_draft = |engine: DraftEngine, label: String| {
         let d_info = info(label, &draft_model, &eos, &s.device_draft, &z);

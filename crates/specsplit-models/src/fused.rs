@@ -505,7 +505,9 @@ pub fn wide_rows() -> bool {
     match WIDE_ROWS.load(Ordering::Relaxed) {
         0 => {
             let on = !matches!(
-                std::env::var("SPECSPLIT_WIDE_ROWS").as_deref().map(str::trim),
+                std::env::var("SPECSPLIT_WIDE_ROWS")
+                    .as_deref()
+                    .map(str::trim),
                 Ok("0") | Ok("off")
             );
             set_wide_rows(on);

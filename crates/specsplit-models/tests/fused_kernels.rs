@@ -1329,7 +1329,13 @@ fn a_wide_pass_computes_what_the_batched_pass_computes() {
             .zip(&cache_entries(&m, &batched2, prompt.len()))
             .enumerate()
         {
-            assert_close(&format!("{preset} prefill cache {e}"), g, w, max_abs(w), 1.0 / 32.0);
+            assert_close(
+                &format!("{preset} prefill cache {e}"),
+                g,
+                w,
+                max_abs(w),
+                1.0 / 32.0,
+            );
         }
         eprintln!(
             "{preset}: wide passes equal the batched ones within bf16 ({} clear picks equal)",
