@@ -141,6 +141,11 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_cpu_has_no_device_span() {
+        assert!(DeviceSpan::start(&Device::Cpu).unwrap().is_none());
+    }
+
+    #[test]
     fn the_cpu_has_no_pool_to_keep() {
         assert!(!retain_pool_memory(&Device::Cpu).unwrap());
         bind_to_thread(&Device::Cpu).unwrap();
