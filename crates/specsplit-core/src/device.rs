@@ -76,10 +76,20 @@ pub fn device_timing_wanted() -> bool {
     *ON.get_or_init(|| std::env::var("SPECSPLIT_DEVICE_TIMING").is_ok_and(|v| v.trim() == "1"))
 }
 
-/// Event flags that keep timing on (cudarc's default disables it).
+/// A timing event recorded now on `device`'s stream (cudarc's default flags disable timing);
+/// `None` on the CPU.
 #[cfg(feature = "cuda")]
-fn timing_event() -> candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags {
-    candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
+fn record(
+    device: &Device,
+) -> candle_core::Result<Option<candle_core::cuda_backend::cudarc::driver::CudaEvent>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let Device::Cuda(d) = device else {
+        return Ok(None);
+    };
+    d.cuda_stream()
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .map(Some)
+        .map_err(|e| candle_core::Error::Msg(format!("recording a CUDA event: {e:?}")))
 }
 
 /// The device time of work enqueued on a CUDA device's stream between [`DeviceSpan::start`]
@@ -96,26 +106,19 @@ impl DeviceSpan {
     /// Records the start on `device`'s stream; `None` on the CPU.
     pub fn start(device: &Device) -> candle_core::Result<Option<Self>> {
         #[cfg(feature = "cuda")]
-        if let Device::Cuda(d) = device {
-            let start = d
-                .cuda_stream()
-                .record_event(Some(timing_event()))
-                .map_err(|e| candle_core::Error::Msg(format!("recording a CUDA event: {e:?}")))?;
-            return Ok(Some(Self { start, end: None }));
+        return Ok(record(device)?.map(|start| Self { start, end: None }));
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = device;
+            Ok(None)
         }
-        let _ = device;
-        Ok(None)
     }
 
     /// Records the end on `device`'s stream (the same device as the start).
     pub fn end(&mut self, device: &Device) -> candle_core::Result<()> {
         #[cfg(feature = "cuda")]
-        if let Device::Cuda(d) = device {
-            let end = d
-                .cuda_stream()
-                .record_event(Some(timing_event()))
-                .map_err(|e| candle_core::Error::Msg(format!("recording a CUDA event: {e:?}")))?;
-            self.end = Some(end);
+        {
+            self.end = record(device)?;
         }
         let _ = device;
         Ok(())

@@ -462,18 +462,23 @@ pub const BI_MAX_ROWS: usize = 64;
 /// bit-identical logits (greedy speculation then emits exactly what the target alone emits).
 /// `SPECSPLIT_BATCH_INVARIANT=0` (or `off`) turns it off; always false without `cuda`.
 pub fn batch_invariant() -> bool {
+    cuda_switch(&BATCH_INVARIANT, "SPECSPLIT_BATCH_INVARIANT")
+}
+
+/// An on/off switch kept in `state` (0: not read yet, 1: off, 2: on), read from the environment
+/// variable `var` the first time (`0` or `off` = off, anything else or unset = on); always false
+/// without `cuda`.
+fn cuda_switch(state: &AtomicU8, var: &str) -> bool {
     if !cfg!(feature = "cuda") {
         return false;
     }
-    match BATCH_INVARIANT.load(Ordering::Relaxed) {
+    match state.load(Ordering::Relaxed) {
         0 => {
             let on = !matches!(
-                std::env::var("SPECSPLIT_BATCH_INVARIANT")
-                    .as_deref()
-                    .map(str::trim),
+                std::env::var(var).as_deref().map(str::trim),
                 Ok("0") | Ok("off")
             );
-            set_batch_invariant(on);
+            state.store(if on { 2 } else { 1 }, Ordering::Relaxed);
             on
         }
         v => v == 2,
@@ -499,22 +504,7 @@ static WIDE_ROWS: AtomicU8 = AtomicU8::new(0);
 /// same way whether it decodes alone or verifies drafts, so this changes no output's
 /// exactness. `SPECSPLIT_WIDE_ROWS=0` (or `off`) turns it off; always false without `cuda`.
 pub fn wide_rows() -> bool {
-    if !cfg!(feature = "cuda") {
-        return false;
-    }
-    match WIDE_ROWS.load(Ordering::Relaxed) {
-        0 => {
-            let on = !matches!(
-                std::env::var("SPECSPLIT_WIDE_ROWS")
-                    .as_deref()
-                    .map(str::trim),
-                Ok("0") | Ok("off")
-            );
-            set_wide_rows(on);
-            on
-        }
-        v => v == 2,
-    }
+    cuda_switch(&WIDE_ROWS, "SPECSPLIT_WIDE_ROWS")
 }
 
 /// Turns the wide fused passes on or off from here on (overrides the environment).
