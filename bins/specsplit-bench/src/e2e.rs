@@ -314,31 +314,23 @@ fn print_device_times(times: &[PassTiming]) {
     rows.sort_unstable();
     rows.dedup();
     for n in rows {
-        let of = |f: fn(&PassTiming) -> f64| -> util::Summary {
-            util::summarize(
-                &times
-                    .iter()
-                    .filter(|t| t.rows == n)
-                    .map(f)
-                    .collect::<Vec<_>>(),
-            )
-        };
-        let count = times.iter().filter(|t| t.rows == n).count();
-        if count < 10 {
+        let passes: Vec<&PassTiming> = times.iter().filter(|t| t.rows == n).collect();
+        if passes.len() < 10 {
             continue;
         }
-        let (device, enqueue, model) = (
+        let of = |f: fn(&PassTiming) -> f64| {
+            util::summarize(&passes.iter().map(|t| f(t)).collect::<Vec<_>>())
+        };
+        let (device, enqueue, model, context) = (
             of(|t| t.device_ms),
             of(|t| t.enqueue_ms),
             of(|t| t.model_ms),
+            of(|t| t.context as f64),
         );
-        let context = of(|t| t.context as f64);
-        {
-            eprintln!(
-                "    {n}-row verify passes: device {:.3} ms (p10 {:.3}, p90 {:.3}), host enqueue {:.3} ms, model {:.3} ms, context median {:.0} ({count} passes)",
-                device.median, device.p10, device.p90, enqueue.median, model.median, context.median
-            );
-        }
+        eprintln!(
+            "    {n}-row verify passes: device {:.3} ms (p10 {:.3}, p90 {:.3}), host enqueue {:.3} ms, model {:.3} ms, context median {:.0} ({} passes)",
+            device.median, device.p10, device.p90, enqueue.median, model.median, context.median, passes.len()
+        );
     }
 }
 

@@ -93,6 +93,9 @@ pub struct VerifyOutcome {
     pub tokens_processed: usize,
 }
 
+/// The most pass timings a [`TargetEngine`] keeps until they are taken.
+const MAX_PASS_TIMINGS: usize = 1 << 16;
+
 /// How long one verification pass took (`SPECSPLIT_DEVICE_TIMING=1`).
 #[derive(Debug, Clone, Copy)]
 pub struct PassTiming {
@@ -138,7 +141,7 @@ impl TargetEngine {
         }
     }
 
-    /// The timings of every pass verified since the last call, when
+    /// The timings of the passes verified since the last call (the first 65536 of them), when
     /// `SPECSPLIT_DEVICE_TIMING=1` (else none).
     pub fn take_device_times(&self) -> Vec<PassTiming> {
         std::mem::take(&mut *self.device_times.lock().unwrap_or_else(|e| e.into_inner()))
@@ -274,10 +277,10 @@ impl TargetEngine {
         let model_time = t0.elapsed();
         let device_ms = span.and_then(|sp| sp.elapsed_ms().unwrap_or_else(timing_failed));
         if let Some(device_ms) = device_ms {
-            self.device_times
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(PassTiming {
+            let mut times = self.device_times.lock().unwrap_or_else(|e| e.into_inner());
+            // A server nobody collects from keeps only the first passes.
+            if times.len() < MAX_PASS_TIMINGS {
+                times.push(PassTiming {
                     rows: new.len() + tree.len(),
                     context: keep,
                     device_ms,
@@ -285,6 +288,7 @@ impl TargetEngine {
                     model_ms: model_time.as_secs_f64() * 1e3,
                     graph: s.graph_passes().contains(&(1 + tree.len())),
                 });
+            }
         }
 
         // Keep the accepted path: the prefix and the new tokens stay, the accepted tree nodes
