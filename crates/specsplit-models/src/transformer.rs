@@ -811,7 +811,7 @@ impl Transformer {
         let (wide, rows) = (crate::fused::WIDE_MAX_ROWS, crate::fused::BI_MAX_ROWS);
         let size = if !chunks {
             tokens.len().max(1)
-        } else if tokens.len() > rows && self.gpu_wide(tokens.len().min(wide)) {
+        } else if self.gpu_wide(tokens.len().min(wide)) {
             wide
         } else if self.exact_rows_fit(cache.capacity(), rows) {
             rows
@@ -925,7 +925,8 @@ impl Transformer {
         let past = cache.len();
         let total = past + n;
         let gpu_exact = self.gpu_batch_invariant(n);
-        let gpu_wide = !gpu_exact && self.gpu_wide(n);
+        // Never both: a wide pass has more rows than a batch-invariant one may.
+        let gpu_wide = self.gpu_wide(n);
         if total > cache.capacity() {
             return Err(specsplit_core::cache::CacheError::CapacityExceeded {
                 needed: total,

@@ -114,6 +114,38 @@ pub struct PassTiming {
     pub graph: bool,
 }
 
+/// The device time of one verification pass when `SPECSPLIT_DEVICE_TIMING=1` (else a no-op).
+/// Timing is a diagnostic: its failures are logged and drop the timing, never fail the round.
+struct PassTimer(Option<specsplit_core::device::DeviceSpan>);
+
+impl PassTimer {
+    /// Starts timing on `device` before the pass's inputs are uploaded.
+    fn start(device: &candle_core::Device) -> Self {
+        if !specsplit_core::device::device_timing_wanted() {
+            return Self(None);
+        }
+        Self(specsplit_core::device::DeviceSpan::start(device).unwrap_or_else(Self::failed))
+    }
+
+    /// Marks the end, once the pass is enqueued on `device`.
+    fn enqueued(&mut self, device: &candle_core::Device) {
+        if let Some(Err(e)) = self.0.as_mut().map(|sp| sp.end(device)) {
+            self.0 = Self::failed(e);
+        }
+    }
+
+    /// The pass's device milliseconds (waits for the pass), if timed.
+    fn device_ms(self) -> Option<f64> {
+        self.0
+            .and_then(|sp| sp.elapsed_ms().unwrap_or_else(Self::failed))
+    }
+
+    fn failed<T>(e: candle_core::Error) -> Option<T> {
+        tracing::warn!("device timing: {e}");
+        None
+    }
+}
+
 /// Verifies draft trees with the target model.
 pub struct TargetEngine {
     model: Arc<Transformer>,
@@ -145,6 +177,15 @@ impl TargetEngine {
     /// `SPECSPLIT_DEVICE_TIMING=1` (else none).
     pub fn take_device_times(&self) -> Vec<PassTiming> {
         std::mem::take(&mut *self.device_times.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Keeps `t` for [`TargetEngine::take_device_times`]; a server nobody collects from keeps
+    /// only its first [`MAX_PASS_TIMINGS`] passes.
+    fn keep_timing(&self, t: PassTiming) {
+        let mut times = self.device_times.lock().unwrap_or_else(|e| e.into_inner());
+        if times.len() < MAX_PASS_TIMINGS {
+            times.push(t);
+        }
     }
 
     /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
@@ -254,41 +295,22 @@ impl TargetEngine {
         if !new.is_empty() {
             s.last_logits = None;
         }
-        // Timing is a diagnostic: its failures are logged, never the round's.
-        fn timing_failed<T>(e: candle_core::Error) -> Option<T> {
-            tracing::warn!("device timing: {e}");
-            None
-        }
-        let mut span = if specsplit_core::device::device_timing_wanted() {
-            specsplit_core::device::DeviceSpan::start(self.model.device())
-                .unwrap_or_else(timing_failed)
-        } else {
-            None
-        };
+        let mut timer = PassTimer::start(self.model.device());
         let t0 = Instant::now();
         let logits = self.forward_round(s, keep, &new, tree)?;
         let enqueue_time = t0.elapsed();
-        if let Some(sp) = span.as_mut() {
-            if let Err(e) = sp.end(self.model.device()) {
-                span = timing_failed(e);
-            }
-        }
+        timer.enqueued(self.model.device());
         let verdict = self.decide(tree, &logits, params, &mut s.rng)?;
         let model_time = t0.elapsed();
-        let device_ms = span.and_then(|sp| sp.elapsed_ms().unwrap_or_else(timing_failed));
-        if let Some(device_ms) = device_ms {
-            let mut times = self.device_times.lock().unwrap_or_else(|e| e.into_inner());
-            // A server nobody collects from keeps only the first passes.
-            if times.len() < MAX_PASS_TIMINGS {
-                times.push(PassTiming {
-                    rows: new.len() + tree.len(),
-                    context: keep,
-                    device_ms,
-                    enqueue_ms: enqueue_time.as_secs_f64() * 1e3,
-                    model_ms: model_time.as_secs_f64() * 1e3,
-                    graph: s.graph_passes().contains(&(1 + tree.len())),
-                });
-            }
+        if let Some(device_ms) = timer.device_ms() {
+            self.keep_timing(PassTiming {
+                rows: new.len() + tree.len(),
+                context: keep,
+                device_ms,
+                enqueue_ms: enqueue_time.as_secs_f64() * 1e3,
+                model_ms: model_time.as_secs_f64() * 1e3,
+                graph: s.graph_passes().contains(&(1 + tree.len())),
+            });
         }
 
         // Keep the accepted path: the prefix and the new tokens stay, the accepted tree nodes
