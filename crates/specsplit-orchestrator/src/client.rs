@@ -437,6 +437,7 @@ impl Orchestrator {
     async fn end_sessions(&self, session: &str) {
         let end = EndSessionRequest {
             session_id: session.to_string(),
+            ..Default::default()
         };
         let mut target = self.target.clone();
         let _ = tokio::time::timeout(Duration::from_secs(5), target.end_session(end.clone())).await;
@@ -817,6 +818,7 @@ async fn draft_call(
         session_id: session.to_string(),
         tree_widths: widths.iter().map(|&w| w as i32).collect(),
         sampling: Some(cfg.sampling()),
+        ..Default::default()
     };
     let t0 = Instant::now();
     let mut d = draft.clone();

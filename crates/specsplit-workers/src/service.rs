@@ -52,6 +52,10 @@ impl WorkerInfo {
             vocab_size: self.vocab_size as i32,
             eos_token_ids: self.eos_token_ids.iter().map(|&t| t as i32).collect(),
             max_context: self.max_context as i32,
+            max_prompt_len: self.max_prompt_len as i32,
+            max_tree_nodes: self.max_tree_nodes as i32,
+            max_tree_depth: self.max_tree_nodes.min(specsplit_proto::codec::MAX_WIRE_TREE_DEPTH)
+                as i32,
         }
     }
 
