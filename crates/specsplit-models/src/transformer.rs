@@ -54,6 +54,10 @@ impl Linear {
             {
                 return crate::fused::gemv(x, w, b.as_ref())
             }
+            // Several rows on the CPU: one product per row (see `dense_rows_cpu`).
+            Self::Dense { w, b } if x.device().is_cpu() && x.dim(0)? > 1 => {
+                (dense_rows_cpu(x, w)?, b)
+            }
             Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
             Self::Quant { w, b } if x.device().is_cuda() => (quant_fixed_width(w, x)?, b),
             Self::Quant { w, b } => (w.forward(x)?, b),
@@ -64,6 +68,20 @@ impl Linear {
             None => Ok(y),
         }
     }
+}
+
+/// `x W^T` on the CPU for `x` of several rows, as one single-row product per row. candle's CPU
+/// gemm sums a row in a different order when the pass has one row (a matrix-vector product)
+/// than when it has several, so a token decoded alone and the same token verified inside a
+/// tree would get different bits; computing every row as the one-row product makes a row's
+/// result independent of the number of rows in its pass.
+fn dense_rows_cpu(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let wt = w.t()?;
+    let x = x.contiguous()?;
+    let rows = (0..x.dim(0)?)
+        .map(|r| x.narrow(0, r, 1)?.matmul(&wt))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&rows, 0)
 }
 
 impl Linear {
