@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_quant;
 pub mod error;
 pub mod fused;
 pub mod loader;

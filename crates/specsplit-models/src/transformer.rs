@@ -12,7 +12,7 @@ use crate::config::{ModelConfig, RopeScaling};
 use crate::cpu_attention::{RowKeys, TreeRows, Visibility};
 use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
 use crate::ModelError;
-use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Module, Tensor};
 use specsplit_core::cache::{CacheSpec, SessionCache};
@@ -23,8 +23,20 @@ use std::sync::{Arc, Mutex};
 /// A projection `y = x W^T (+ b)` with dense or GGUF-quantized weights.
 #[derive(Debug, Clone)]
 enum Linear {
-    Dense { w: Tensor, b: Option<Tensor> },
-    Quant { w: QMatMul, b: Option<Tensor> },
+    Dense {
+        w: Tensor,
+        b: Option<Tensor>,
+    },
+    /// candle's quantized product (CUDA).
+    Quant {
+        w: QMatMul,
+        b: Option<Tensor>,
+    },
+    /// The batch-invariant quantized product of the CPU ([`crate::cpu_quant`]).
+    QuantCpu {
+        w: Arc<crate::cpu_quant::QuantMatrix>,
+        b: Option<Tensor>,
+    },
 }
 
 impl Linear {
@@ -42,14 +54,40 @@ impl Linear {
             {
                 return crate::fused::gemv(x, w, b.as_ref())
             }
+            // Several rows on the CPU: one product per row (see `dense_rows_cpu`).
+            Self::Dense { w, b } if x.device().is_cpu() && x.dim(0)? > 1 => {
+                (dense_rows_cpu(x, w)?, b)
+            }
             Self::Dense { w, b } => (x.matmul(&w.t()?)?, b),
             Self::Quant { w, b } if x.device().is_cuda() => (quant_fixed_width(w, x)?, b),
             Self::Quant { w, b } => (w.forward(x)?, b),
+            Self::QuantCpu { w, b } => (w.forward(x)?, b),
         };
         match b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
+    }
+}
+
+/// `x W^T` on the CPU for `x` of several rows, as one single-row product per row. candle's CPU
+/// gemm sums a row in a different order when the pass has one row (a matrix-vector product)
+/// than when it has several, so a token decoded alone and the same token verified inside a
+/// tree would get different bits; computing every row as the one-row product makes a row's
+/// result independent of the number of rows in its pass.
+fn dense_rows_cpu(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let wt = w.t()?;
+    let x = x.contiguous()?;
+    let rows = (0..x.dim(0)?)
+        .map(|r| x.narrow(0, r, 1)?.matmul(&wt))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&rows, 0)
+}
+
+impl Linear {
+    /// Whether the weights are quantized.
+    fn is_quantized(&self) -> bool {
+        matches!(self, Self::Quant { .. } | Self::QuantCpu { .. })
     }
 }
 
@@ -79,7 +117,7 @@ impl Proj {
             .iter()
             .map(|l| match l {
                 Linear::Dense { w, b } => Some((w, b.as_ref())),
-                Linear::Quant { .. } => None,
+                Linear::Quant { .. } | Linear::QuantCpu { .. } => None,
             })
             .collect();
         let Some(dense) = dense else {
@@ -126,6 +164,26 @@ impl Proj {
     }
 }
 
+/// A quantized projection of `q` (weights `(out, in)`) on `device`: on the CPU the blocks move
+/// into a batch-invariant [`crate::cpu_quant::QuantMatrix`] (`q` is dropped when this was its
+/// last reference) and F32/F16/BF16 tensors become dense f32 matrices; on CUDA candle's
+/// `QMatMul`.
+fn quant_linear(q: Arc<QTensor>, b: Option<Tensor>, device: &Device) -> Result<Linear, ModelError> {
+    if device.is_cpu() {
+        return Ok(match crate::cpu_quant::QuantMatrix::from_qtensor(&q)? {
+            Some(w) => Linear::QuantCpu { w: Arc::new(w), b },
+            None => Linear::Dense {
+                w: q.dequantize(device)?.to_dtype(DType::F32)?,
+                b,
+            },
+        });
+    }
+    Ok(Linear::Quant {
+        w: QMatMul::from_arc(q)?,
+        b,
+    })
+}
+
 /// Rows per quantized CUDA matmul: candle picks its CUDA kernel (and launch shape, which changes
 /// rounding) by batch size, so every pass uses this one width.
 const QUANT_CUDA_ROWS: usize = 8;
@@ -161,6 +219,8 @@ fn quant_fixed_width(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
 enum Embedding {
     Dense(Tensor),
     Quant(Arc<QTensor>),
+    /// Blocks shared with a tied CPU head.
+    QuantCpu(Arc<crate::cpu_quant::QuantMatrix>),
 }
 
 impl Embedding {
@@ -168,6 +228,7 @@ impl Embedding {
         match self {
             Self::Dense(e) => e.index_select(tokens, 0),
             Self::Quant(q) => q.embedding(tokens)?.to_dtype(dtype),
+            Self::QuantCpu(q) => q.embedding(tokens)?.to_dtype(dtype),
         }
     }
 }
@@ -320,7 +381,7 @@ impl std::fmt::Debug for Transformer {
             .field("config", &self.config)
             .field("device", &self.device.location())
             .field("dtype", &self.dtype)
-            .field("quantized", &matches!(self.lm_head, Linear::Quant { .. }))
+            .field("quantized", &self.lm_head.is_quantized())
             .finish()
     }
 }
@@ -477,7 +538,7 @@ impl Transformer {
         let st = unsafe { MmapedSafetensors::multi(files) }
             .map_err(|e| ModelError::Weights(format!("reading safetensors: {e}")))?;
         let names = st.tensors().into_iter().map(|(n, _)| n).collect();
-        Self::from_dense(config, &DenseSource::Mmap(&st, names), dtype, device)
+        Self::from_dense(config, &DenseSource::Mmap(&st, names), dtype, device, None)
     }
 
     /// A model with seeded random weights (see [`crate::weights::random_tensors`]).
@@ -499,7 +560,26 @@ impl Transformer {
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::from_dense(config, &DenseSource::Map(tensors), dtype, device)
+        Self::from_dense(config, &DenseSource::Map(tensors), dtype, device, None)
+    }
+
+    /// Builds a model from Hugging Face named tensors with every projection and the head
+    /// quantized to `quant` (candle's `QTensor::quantize`), the embedding and norms dense, and
+    /// f32 activations: the arithmetic of a GGUF file of that type. Every projection's input
+    /// width must be a multiple of `quant`'s block size.
+    pub fn from_tensors_quantized(
+        config: ModelConfig,
+        tensors: &HashMap<String, Tensor>,
+        quant: GgmlDType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        Self::from_dense(
+            config,
+            &DenseSource::Map(tensors),
+            DType::F32,
+            device,
+            Some(quant),
+        )
     }
 
     fn from_dense(
@@ -507,9 +587,20 @@ impl Transformer {
         src: &DenseSource<'_>,
         dtype: DType,
         device: &Device,
+        quant: Option<GgmlDType>,
     ) -> Result<Self, ModelError> {
         config.validate()?;
         check_dtype(dtype, device)?;
+        let to_linear = |w: Tensor, b: Option<Tensor>| -> Result<Linear, ModelError> {
+            match quant {
+                None => Ok(Linear::Dense { w, b }),
+                Some(q) => {
+                    let qt = QTensor::quantize(&w, q)
+                        .map_err(|e| ModelError::Weights(format!("quantizing to {q:?}: {e}")))?;
+                    quant_linear(Arc::new(qt), b, device)
+                }
+            }
+        };
         let c = &config;
         let (d, ffn) = (c.hidden_size, c.intermediate_size);
         let q_out = c.num_attention_heads * c.head_dim;
@@ -523,7 +614,7 @@ impl Transformer {
                 } else {
                     None
                 };
-                Ok(Linear::Dense { w, b })
+                to_linear(w, b)
             };
         let embed = get(hf_names::EMBED, &[c.vocab_size, d])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -560,10 +651,7 @@ impl Transformer {
             embed: Embedding::Dense(embed),
             layers,
             norm,
-            lm_head: Linear::Dense {
-                w: lm_head,
-                b: None,
-            },
+            lm_head: to_linear(lm_head, None)?,
             cos,
             sin,
             rope_interleaved: false,
@@ -617,10 +705,7 @@ impl Transformer {
                     w: q.dequantize(device)?.to_dtype(dt)?,
                     b,
                 },
-                None => Linear::Quant {
-                    w: QMatMul::from_arc(q)?,
-                    b,
-                },
+                None => quant_linear(q, b, device)?,
             })
         };
         let (d, ffn) = (c.hidden_size, c.intermediate_size);
@@ -703,6 +788,26 @@ impl Transformer {
                         .to_dtype(dt)?
                 };
                 (Embedding::Dense(e), Linear::Dense { w: head, b: None })
+            }
+            None if device.is_cpu() => {
+                // One copy of the blocks, shared by a tied head.
+                let e = match crate::cpu_quant::QuantMatrix::from_qtensor(&embed)? {
+                    Some(q) => Embedding::QuantCpu(Arc::new(q)),
+                    None => Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?),
+                };
+                drop(embed);
+                let head = match (&e, c.tie_word_embeddings) {
+                    (Embedding::QuantCpu(q), true) => Linear::QuantCpu {
+                        w: q.clone(),
+                        b: None,
+                    },
+                    (Embedding::Dense(w), true) => Linear::Dense {
+                        w: w.clone(),
+                        b: None,
+                    },
+                    _ => to_linear(Arc::new(qt("output.weight", &[c.vocab_size, d])?), None)?,
+                };
+                (e, head)
             }
             None => {
                 let head = if c.tie_word_embeddings {
@@ -1103,7 +1208,7 @@ impl Transformer {
 
     /// Whether any projection keeps quantized (GGUF) weights.
     pub fn is_quantized(&self) -> bool {
-        let quant = |l: &Linear| matches!(l, Linear::Quant { .. });
+        let quant = |l: &Linear| l.is_quantized();
         let proj = |p: &Proj| match p {
             Proj::Fused { lin, .. } => quant(lin),
             Proj::Split(ls) => ls.iter().any(quant),
@@ -1455,7 +1560,7 @@ impl Transformer {
     /// for quantized models (whose 8-bit activation rounding turns any last-bit difference of
     /// a batched attention into a visible change of the logits).
     fn exact_attention(&self) -> bool {
-        self.device.is_cpu() || matches!(self.lm_head, Linear::Quant { .. })
+        self.device.is_cpu() || self.lm_head.is_quantized()
     }
 
     /// Whether a CUDA pass of `n` rows runs the batch-invariant kernels end to end (products

@@ -10,6 +10,8 @@ use std::process::Command;
 pub const SMOLLM2: (&str, &str) = ("smollm2-135m-instruct-q4_1.gguf", "smollm2");
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2 architecture).
 pub const QWEN05: (&str, &str) = ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen-0.5b");
+/// Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2 architecture).
+pub const QWEN15: (&str, &str) = ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen-1.5b");
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
