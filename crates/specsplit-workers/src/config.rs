@@ -36,9 +36,10 @@ pub struct WorkerConfig {
     /// at most [`MAX_WIRE_TREE_DEPTH`], the deepest tree the wire format carries.
     pub max_tree_depth: usize,
     /// Most tokens one request may carry (`prompt_token_ids` or `new_token_ids`); at most
-    /// `max_context`. The draft receives the whole sequence (prompt and generated tokens) every
-    /// round, so this bounds prompt plus output there.
-    pub max_prompt_len: usize,
+    /// `max_context`, which it defaults to (unset). The draft receives the whole sequence
+    /// (prompt and generated tokens) every round, so this bounds prompt plus output there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_prompt_len: Option<usize>,
     /// Log format: `text` or `json`.
     pub log_format: String,
 }
@@ -66,13 +67,18 @@ impl WorkerConfig {
             memory_budget_mb: 8192,
             max_tree_nodes: 128,
             max_tree_depth: 64,
-            max_prompt_len: 4096,
+            max_prompt_len: None,
             log_format: "text".into(),
         }
     }
 }
 
 impl WorkerConfig {
+    /// Most tokens one request may carry: `max_prompt_len`, or `max_context` when unset.
+    pub fn prompt_limit(&self) -> usize {
+        self.max_prompt_len.unwrap_or(self.max_context)
+    }
+
     /// Checks that the limits fit together: every one at least 1, `max_prompt_len <=
     /// max_context`, `max_tree_nodes < max_context` and `max_tree_depth <=`
     /// [`MAX_WIRE_TREE_DEPTH`]. Workers call it once at start-up.
@@ -83,16 +89,17 @@ impl WorkerConfig {
             ("memory_budget_mb", self.memory_budget_mb),
             ("max_tree_nodes", self.max_tree_nodes),
             ("max_tree_depth", self.max_tree_depth),
-            ("max_prompt_len", self.max_prompt_len),
+            ("max_prompt_len", self.prompt_limit()),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError(format!("{name} must be at least 1")));
         }
-        if self.max_prompt_len > self.max_context {
+        if self.prompt_limit() > self.max_context {
             return Err(ConfigError(format!(
                 "max_prompt_len ({}) must not exceed max_context ({}): a session cannot hold \
                  more tokens than its cache",
-                self.max_prompt_len, self.max_context
+                self.prompt_limit(),
+                self.max_context
             )));
         }
         if self.max_tree_nodes >= self.max_context {
@@ -195,17 +202,20 @@ mod tests {
         WorkerConfig::target_defaults().validate().unwrap();
         WorkerConfig::draft_defaults().validate().unwrap();
         let d = WorkerConfig::target_defaults();
-        assert_eq!(
-            d.max_prompt_len, d.max_context,
-            "one request may fill the context"
-        );
+        assert_eq!(d.prompt_limit(), 4096, "one request may fill the context");
+        let small = WorkerConfig {
+            max_context: 1024,
+            ..d.clone()
+        };
+        small.validate().unwrap();
+        assert_eq!(small.prompt_limit(), 1024, "unset, it follows max_context");
         let bad = |c: WorkerConfig, needle: &str| {
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains(needle), "{e}");
         };
         bad(
             WorkerConfig {
-                max_prompt_len: 4097,
+                max_prompt_len: Some(4097),
                 ..d.clone()
             },
             "max_prompt_len (4097) must not exceed max_context (4096)",

@@ -110,7 +110,7 @@ fn info(cfg: &WorkerConfig, m: &LoadedModel) -> WorkerInfo {
         max_tree_nodes: cfg.max_tree_nodes,
         max_tree_depth: cfg.max_tree_depth,
         // A request cannot carry more tokens than a session holds.
-        max_prompt_len: cfg.max_prompt_len.min(cfg.max_context),
+        max_prompt_len: cfg.prompt_limit().min(cfg.max_context),
         device: dev,
     }
 }
