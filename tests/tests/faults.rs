@@ -226,7 +226,7 @@ async fn bad_requests_get_the_right_status_codes() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(
-        err.message().contains("100 levels deep"),
+        err.message().contains("99 levels deep"),
         "{}",
         err.message()
     );

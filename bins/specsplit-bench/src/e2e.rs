@@ -143,6 +143,7 @@ fn info(name: String, m: &Transformer, eos: &[u32], device: &str, z: &Sizing) ->
         eos_token_ids: eos.to_vec(),
         max_context: z.max_context,
         max_tree_nodes: z.max_tree_nodes,
+        max_tree_depth: specsplit_proto::codec::MAX_WIRE_TREE_DEPTH,
         max_prompt_len: z.max_context,
         device: device.to_string(),
     }

@@ -202,6 +202,7 @@ fn worker_info(name: &str, vocab: usize, device: &str, z: &Sizing) -> WorkerInfo
         eos_token_ids: Vec::new(),
         max_context: z.max_context,
         max_tree_nodes: z.max_tree_nodes,
+        max_tree_depth: specsplit_proto::codec::MAX_WIRE_TREE_DEPTH,
         max_prompt_len: z.max_context,
         device: device.to_string(),
     }

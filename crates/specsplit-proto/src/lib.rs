@@ -1,4 +1,5 @@
-//! The SpecSplit wire protocol: messages and gRPC stubs generated from `proto/specsplit.proto`.
+//! The SpecSplit wire protocol: messages and gRPC stubs generated from `proto/specsplit.proto`,
+//! and the standard gRPC health service (`grpc.health.v1`) generated with the same codec.
 //!
 //! Wire-compatible with the original Python SpecSplit; see the `.proto` for field documentation.
 #![allow(clippy::doc_lazy_continuation, clippy::large_enum_variant)]
@@ -9,6 +10,13 @@ pub mod codec;
 #[allow(missing_docs)]
 pub mod specsplit {
     tonic::include_proto!("specsplit");
+}
+
+/// The standard gRPC health checking protocol (`grpc.health.v1.Health`), with undecodable
+/// requests answered INVALID_ARGUMENT by [`codec::SpecCodec`].
+#[allow(missing_docs)]
+pub mod health {
+    tonic::include_proto!("grpc.health.v1");
 }
 
 pub use specsplit::*;

@@ -60,7 +60,12 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tree_nodes: Option<usize>,
-    /// Longest prompt accepted, in tokens.
+    /// Most tokens on a root-to-leaf path of a draft tree (at most 99, the wire's limit).
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tree_depth: Option<usize>,
+    /// Most tokens one request may carry (prompt, or the whole sequence sent to the draft);
+    /// at most max_context.
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_prompt_len: Option<usize>,
@@ -122,6 +127,7 @@ pub async fn shutdown_signal() {
 /// The whole `main` of a worker binary.
 pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), String> {
     let cfg = args.resolve(kind).map_err(|e| e.to_string())?;
+    cfg.validate().map_err(|e| e.to_string())?;
     init_logging(&cfg.log_format);
     tracing::info!(?kind, model = %cfg.model, device = %cfg.device, "loading model");
     let model = {

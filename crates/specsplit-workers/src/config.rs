@@ -7,6 +7,7 @@ use std::path::Path;
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+pub use specsplit_proto::codec::MAX_WIRE_TREE_DEPTH;
 
 /// Settings of a draft or target worker.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -29,10 +30,16 @@ pub struct WorkerConfig {
     pub max_context: usize,
     /// Memory budget for all session caches, in MiB.
     pub memory_budget_mb: usize,
-    /// Most nodes of a draft tree (target: verified; draft: produced).
+    /// Most nodes of a draft tree (target: verified; draft: produced); less than `max_context`.
     pub max_tree_nodes: usize,
-    /// Longest prompt accepted, in tokens.
-    pub max_prompt_len: usize,
+    /// Most tokens on a root-to-leaf path of a draft tree (target: verified; draft: produced);
+    /// at most [`MAX_WIRE_TREE_DEPTH`], the deepest tree the wire format carries.
+    pub max_tree_depth: usize,
+    /// Most tokens one request may carry (`prompt_token_ids` or `new_token_ids`); at most
+    /// `max_context`, which it defaults to (unset). The draft receives the whole sequence
+    /// (prompt and generated tokens) every round, so this bounds prompt plus output there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_prompt_len: Option<usize>,
     /// Log format: `text` or `json`.
     pub log_format: String,
 }
@@ -59,9 +66,57 @@ impl WorkerConfig {
             max_context: 4096,
             memory_budget_mb: 8192,
             max_tree_nodes: 128,
-            max_prompt_len: 3072,
+            max_tree_depth: 64,
+            max_prompt_len: None,
             log_format: "text".into(),
         }
+    }
+}
+
+impl WorkerConfig {
+    /// Most tokens one request may carry: `max_prompt_len`, or `max_context` when unset.
+    pub fn prompt_limit(&self) -> usize {
+        self.max_prompt_len.unwrap_or(self.max_context)
+    }
+
+    /// Checks that the limits fit together: every one at least 1, `max_prompt_len <=
+    /// max_context`, `max_tree_nodes < max_context` and `max_tree_depth <=`
+    /// [`MAX_WIRE_TREE_DEPTH`]. Workers call it once at start-up.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("max_sessions", self.max_sessions),
+            ("max_context", self.max_context),
+            ("memory_budget_mb", self.memory_budget_mb),
+            ("max_tree_nodes", self.max_tree_nodes),
+            ("max_tree_depth", self.max_tree_depth),
+            ("max_prompt_len", self.prompt_limit()),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError(format!("{name} must be at least 1")));
+        }
+        if self.prompt_limit() > self.max_context {
+            return Err(ConfigError(format!(
+                "max_prompt_len ({}) must not exceed max_context ({}): a session cannot hold \
+                 more tokens than its cache",
+                self.prompt_limit(),
+                self.max_context
+            )));
+        }
+        if self.max_tree_nodes >= self.max_context {
+            return Err(ConfigError(format!(
+                "max_tree_nodes ({}) must be less than max_context ({}): a tree is verified \
+                 after at least one token of context",
+                self.max_tree_nodes, self.max_context
+            )));
+        }
+        if self.max_tree_depth > MAX_WIRE_TREE_DEPTH {
+            return Err(ConfigError(format!(
+                "max_tree_depth ({}) must be at most {MAX_WIRE_TREE_DEPTH}, the deepest draft \
+                 tree the wire format carries",
+                self.max_tree_depth
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -140,6 +195,58 @@ mod tests {
             assert_eq!(c.listen, "0.0.0.0:50052");
             Ok(())
         });
+    }
+
+    #[test]
+    fn defaults_are_valid_and_limits_must_fit_together() {
+        WorkerConfig::target_defaults().validate().unwrap();
+        WorkerConfig::draft_defaults().validate().unwrap();
+        let d = WorkerConfig::target_defaults();
+        assert_eq!(d.prompt_limit(), 4096, "one request may fill the context");
+        let small = WorkerConfig {
+            max_context: 1024,
+            ..d.clone()
+        };
+        small.validate().unwrap();
+        assert_eq!(small.prompt_limit(), 1024, "unset, it follows max_context");
+        let bad = |c: WorkerConfig, needle: &str| {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        };
+        bad(
+            WorkerConfig {
+                max_prompt_len: Some(4097),
+                ..d.clone()
+            },
+            "max_prompt_len (4097) must not exceed max_context (4096)",
+        );
+        bad(
+            WorkerConfig {
+                max_tree_nodes: 4096,
+                ..d.clone()
+            },
+            "max_tree_nodes (4096) must be less than max_context",
+        );
+        bad(
+            WorkerConfig {
+                max_tree_depth: MAX_WIRE_TREE_DEPTH + 1,
+                ..d.clone()
+            },
+            "max_tree_depth (100) must be at most 99",
+        );
+        bad(
+            WorkerConfig {
+                max_tree_depth: 0,
+                ..d.clone()
+            },
+            "max_tree_depth must be at least 1",
+        );
+        WorkerConfig {
+            max_tree_depth: MAX_WIRE_TREE_DEPTH,
+            ..d
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]

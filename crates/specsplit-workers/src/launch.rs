@@ -108,7 +108,9 @@ fn info(cfg: &WorkerConfig, m: &LoadedModel) -> WorkerInfo {
         eos_token_ids: m.tokenizer.eos_token_ids().to_vec(),
         max_context: cfg.max_context,
         max_tree_nodes: cfg.max_tree_nodes,
-        max_prompt_len: cfg.max_prompt_len,
+        max_tree_depth: cfg.max_tree_depth,
+        // A request cannot carry more tokens than a session holds.
+        max_prompt_len: cfg.prompt_limit().min(cfg.max_context),
         device: dev,
     }
 }

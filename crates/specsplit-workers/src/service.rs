@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::{TokenTree, TreeLimits};
 use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
+use specsplit_proto::health::health_check_response::ServingStatus;
+use specsplit_proto::health::health_server::HealthServer;
+use specsplit_proto::health::{HealthCheckRequest, HealthCheckResponse};
 use specsplit_proto::target_service_server::{TargetService, TargetServiceServer};
 use specsplit_proto::{
     DraftRequest, DraftResponse, EndSessionRequest, EndSessionResponse, PingRequest, PingResponse,
@@ -21,8 +24,21 @@ use crate::session::{SessionHandle, SessionLimits, SessionStore};
 use crate::target::{Prefix, TargetEngine, TargetSession};
 use crate::EngineError;
 
-/// Largest gRPC message accepted or sent (dense draft distributions are large).
-pub const MAX_MESSAGE_BYTES: usize = 512 << 20;
+/// Longest `request_id`, `session_id` or `session_secret` accepted, in bytes.
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Wire bytes allowed for a message's fields beyond its tokens and tree (ids, sampling
+/// parameters, tags and length prefixes).
+const MESSAGE_SLACK_BYTES: usize = 64 << 10;
+
+/// Wire bytes of one token id at most (an `int32` varint; negative ones take 10).
+const TOKEN_WIRE_BYTES: usize = 10;
+
+/// Wire bytes of one tree node besides its distribution (token, log-probability, nesting).
+const NODE_WIRE_BYTES: usize = 64;
+
+/// Largest health-check message accepted (a service name).
+const MAX_HEALTH_MESSAGE_BYTES: usize = 4 << 10;
 
 /// Identity and limits a worker reports and enforces.
 #[derive(Debug, Clone)]
@@ -37,7 +53,10 @@ pub struct WorkerInfo {
     pub max_context: usize,
     /// Most nodes of a draft tree.
     pub max_tree_nodes: usize,
-    /// Longest prompt accepted.
+    /// Most tokens on a root-to-leaf path of a draft tree (at most
+    /// [`specsplit_proto::codec::MAX_WIRE_TREE_DEPTH`]).
+    pub max_tree_depth: usize,
+    /// Most tokens one request may carry.
     pub max_prompt_len: usize,
     /// Device label for telemetry, e.g. "cpu" or "cuda:0".
     pub device: String,
@@ -54,9 +73,55 @@ impl WorkerInfo {
             max_context: self.max_context as i32,
             max_prompt_len: self.max_prompt_len as i32,
             max_tree_nodes: self.max_tree_nodes as i32,
-            max_tree_depth: self.max_tree_nodes.min(specsplit_proto::codec::MAX_WIRE_TREE_DEPTH)
-                as i32,
+            max_tree_depth: self.tree_depth() as i32,
         }
+    }
+
+    /// The deepest tree drafted or verified: `max_tree_depth`, within the wire's limit and
+    /// the tree's node count.
+    pub fn tree_depth(&self) -> usize {
+        self.max_tree_depth
+            .min(specsplit_proto::codec::MAX_WIRE_TREE_DEPTH)
+            .min(self.max_tree_nodes)
+    }
+
+    /// Wire bytes of the largest draft tree allowed: `max_tree_nodes` nodes and a root, each
+    /// with a distribution over the whole vocabulary (sparse at full support: 8 bytes an entry).
+    fn tree_wire_bytes(&self) -> usize {
+        (self.max_tree_nodes.saturating_add(1)).saturating_mul(
+            self.vocab_size
+                .saturating_mul(8)
+                .saturating_add(NODE_WIRE_BYTES),
+        )
+    }
+
+    /// The largest `DraftRequest` a draft worker decodes (a longer message is refused from its
+    /// length prefix, before it is read): `max_prompt_len` tokens and `max_tree_depth` widths at
+    /// 10 bytes each, plus 64 KiB.
+    pub fn max_draft_request_bytes(&self) -> usize {
+        self.max_prompt_len
+            .saturating_add(self.tree_depth())
+            .saturating_mul(TOKEN_WIRE_BYTES)
+            .saturating_add(MESSAGE_SLACK_BYTES)
+    }
+
+    /// The largest `VerifyRequest` a target worker decodes (a longer message is refused from
+    /// its length prefix, before it is read): two token lists of `max_prompt_len` (prompt and
+    /// new tokens) at 10 bytes a token, `max_tree_nodes + 1` nodes of 8 bytes per vocabulary
+    /// entry plus 64 each, plus 64 KiB. The largest `DraftResponse` a draft worker sends is
+    /// bounded the same way.
+    pub fn max_verify_request_bytes(&self) -> usize {
+        self.max_prompt_len
+            .saturating_mul(2 * TOKEN_WIRE_BYTES)
+            .saturating_add(self.tree_wire_bytes())
+            .saturating_add(MESSAGE_SLACK_BYTES)
+    }
+
+    /// The INVALID_ARGUMENT status of a request that asks for a size beyond a limit.
+    fn over(field: &str, value: usize, max: usize, setting: &str) -> Status {
+        Status::invalid_argument(format!(
+            "{field} is {value}; this worker accepts at most {max} ({setting})"
+        ))
     }
 
     fn tokens(&self, ids: &[i32], what: &str) -> Result<Vec<u32>, Status> {
@@ -105,6 +170,19 @@ fn sampling_from(
         }),
     };
     p.map_err(|e| Status::invalid_argument(format!("sampling parameters: {e}")))
+}
+
+/// Refuses identifiers longer than [`MAX_ID_BYTES`] (INVALID_ARGUMENT, naming the field).
+fn check_ids(ids: &[(&str, &str)]) -> Result<(), Status> {
+    for (field, value) in ids {
+        if value.len() > MAX_ID_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "{field} is {} bytes long; at most {MAX_ID_BYTES} are accepted",
+                value.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Where a worker runs its model work for a request.
@@ -366,32 +444,77 @@ impl DraftWorker {
         self.store.clone()
     }
 
+    /// The tree shape a request asks for, each size checked against this worker's limits
+    /// before anything is allocated.
     fn widths(&self, r: &DraftRequest) -> Result<Vec<usize>, Status> {
+        let max_depth = self.info.tree_depth();
+        let max_nodes = self.info.max_tree_nodes;
         let widths: Vec<usize> = if !r.tree_widths.is_empty() {
-            if r.tree_widths.iter().any(|&w| w <= 0) {
-                return Err(Status::invalid_argument(format!(
-                    "tree_widths must all be positive, got {:?}",
-                    r.tree_widths
-                )));
+            if r.tree_widths.len() > max_depth {
+                return Err(WorkerInfo::over(
+                    "the length of tree_widths",
+                    r.tree_widths.len(),
+                    max_depth,
+                    "max_tree_depth",
+                ));
             }
-            r.tree_widths.iter().map(|&w| w as usize).collect()
+            let mut widths = Vec::with_capacity(r.tree_widths.len());
+            for (i, &w) in r.tree_widths.iter().enumerate() {
+                if w <= 0 {
+                    return Err(Status::invalid_argument(format!(
+                        "tree_widths[{i}] is {w}; widths must be positive"
+                    )));
+                }
+                if w as usize > max_nodes {
+                    return Err(WorkerInfo::over(
+                        &format!("tree_widths[{i}]"),
+                        w as usize,
+                        max_nodes,
+                        "max_tree_nodes",
+                    ));
+                }
+                widths.push(w as usize);
+            }
+            widths
         } else {
             if r.max_draft_len <= 0 {
                 return Err(Status::invalid_argument(format!(
-                    "max_draft_len must be positive, got {}",
+                    "max_draft_len is {}; it must be positive",
                     r.max_draft_len
                 )));
+            }
+            if r.max_draft_len as usize > max_depth {
+                return Err(WorkerInfo::over(
+                    "max_draft_len",
+                    r.max_draft_len as usize,
+                    max_depth,
+                    "max_tree_depth",
+                ));
+            }
+            if r.num_beams as i64 > max_nodes as i64 {
+                return Err(WorkerInfo::over(
+                    "num_beams",
+                    r.num_beams as usize,
+                    max_nodes,
+                    "max_tree_nodes",
+                ));
             }
             let mut w = vec![1usize; r.max_draft_len as usize];
             w[0] = r.num_beams.max(1) as usize;
             w
         };
+        // Each width is at most max_tree_nodes and there are at most 99 levels, but their
+        // product can still overflow: tree_size saturates.
         let n = tree_size(&widths);
-        if n > self.info.max_tree_nodes {
+        if n > max_nodes {
             return Err(Status::invalid_argument(format!(
-                "a tree with widths {widths:?} has {n} nodes; this worker drafts at most {} \
-                 (max_tree_nodes)",
-                self.info.max_tree_nodes
+                "tree_widths describe a tree of {} nodes; this worker drafts at most \
+                 {max_nodes} (max_tree_nodes)",
+                if n == usize::MAX {
+                    "too many".to_string()
+                } else {
+                    n.to_string()
+                }
             )));
         }
         Ok(widths)
@@ -406,10 +529,18 @@ impl DraftService for DraftWorker {
     ) -> Result<Response<DraftResponse>, Status> {
         let start = Instant::now();
         let r = request.into_inner();
+        check_ids(&[
+            ("request_id", &r.request_id),
+            ("session_id", &r.session_id),
+            ("session_secret", &r.session_secret),
+        ])?;
         let tokens = self.info.tokens(&r.prompt_token_ids, "prompt_token_ids")?;
         let widths = self.widths(&r)?;
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature.unwrap_or(0.0))?;
+        // A sessionless request holds a session's share of the limits while it runs.
+        let mut _reservation = None;
         let session = if r.session_id.is_empty() {
+            _reservation = Some(self.store.reserve_anonymous(self.engine.session_bytes())?);
             Arc::new(tokio::sync::Mutex::new(
                 self.engine
                     .new_session(sampling.seed)
@@ -454,7 +585,12 @@ impl DraftService for DraftWorker {
         &self,
         request: Request<EndSessionRequest>,
     ) -> Result<Response<EndSessionResponse>, Status> {
-        let id = request.into_inner().session_id;
+        let r = request.into_inner();
+        check_ids(&[
+            ("session_id", &r.session_id),
+            ("session_secret", &r.session_secret),
+        ])?;
+        let id = r.session_id;
         let was_active = self.store.remove(&id);
         Ok(Response::new(EndSessionResponse {
             session_id: id,
@@ -509,13 +645,18 @@ impl TargetService for TargetWorker {
     ) -> Result<Response<VerifyResponse>, Status> {
         let start = Instant::now();
         let r = request.into_inner();
+        check_ids(&[
+            ("request_id", &r.request_id),
+            ("session_id", &r.session_id),
+            ("session_secret", &r.session_secret),
+        ])?;
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature)?;
         let tree = if r.draft_tree.is_empty() {
             TokenTree::new()
         } else {
             let limits = TreeLimits {
                 max_nodes: self.info.max_tree_nodes,
-                max_depth: self.info.max_tree_nodes,
+                max_depth: self.info.tree_depth(),
                 vocab_size: self.info.vocab_size,
             };
             let tree = TokenTree::from_proto(
@@ -544,15 +685,20 @@ impl TargetService for TargetWorker {
                 expected_len: r.expected_prefix_length as usize,
             }
         };
+        // A sessionless request holds a session's share of the limits while it runs.
+        let mut _reservation = None;
         let session = match (&prefix, r.session_id.is_empty()) {
             (Prefix::Delta { .. }, true) => return Err(Status::failed_precondition(
                 "a delta request (no prompt_token_ids) needs a session_id; send the full prompt",
             )),
-            (Prefix::Full(_), true) => Arc::new(tokio::sync::Mutex::new(
-                self.engine
-                    .new_session(sampling.seed)
-                    .map_err(Status::from)?,
-            )),
+            (Prefix::Full(_), true) => {
+                _reservation = Some(self.store.reserve_anonymous(self.engine.session_bytes())?);
+                Arc::new(tokio::sync::Mutex::new(
+                    self.engine
+                        .new_session(sampling.seed)
+                        .map_err(Status::from)?,
+                ))
+            }
             (Prefix::Delta { .. }, false) => self.store.get(&r.session_id).ok_or_else(|| {
                 Status::failed_precondition(format!(
                     "session '{}' is not cached here (evicted, expired or never started); \
@@ -597,7 +743,12 @@ impl TargetService for TargetWorker {
         &self,
         request: Request<EndSessionRequest>,
     ) -> Result<Response<EndSessionResponse>, Status> {
-        let id = request.into_inner().session_id;
+        let r = request.into_inner();
+        check_ids(&[
+            ("session_id", &r.session_id),
+            ("session_secret", &r.session_secret),
+        ])?;
+        let id = r.session_id;
         let was_active = self.store.remove(&id);
         Ok(Response::new(EndSessionResponse {
             session_id: id,
@@ -741,8 +892,8 @@ async fn serve_here<S: GrpcService, T: Send + 'static>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let sweeper = spawn_sweeper(store);
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<S>().await;
+    let health = HealthServer::new(Health { service: S::NAME })
+        .max_decoding_message_size(MAX_HEALTH_MESSAGE_BYTES);
     // Accepted connections get TCP_NODELAY: with Nagle's algorithm on, a small response
     // written in pieces waits for the peer's delayed ACK (about 40 ms on Linux) — measured as
     // 40+ ms rounds on loopback before this.
@@ -766,31 +917,85 @@ async fn serve_here<S: GrpcService, T: Send + 'static>(
     r
 }
 
+/// The standard gRPC health service (`grpc.health.v1.Health`): the worker's service and the
+/// server as a whole (`""`) are serving while the server runs; other names are NOT_FOUND.
+/// Generated with [`specsplit_proto::codec::SpecCodec`], so an undecodable request is
+/// INVALID_ARGUMENT like on the worker's own service.
+#[derive(Debug, Clone, Copy)]
+struct Health {
+    service: &'static str,
+}
+
+impl Health {
+    fn status(&self, service: &str) -> Option<HealthCheckResponse> {
+        (service.is_empty() || service == self.service).then_some(HealthCheckResponse {
+            status: ServingStatus::Serving as i32,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl specsplit_proto::health::health_server::Health for Health {
+    async fn check(
+        &self,
+        request: Request<HealthCheckRequest>,
+    ) -> Result<Response<HealthCheckResponse>, Status> {
+        self.status(&request.into_inner().service)
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found("no such service on this worker"))
+    }
+
+    type WatchStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<HealthCheckResponse, Status>> + Send>,
+    >;
+
+    async fn watch(
+        &self,
+        request: Request<HealthCheckRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        // The status never changes while the server runs: send it once, then keep the call
+        // open until the server stops.
+        let first = self
+            .status(&request.into_inner().service)
+            .unwrap_or(HealthCheckResponse {
+                status: ServingStatus::ServiceUnknown as i32,
+            });
+        let stream =
+            tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), tokio_stream::pending());
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
 /// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
-/// in-flight requests finish first.
+/// in-flight requests finish first. A request longer than
+/// [`WorkerInfo::max_draft_request_bytes`] is refused from its length prefix.
 pub async fn serve_draft(
     worker: DraftWorker,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let store = worker.sessions();
+    let decode = worker.info.max_draft_request_bytes();
+    let encode = worker.info.max_verify_request_bytes();
     let svc = DraftServiceServer::new(worker)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        .max_decoding_message_size(decode)
+        .max_encoding_message_size(encode);
     serve(svc, store, listener, shutdown).await
 }
 
 /// Serves the target worker (plus gRPC health) on `listener` until `shutdown` resolves;
-/// in-flight requests finish first.
+/// in-flight requests finish first. A request longer than
+/// [`WorkerInfo::max_verify_request_bytes`] is refused from its length prefix.
 pub async fn serve_target(
     worker: TargetWorker,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let store = worker.sessions();
+    let decode = worker.info.max_verify_request_bytes();
     let svc = TargetServiceServer::new(worker)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        .max_decoding_message_size(decode)
+        .max_encoding_message_size(decode);
     serve(svc, store, listener, shutdown).await
 }
 

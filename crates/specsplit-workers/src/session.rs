@@ -1,7 +1,8 @@
 //! A bounded store of per-session state: LRU eviction at a session count, a memory budget and
 //! idle-time (TTL) expiry. A session in use is never evicted; each session is behind its own
 //! async mutex so one session's requests are serialized while different sessions run
-//! concurrently.
+//! concurrently. A request without a session holds an anonymous reservation
+//! ([`SessionStore::reserve_anonymous`]) for its duration, counted against the same limits.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,10 +30,47 @@ struct Entry<S> {
     bytes: usize,
 }
 
+/// The store's state under its lock.
+struct Inner<S> {
+    map: HashMap<String, Entry<S>>,
+    /// Sessionless requests in flight.
+    anonymous: usize,
+    /// Bytes they hold.
+    anonymous_bytes: usize,
+}
+
+impl<S> std::ops::Deref for Inner<S> {
+    type Target = HashMap<String, Entry<S>>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl<S> std::ops::DerefMut for Inner<S> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
+    }
+}
+
 /// Sessions keyed by id, bounded by [`SessionLimits`].
 pub struct SessionStore<S> {
     limits: SessionLimits,
-    entries: Mutex<HashMap<String, Entry<S>>>,
+    entries: Mutex<Inner<S>>,
+}
+
+/// A sessionless request's share of a [`SessionStore`]'s limits (one session slot and its
+/// bytes), given back when dropped.
+pub struct Reservation<'a, S> {
+    store: &'a SessionStore<S>,
+    bytes: usize,
+}
+
+impl<S> Drop for Reservation<'_, S> {
+    fn drop(&mut self) {
+        let mut inner = self.store.lock();
+        inner.anonymous -= 1;
+        inner.anonymous_bytes -= self.bytes;
+    }
 }
 
 impl<S> SessionStore<S> {
@@ -40,7 +78,11 @@ impl<S> SessionStore<S> {
     pub fn new(limits: SessionLimits) -> Self {
         Self {
             limits,
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(Inner {
+                map: HashMap::new(),
+                anonymous: 0,
+                anonymous_bytes: 0,
+            }),
         }
     }
 
@@ -49,9 +91,9 @@ impl<S> SessionStore<S> {
         &self.limits
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry<S>>> {
-        // A panic while holding this lock cannot leave the map inconsistent (every mutation
-        // is a single insert/remove), so recover from poisoning.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<S>> {
+        // A panic while holding this lock cannot leave the state inconsistent (every mutation
+        // is a single insert/remove or counter update), so recover from poisoning.
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -77,42 +119,7 @@ impl<S> SessionStore<S> {
             e.last_used = Instant::now();
             return Ok((e.session.clone(), false));
         }
-        if bytes > self.limits.memory_budget_bytes {
-            return Err(EngineError::ResourceExhausted(format!(
-                "one session needs {} MiB of KV cache but the memory budget is {} MiB; raise \
-                 the memory budget or lower max_context",
-                bytes >> 20,
-                self.limits.memory_budget_bytes >> 20
-            )));
-        }
-        loop {
-            let used: usize = map.values().map(|e| e.bytes).sum();
-            let fits = map.len() < self.limits.max_sessions
-                && used + bytes <= self.limits.memory_budget_bytes;
-            if fits {
-                break;
-            }
-            // Evict the least recently used session nobody is using right now.
-            let victim = map
-                .iter()
-                .filter(|(_, e)| Arc::strong_count(&e.session) == 1)
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(k, _)| k.clone());
-            match victim {
-                Some(k) => {
-                    tracing::info!(session = %k, "evicting least recently used session");
-                    map.remove(&k);
-                }
-                None => {
-                    return Err(EngineError::ResourceExhausted(format!(
-                        "all {} sessions are busy ({} MiB of {} MiB used); retry later",
-                        map.len(),
-                        used >> 20,
-                        self.limits.memory_budget_bytes >> 20
-                    )))
-                }
-            }
-        }
+        self.make_room(&mut map, bytes)?;
         let session = Arc::new(tokio::sync::Mutex::new(create()?));
         map.insert(
             id.to_string(),
@@ -123,6 +130,63 @@ impl<S> SessionStore<S> {
             },
         );
         Ok((session, true))
+    }
+
+    /// Reserves room for one sessionless request taking `bytes`, as [`Self::get_or_create`]
+    /// would for a new session (evicting idle sessions, else RESOURCE_EXHAUSTED); the room is
+    /// given back when the returned reservation is dropped.
+    pub fn reserve_anonymous(&self, bytes: usize) -> Result<Reservation<'_, S>, EngineError> {
+        let mut inner = self.lock();
+        self.make_room(&mut inner, bytes)?;
+        inner.anonymous += 1;
+        inner.anonymous_bytes += bytes;
+        Ok(Reservation { store: self, bytes })
+    }
+
+    /// Evicts least-recently-used idle sessions until one more session of `bytes` fits.
+    fn make_room(&self, inner: &mut Inner<S>, bytes: usize) -> Result<(), EngineError> {
+        if bytes > self.limits.memory_budget_bytes {
+            return Err(EngineError::ResourceExhausted(format!(
+                "one session needs {} MiB of KV cache but the memory budget is {} MiB; raise \
+                 the memory budget or lower max_context",
+                bytes >> 20,
+                self.limits.memory_budget_bytes >> 20
+            )));
+        }
+        loop {
+            let held = inner.map.len() + inner.anonymous;
+            let used = inner.map.values().map(|e| e.bytes).sum::<usize>() + inner.anonymous_bytes;
+            let fits = held < self.limits.max_sessions
+                && used.saturating_add(bytes) <= self.limits.memory_budget_bytes;
+            if fits {
+                return Ok(());
+            }
+            // Evict the least recently used session nobody is using right now.
+            let victim = inner
+                .map
+                .iter()
+                .filter(|(_, e)| Arc::strong_count(&e.session) == 1)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(k) => {
+                    tracing::info!(session = %k, "evicting least recently used session");
+                    inner.map.remove(&k);
+                }
+                None => {
+                    return Err(EngineError::ResourceExhausted(format!(
+                        "all {held} sessions are busy ({} MiB of {} MiB used); retry later",
+                        used >> 20,
+                        self.limits.memory_budget_bytes >> 20
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Sessionless requests in flight (each holding a [`Reservation`]).
+    pub fn anonymous(&self) -> usize {
+        self.lock().anonymous
     }
 
     /// Drops a session; returns whether it existed.
@@ -157,9 +221,10 @@ impl<S> SessionStore<S> {
         self.len() == 0
     }
 
-    /// Bytes of session state held.
+    /// Bytes of session state held (named sessions and sessionless requests in flight).
     pub fn bytes(&self) -> usize {
-        self.lock().values().map(|e| e.bytes).sum()
+        let inner = self.lock();
+        inner.values().map(|e| e.bytes).sum::<usize>() + inner.anonymous_bytes
     }
 }
 
@@ -200,6 +265,41 @@ mod tests {
         assert_eq!(s.bytes(), 60);
         let err = s.get_or_create("huge", 101, || Ok(3)).unwrap_err();
         assert!(matches!(err, EngineError::ResourceExhausted(_)));
+    }
+
+    #[test]
+    fn sessionless_reservations_count_against_both_limits() {
+        // Room for 5 sessions of 12 bytes in a 64-byte budget (the count limit is higher).
+        let s = store(10, 64, 60_000);
+        let held: Vec<_> = (0..5).map(|_| s.reserve_anonymous(12).unwrap()).collect();
+        assert_eq!(s.anonymous(), 5);
+        assert_eq!(s.bytes(), 60);
+        let Err(EngineError::ResourceExhausted(m)) = s.reserve_anonymous(12) else {
+            panic!("a sixth sessionless request must be refused");
+        };
+        assert_eq!(
+            m,
+            "all 5 sessions are busy (0 MiB of 0 MiB used); retry later"
+        );
+        // A named session cannot take their room either.
+        assert!(s.get_or_create("a", 12, || Ok(1)).is_err());
+        drop(held);
+        assert_eq!((s.anonymous(), s.bytes()), (0, 0));
+        // Idle named sessions are evicted to make room for a sessionless request; at the
+        // session count limit too.
+        let s = store(2, 1000, 60_000);
+        s.get_or_create("a", 10, || Ok(1)).unwrap();
+        s.get_or_create("b", 10, || Ok(2)).unwrap();
+        let r = s.reserve_anonymous(10).unwrap();
+        assert_eq!(s.len(), 1, "one idle session was evicted");
+        let _r2 = s.reserve_anonymous(10).unwrap();
+        assert_eq!(s.len(), 0);
+        let Err(EngineError::ResourceExhausted(m)) = s.reserve_anonymous(10) else {
+            panic!("both slots are held by sessionless requests");
+        };
+        assert!(m.starts_with("all 2 sessions are busy"), "{m}");
+        drop(r);
+        s.reserve_anonymous(10).unwrap();
     }
 
     #[test]
