@@ -230,10 +230,23 @@ async fn bad_requests_get_the_right_status_codes() {
         "{}",
         err.message()
     );
-    // Sampled verification without the draft distributions.
-    let mut r = verify(vec![1, 2], vec![node(3, vec![])]);
+    // Sampled verification of a tree with no draft distribution at all (the original client's
+    // trees) verifies each drafted token as a point-mass proposal; one with the roots'
+    // distribution but not that of a node with children is malformed.
+    let mut r = verify(vec![1, 2], vec![node(3, vec![node(4, vec![])])]);
     r.temperature = 0.8;
-    assert_eq!(code(t.verify_drafts(r).await), Code::InvalidArgument);
+    assert_eq!(code(t.verify_drafts(r.clone()).await), Code::Ok);
+    r.root_distribution = Some(specsplit_proto::DraftDistribution {
+        token_ids: vec![3],
+        probs: vec![1.0],
+    });
+    let err = t.verify_drafts(r).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("or none at all"),
+        "{}",
+        err.message()
+    );
     // Delta requests: unknown session, then a wrong expected length.
     let delta = |sid: &str, len: i32| VerifyRequest {
         session_id: sid.into(),
@@ -241,9 +254,12 @@ async fn bad_requests_get_the_right_status_codes() {
         expected_prefix_length: len,
         ..Default::default()
     };
-    assert_eq!(
-        code(t.verify_drafts(delta("nobody", 3)).await),
-        Code::FailedPrecondition
+    let err = t.verify_drafts(delta("nobody", 3)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("CACHE_EVICTED_DELTA_ONLY") && !err.message().contains("nobody"),
+        "{}",
+        err.message()
     );
     let ok = t
         .verify_drafts(verify(vec![1, 2, 3], vec![node(3, vec![])]))

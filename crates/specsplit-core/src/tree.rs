@@ -624,6 +624,13 @@ impl TokenTree {
         self.child_distributions[i].as_ref()
     }
 
+    /// Whether the tree carries any draft distribution (of the roots or of some node's
+    /// children). A tree with none can only be verified by
+    /// [`verify_point_mass`](crate::verify::verify_point_mass) when sampled.
+    pub fn has_any_distribution(&self) -> bool {
+        self.root_distribution.is_some() || self.child_distributions.iter().any(Option::is_some)
+    }
+
     /// Informational top-k ids and probabilities of node `i` (panics if `i >= len()`).
     pub fn top_k(&self, i: usize) -> (&[u32], &[f32]) {
         (&self.top_k_ids[i], &self.top_k_probs[i])

@@ -11,6 +11,13 @@
 //!   rejection `p ← norm(max(0, p − q))`, and with siblings drawn without replacement also
 //!   `q ← q` without `x`, renormalised (recursive rejection sampling). The emitted tokens are
 //!   distributed exactly as target-alone sampling.
+//! - [`verify_point_mass`] is the same guarantee for trees that carry no draft distributions
+//!   (clients that send only the drafted tokens): each drafted token is treated as a point-mass
+//!   proposal `δ_x`. Children are tried in order, each accepted with probability `p(x)` under the
+//!   current residual `p`; after a rejection `p ← p` without `x`, renormalised; when every child
+//!   is rejected the next token is drawn from the final residual. Each step is speculative
+//!   sampling with proposal `δ_x`, so the emitted tokens follow target-alone sampling whatever
+//!   way the draft chose its tokens.
 
 use rand::Rng;
 
@@ -238,6 +245,83 @@ pub fn verify_stochastic<R: Rng + ?Sized>(
                     normalize(&mut q);
                 }
             }
+        }
+        let next = match draw_index(&p, rng) {
+            Some(j) => j as u32,
+            None => argmax(row_of(row)),
+        };
+        return Ok(finish(tree, accepted, next));
+    }
+}
+
+/// Lossless stochastic verification of a tree without draft distributions: each drafted token
+/// is a point-mass proposal (rule in the module docs). Same inputs, row convention and errors
+/// as [`verify_stochastic`], except that the tree's draft distributions (if any) are ignored,
+/// so it needs none. Greedy parameters reduce to [`verify_greedy`] on the rows' argmaxes.
+///
+/// Siblings may repeat a token: a rejected token has no mass left in the residual, so a repeat
+/// of it is always rejected.
+pub fn verify_point_mass<R: Rng + ?Sized>(
+    tree: &TokenTree,
+    target_logits: &[f32],
+    vocab_size: usize,
+    params: &SamplingParams,
+    rng: &mut R,
+) -> Result<Verdict, VerifyError> {
+    params.validate().map_err(VerifyError::InvalidParams)?;
+    if vocab_size == 0 {
+        return Err(VerifyError::ZeroVocab);
+    }
+    let rows = tree.len() + 1;
+    let expected = rows.saturating_mul(vocab_size);
+    if target_logits.len() != expected {
+        return Err(VerifyError::WrongLogitsLength {
+            rows,
+            vocab_size,
+            expected,
+            got: target_logits.len(),
+        });
+    }
+    let row_of = |r: usize| &target_logits[r * vocab_size..(r + 1) * vocab_size];
+    if params.is_greedy() {
+        return Ok(greedy_walk(tree, |r| argmax(row_of(r))));
+    }
+    if let Some(node) = tree.tokens().iter().position(|&t| t as usize >= vocab_size) {
+        return Err(TreeError::TokenOutOfVocab {
+            node,
+            token: i64::from(tree.token(node)),
+            vocab_size,
+        }
+        .into());
+    }
+    let mut p = vec![0.0f64; vocab_size];
+    let mut accepted = Vec::new();
+    let mut parent: Option<usize> = None;
+    let mut row = 0usize;
+    'level: loop {
+        let target = try_warp(row_of(row), params)
+            .map_err(|source| VerifyError::BadLogits { row, source })?;
+        load_dense(&mut p, &target);
+        // The residual is kept unnormalised: `mass` is its total.
+        let mut mass: f64 = p.iter().sum();
+        let candidates = match parent {
+            None => tree.roots(),
+            Some(c) => tree.children(c),
+        };
+        for c in candidates {
+            let x = tree.token(c) as usize;
+            // Accept with probability p(x) / mass (the residual's normalised probability); a
+            // token outside the residual's support never.
+            let u: f64 = rng.random();
+            if p[x] > 0.0 && u * mass < p[x] {
+                accepted.push(c);
+                parent = Some(c);
+                row = c + 1;
+                continue 'level;
+            }
+            // Rejected: remove x's mass from the residual.
+            mass -= p[x];
+            p[x] = 0.0;
         }
         let next = match draw_index(&p, rng) {
             Some(j) => j as u32,

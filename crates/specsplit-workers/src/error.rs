@@ -12,6 +12,9 @@ pub enum EngineError {
     /// should resend the full prompt.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The request names a session bound to a different secret (→ PERMISSION_DENIED).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// Serving the request would exceed the memory budget or session limit (→ RESOURCE_EXHAUSTED).
     #[error("{0}")]
     ResourceExhausted(String),
@@ -26,6 +29,12 @@ pub enum EngineError {
     Cache(#[from] specsplit_core::cache::CacheError),
 }
 
+/// Marker in the message of every FAILED_PRECONDITION answer after which a client should resend
+/// its full context (the session is not cached here, or its cached length differs from the
+/// caller's): the original SpecSplit client retries with the full prompt only when the status
+/// message contains it.
+pub const CACHE_EVICTED_MARKER: &str = "CACHE_EVICTED_DELTA_ONLY";
+
 impl From<EngineError> for tonic::Status {
     fn from(e: EngineError) -> Self {
         let msg = e.to_string();
@@ -33,6 +42,7 @@ impl From<EngineError> for tonic::Status {
             EngineError::InvalidArgument(_) => tonic::Status::invalid_argument(msg),
             EngineError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             EngineError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),
+            EngineError::PermissionDenied(_) => tonic::Status::permission_denied(msg),
             _ => tonic::Status::internal(msg),
         }
     }

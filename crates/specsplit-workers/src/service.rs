@@ -20,7 +20,8 @@ use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use crate::draft::{tree_size, DraftEngine, DraftParams, DraftSession};
-use crate::session::{SessionHandle, SessionLimits, SessionStore};
+use crate::error::CACHE_EVICTED_MARKER;
+use crate::session::{SessionHandle, SessionLimits, SessionSecret, SessionStore};
 use crate::target::{Prefix, TargetEngine, TargetSession};
 use crate::EngineError;
 
@@ -537,6 +538,7 @@ impl DraftService for DraftWorker {
         let tokens = self.info.tokens(&r.prompt_token_ids, "prompt_token_ids")?;
         let widths = self.widths(&r)?;
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature.unwrap_or(0.0))?;
+        let secret = SessionSecret::parse(&r.session_secret)?;
         // A sessionless request holds a session's share of the limits while it runs.
         let mut _reservation = None;
         let session = if r.session_id.is_empty() {
@@ -548,14 +550,17 @@ impl DraftService for DraftWorker {
             ))
         } else {
             if r.reset_cache {
-                self.store.remove(&r.session_id);
+                self.store.remove_owned(&r.session_id, secret.as_ref())?;
             }
             let engine = self.engine.clone();
             let seed = sampling.seed;
             self.store
-                .get_or_create(&r.session_id, self.engine.session_bytes(), || {
-                    engine.new_session(seed)
-                })?
+                .get_or_create_owned(
+                    &r.session_id,
+                    secret.as_ref(),
+                    self.engine.session_bytes(),
+                    || engine.new_session(seed),
+                )?
                 .0
         };
         let engine = self.engine.clone();
@@ -590,10 +595,10 @@ impl DraftService for DraftWorker {
             ("session_id", &r.session_id),
             ("session_secret", &r.session_secret),
         ])?;
-        let id = r.session_id;
-        let was_active = self.store.remove(&id);
+        let secret = SessionSecret::parse(&r.session_secret)?;
+        let was_active = self.store.remove_owned(&r.session_id, secret.as_ref())?;
         Ok(Response::new(EndSessionResponse {
-            session_id: id,
+            session_id: r.session_id,
             was_active,
         }))
     }
@@ -666,9 +671,16 @@ impl TargetService for TargetWorker {
                 &limits,
             )
             .map_err(|e| Status::invalid_argument(format!("draft_tree: {e}")))?;
-            if !sampling.is_greedy() {
-                tree.require_distributions()
-                    .map_err(|e| Status::invalid_argument(format!("draft_tree: {e}")))?;
+            // Sampled verification uses the draft distributions when the tree carries them
+            // (all of them), and point-mass proposals when it carries none (the original
+            // client sends none); a tree with only some is refused.
+            if !sampling.is_greedy() && tree.has_any_distribution() {
+                tree.require_distributions().map_err(|e| {
+                    Status::invalid_argument(format!(
+                        "draft_tree: {e}; send a draft distribution for the roots and for every \
+                         node with children, or none at all"
+                    ))
+                })?;
             }
             tree
         };
@@ -685,12 +697,16 @@ impl TargetService for TargetWorker {
                 expected_len: r.expected_prefix_length as usize,
             }
         };
+        let secret = SessionSecret::parse(&r.session_secret)?;
         // A sessionless request holds a session's share of the limits while it runs.
         let mut _reservation = None;
         let session = match (&prefix, r.session_id.is_empty()) {
-            (Prefix::Delta { .. }, true) => return Err(Status::failed_precondition(
-                "a delta request (no prompt_token_ids) needs a session_id; send the full prompt",
-            )),
+            (Prefix::Delta { .. }, true) => {
+                return Err(Status::failed_precondition(format!(
+                    "{CACHE_EVICTED_MARKER}: a delta request (no prompt_token_ids) needs a \
+                     session_id; send the full prompt"
+                )))
+            }
             (Prefix::Full(_), true) => {
                 _reservation = Some(self.store.reserve_anonymous(self.engine.session_bytes())?);
                 Arc::new(tokio::sync::Mutex::new(
@@ -699,20 +715,25 @@ impl TargetService for TargetWorker {
                         .map_err(Status::from)?,
                 ))
             }
-            (Prefix::Delta { .. }, false) => self.store.get(&r.session_id).ok_or_else(|| {
-                Status::failed_precondition(format!(
-                    "session '{}' is not cached here (evicted, expired or never started); \
-                     resend the full prompt",
-                    r.session_id
-                ))
-            })?,
+            (Prefix::Delta { .. }, false) => self
+                .store
+                .get_owned(&r.session_id, secret.as_ref())?
+                .ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "{CACHE_EVICTED_MARKER}: the session is not cached here (evicted, \
+                         expired or never started); resend the full prompt"
+                    ))
+                })?,
             (Prefix::Full(_), false) => {
                 let engine = self.engine.clone();
                 let seed = sampling.seed;
                 self.store
-                    .get_or_create(&r.session_id, self.engine.session_bytes(), || {
-                        engine.new_session(seed)
-                    })?
+                    .get_or_create_owned(
+                        &r.session_id,
+                        secret.as_ref(),
+                        self.engine.session_bytes(),
+                        || engine.new_session(seed),
+                    )?
                     .0
             }
         };
@@ -748,10 +769,10 @@ impl TargetService for TargetWorker {
             ("session_id", &r.session_id),
             ("session_secret", &r.session_secret),
         ])?;
-        let id = r.session_id;
-        let was_active = self.store.remove(&id);
+        let secret = SessionSecret::parse(&r.session_secret)?;
+        let was_active = self.store.remove_owned(&r.session_id, secret.as_ref())?;
         Ok(Response::new(EndSessionResponse {
-            session_id: id,
+            session_id: r.session_id,
             was_active,
         }))
     }

@@ -3,6 +3,11 @@
 //! async mutex so one session's requests are serialized while different sessions run
 //! concurrently. A request without a session holds an anonymous reservation
 //! ([`SessionStore::reserve_anonymous`]) for its duration, counted against the same limits.
+//!
+//! A session created with a [`SessionSecret`] is bound to it: every later lookup of that id
+//! through the `*_owned` methods must present the same secret, or is refused with
+//! [`EngineError::PermissionDenied`] without touching the session. A session created without a
+//! secret is open to any request that names its id.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -28,6 +33,76 @@ struct Entry<S> {
     session: SessionHandle<S>,
     last_used: Instant,
     bytes: usize,
+    secret: Option<SessionSecret>,
+}
+
+/// Shortest non-empty session secret accepted, in bytes.
+pub const MIN_SECRET_BYTES: usize = 16;
+/// Longest session secret accepted, in bytes.
+pub const MAX_SECRET_BYTES: usize = 256;
+
+/// The secret a client binds its session to (`session_secret` on the wire), compared in
+/// constant time (the comparison always covers [`MAX_SECRET_BYTES`] bytes, so neither the
+/// content nor the length of a stored secret shows in its timing).
+#[derive(Clone)]
+pub struct SessionSecret {
+    bytes: Box<[u8; MAX_SECRET_BYTES]>,
+    len: usize,
+}
+
+impl std::fmt::Debug for SessionSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionSecret(..)")
+    }
+}
+
+impl SessionSecret {
+    /// The secret of a request: `None` for an empty string (no secret), an error
+    /// (INVALID_ARGUMENT) for one shorter than [`MIN_SECRET_BYTES`] or longer than
+    /// [`MAX_SECRET_BYTES`].
+    pub fn parse(secret: &str) -> Result<Option<Self>, EngineError> {
+        let len = secret.len();
+        if len == 0 {
+            return Ok(None);
+        }
+        if !(MIN_SECRET_BYTES..=MAX_SECRET_BYTES).contains(&len) {
+            return Err(EngineError::InvalidArgument(format!(
+                "session_secret must be empty or {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes \
+                 long, got {len}; use a random string of at least {MIN_SECRET_BYTES} bytes"
+            )));
+        }
+        let mut bytes = Box::new([0u8; MAX_SECRET_BYTES]);
+        bytes[..len].copy_from_slice(secret.as_bytes());
+        Ok(Some(Self { bytes, len }))
+    }
+
+    /// Whether `other` is the same secret, in time independent of both secrets.
+    fn matches(&self, other: &SessionSecret) -> bool {
+        let mut diff = u8::from(self.len != other.len);
+        for (a, b) in self.bytes.iter().zip(other.bytes.iter()) {
+            diff |= a ^ b;
+        }
+        std::hint::black_box(diff) == 0
+    }
+}
+
+/// Whether a request presenting `given` may use a session created with `stored`.
+fn admits(stored: Option<&SessionSecret>, given: Option<&SessionSecret>) -> bool {
+    match (stored, given) {
+        (None, _) => true,
+        (Some(s), Some(g)) => s.matches(g),
+        (Some(_), None) => false,
+    }
+}
+
+/// The refusal of a request whose secret does not match its session's; it says nothing of the
+/// session.
+fn permission_denied() -> EngineError {
+    EngineError::PermissionDenied(
+        "this session is bound to another session_secret; send the secret the session was \
+         created with, or use a new session_id"
+            .into(),
+    )
 }
 
 /// The store's state under its lock.
@@ -114,8 +189,24 @@ impl<S> SessionStore<S> {
         bytes: usize,
         create: impl FnOnce() -> Result<S, EngineError>,
     ) -> Result<(SessionHandle<S>, bool), EngineError> {
+        self.get_or_create_owned(id, None, bytes, create)
+    }
+
+    /// [`get_or_create`](Self::get_or_create) for a request presenting `secret`: an existing
+    /// session bound to a different secret is refused with PERMISSION_DENIED (and left as it
+    /// is); a new session is bound to `secret` (open to all when `None`).
+    pub fn get_or_create_owned(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+        bytes: usize,
+        create: impl FnOnce() -> Result<S, EngineError>,
+    ) -> Result<(SessionHandle<S>, bool), EngineError> {
         let mut map = self.lock();
         if let Some(e) = map.get_mut(id) {
+            if !admits(e.secret.as_ref(), secret) {
+                return Err(permission_denied());
+            }
             e.last_used = Instant::now();
             return Ok((e.session.clone(), false));
         }
@@ -127,6 +218,7 @@ impl<S> SessionStore<S> {
                 session: session.clone(),
                 last_used: Instant::now(),
                 bytes,
+                secret: secret.cloned(),
             },
         );
         Ok((session, true))
@@ -170,7 +262,8 @@ impl<S> SessionStore<S> {
                 .map(|(k, _)| k.clone());
             match victim {
                 Some(k) => {
-                    tracing::info!(session = %k, "evicting least recently used session");
+                    tracing::info!("evicting the least recently used session");
+                    tracing::debug!(session = %k, "evicted session");
                     inner.map.remove(&k);
                 }
                 None => {
@@ -187,6 +280,40 @@ impl<S> SessionStore<S> {
     /// Sessionless requests in flight (each holding a [`Reservation`]).
     pub fn anonymous(&self) -> usize {
         self.lock().anonymous
+    }
+
+    /// The session with this id for a request presenting `secret` (refreshing its LRU
+    /// position): `Ok(None)` when there is none, PERMISSION_DENIED (leaving it untouched) when
+    /// it is bound to a different secret.
+    pub fn get_owned(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+    ) -> Result<Option<SessionHandle<S>>, EngineError> {
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(id) else {
+            return Ok(None);
+        };
+        if !admits(e.secret.as_ref(), secret) {
+            return Err(permission_denied());
+        }
+        e.last_used = Instant::now();
+        Ok(Some(e.session.clone()))
+    }
+
+    /// Drops a session for a request presenting `secret`; returns whether it existed.
+    /// PERMISSION_DENIED (keeping the session) when it is bound to a different secret.
+    pub fn remove_owned(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+    ) -> Result<bool, EngineError> {
+        let mut map = self.lock();
+        match map.get(id) {
+            None => Ok(false),
+            Some(e) if !admits(e.secret.as_ref(), secret) => Err(permission_denied()),
+            Some(_) => Ok(map.remove(id).is_some()),
+        }
     }
 
     /// Drops a session; returns whether it existed.
@@ -300,6 +427,57 @@ mod tests {
         assert!(m.starts_with("all 2 sessions are busy"), "{m}");
         drop(r);
         s.reserve_anonymous(10).unwrap();
+    }
+
+    #[test]
+    fn secrets_bind_sessions() {
+        let s = store(10, 1000, 60_000);
+        let mine = SessionSecret::parse("0123456789abcdef-mine")
+            .unwrap()
+            .unwrap();
+        let other = SessionSecret::parse("0123456789abcdef-othr")
+            .unwrap()
+            .unwrap();
+        let longer = SessionSecret::parse("0123456789abcdef-mine!")
+            .unwrap()
+            .unwrap();
+        s.get_or_create_owned("a", Some(&mine), 1, || Ok(1))
+            .unwrap();
+        for wrong in [Some(&other), Some(&longer), None] {
+            let denied = |r: Result<_, EngineError>| {
+                assert!(matches!(r, Err(EngineError::PermissionDenied(_))));
+            };
+            denied(s.get_owned("a", wrong).map(|_| ()));
+            denied(s.remove_owned("a", wrong).map(|_| ()));
+            denied(s.get_or_create_owned("a", wrong, 1, || Ok(9)).map(|_| ()));
+        }
+        assert_eq!(s.len(), 1, "refusals leave the session in place");
+        let (h, created) = s
+            .get_or_create_owned("a", Some(&mine), 1, || Ok(9))
+            .unwrap();
+        assert!(!created);
+        assert_eq!(*h.try_lock().unwrap(), 1);
+        drop(h);
+        assert!(s.get_owned("a", Some(&mine)).unwrap().is_some());
+        assert!(s.get_owned("nobody", Some(&other)).unwrap().is_none());
+        assert!(s.remove_owned("a", Some(&mine)).unwrap());
+        // A session created without a secret is open to every request.
+        s.get_or_create_owned("open", None, 1, || Ok(2)).unwrap();
+        assert!(s.get_owned("open", Some(&other)).unwrap().is_some());
+        assert!(s.remove_owned("open", Some(&mine)).unwrap());
+        // Lengths: empty is no secret; 1..16 and > 256 bytes are refused.
+        assert!(SessionSecret::parse("").unwrap().is_none());
+        assert!(matches!(
+            SessionSecret::parse("short"),
+            Err(EngineError::InvalidArgument(_))
+        ));
+        assert!(SessionSecret::parse(&"x".repeat(MAX_SECRET_BYTES))
+            .unwrap()
+            .is_some());
+        assert!(matches!(
+            SessionSecret::parse(&"x".repeat(MAX_SECRET_BYTES + 1)),
+            Err(EngineError::InvalidArgument(_))
+        ));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 
 use crate::draft::{common_prefix, seeded_rng};
+use crate::error::CACHE_EVICTED_MARKER;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
@@ -264,18 +265,17 @@ impl TargetEngine {
             } => {
                 if expected_len != s.tokens.len() {
                     return Err(EngineError::FailedPrecondition(format!(
-                        "expected_prefix_length {} does not match the session's cached length {}; \
-                         resend the full prompt",
+                        "{CACHE_EVICTED_MARKER}: expected_prefix_length {} does not match the \
+                         session's cached length {}; resend the full prompt",
                         expected_len,
                         s.tokens.len()
                     )));
                 }
                 if new_tokens.is_empty() && s.last_logits.is_none() {
-                    return Err(EngineError::FailedPrecondition(
-                        "the session has no pending logits and no new tokens were sent; resend \
-                         the full prompt"
-                            .into(),
-                    ));
+                    return Err(EngineError::FailedPrecondition(format!(
+                        "{CACHE_EVICTED_MARKER}: the session has no pending logits and no new \
+                         tokens were sent; resend the full prompt"
+                    )));
                 }
                 (s.tokens.len(), new_tokens, true)
             }
@@ -360,7 +360,9 @@ impl TargetEngine {
         };
         if new.is_empty() && tree.is_empty() {
             let l = s.last_logits.as_ref().ok_or_else(|| {
-                EngineError::FailedPrecondition("no pending logits; resend the full prompt".into())
+                EngineError::FailedPrecondition(format!(
+                    "{CACHE_EVICTED_MARKER}: no pending logits; resend the full prompt"
+                ))
             })?;
             return Ok(l.unsqueeze(0)?);
         }
@@ -410,7 +412,9 @@ impl TargetEngine {
             .forward_tree(&ids, &pos, rows_of, &mut s.cache, &want)?;
         if new.is_empty() {
             let l = s.last_logits.as_ref().ok_or_else(|| {
-                EngineError::FailedPrecondition("no pending logits; resend the full prompt".into())
+                EngineError::FailedPrecondition(format!(
+                    "{CACHE_EVICTED_MARKER}: no pending logits; resend the full prompt"
+                ))
             })?;
             Ok(Tensor::cat(&[&l.unsqueeze(0)?, &logits], 0)?)
         } else {
@@ -463,8 +467,14 @@ impl TargetEngine {
         }
         let vocab = rows[0].len();
         let flat: Vec<f32> = rows.into_iter().flatten().collect();
-        verify::verify_stochastic(tree, &flat, vocab, params, rng)
-            .map_err(|e| EngineError::InvalidArgument(e.to_string()))
+        // A tree without any draft distribution (a client that sends only tokens) is verified
+        // with point-mass proposals; the service refuses trees with only some distributions.
+        let verified = if tree.has_any_distribution() {
+            verify::verify_stochastic(tree, &flat, vocab, params, rng)
+        } else {
+            verify::verify_point_mass(tree, &flat, vocab, params, rng)
+        };
+        verified.map_err(|e| EngineError::InvalidArgument(e.to_string()))
     }
 }
 

@@ -127,3 +127,117 @@ pub fn drop_deep(roots: Vec<TokenNode>) {
         stack.append(&mut n.children);
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// Chi-square p-value: Q(df/2, x/2), the regularised upper incomplete gamma function.
+// ------------------------------------------------------------------------------------------
+
+/// ln Γ(a) for a positive multiple of 1/2 (exact recurrence down to Γ(1) = 1 or Γ(1/2) = √π).
+pub fn ln_gamma_half_integer(a: f64) -> f64 {
+    assert!(
+        a > 0.0 && (a * 2.0).fract() == 0.0,
+        "a = {a} must be a positive multiple of 1/2"
+    );
+    let mut acc = if a.fract() == 0.0 {
+        0.0
+    } else {
+        0.5 * std::f64::consts::PI.ln()
+    };
+    let mut z = if a.fract() == 0.0 { 1.0 } else { 0.5 };
+    while z < a {
+        acc += z.ln();
+        z += 1.0;
+    }
+    acc
+}
+
+/// Regularised upper incomplete gamma Q(a, x): power series for P when x < a + 1, else a
+/// continued fraction for Q (evaluated with the modified Lentz method).
+pub fn gamma_q(a: f64, x: f64) -> f64 {
+    if x <= 0.0 {
+        return 1.0;
+    }
+    let log_prefactor = -x + a * x.ln() - ln_gamma_half_integer(a);
+    if x < a + 1.0 {
+        // P(a, x) = e^{-x} x^a / Γ(a) · Σ_n x^n / (a (a+1) ... (a+n)).
+        let mut term = 1.0 / a;
+        let mut sum = term;
+        let mut denom = a;
+        for _ in 0..10_000 {
+            denom += 1.0;
+            term *= x / denom;
+            sum += term;
+            if term.abs() < sum.abs() * 1e-15 {
+                break;
+            }
+        }
+        1.0 - sum * log_prefactor.exp()
+    } else {
+        // Q(a, x) = e^{-x} x^a / Γ(a) · 1/(x+1-a - 1(1-a)/(x+3-a - 2(2-a)/(x+5-a - ...))).
+        let tiny = 1e-300;
+        let mut b = x + 1.0 - a;
+        let mut c = 1.0 / tiny;
+        let mut d = 1.0 / b;
+        let mut h = d;
+        for i in 1..10_000 {
+            let an = -(i as f64) * (i as f64 - a);
+            b += 2.0;
+            d = an * d + b;
+            if d.abs() < tiny {
+                d = tiny;
+            }
+            c = b + an / c;
+            if c.abs() < tiny {
+                c = tiny;
+            }
+            d = 1.0 / d;
+            let delta = d * c;
+            h *= delta;
+            if (delta - 1.0).abs() < 1e-15 {
+                break;
+            }
+        }
+        log_prefactor.exp() * h
+    }
+}
+
+/// Chi-square goodness of fit: cells with zero expected probability must be empty (asserted);
+/// cells with expected count < 5 are merged (smallest first). Returns (statistic, df, p-value).
+pub fn chi_square(observed: &[u64], expected_prob: &[f64], label: &str) -> (f64, usize, f64) {
+    let n: u64 = observed.iter().sum();
+    let total_p: f64 = expected_prob.iter().sum();
+    let mut cells: Vec<(f64, f64)> = Vec::new();
+    for (o, &p) in observed.iter().zip(expected_prob) {
+        if p == 0.0 {
+            assert_eq!(
+                *o, 0,
+                "{label}: emitted a sequence the target can never produce"
+            );
+            continue;
+        }
+        cells.push((p / total_p * n as f64, *o as f64));
+    }
+    cells.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut merged: Vec<(f64, f64)> = Vec::new();
+    let mut pool = (0.0, 0.0);
+    for (e, o) in cells {
+        pool.0 += e;
+        pool.1 += o;
+        if pool.0 >= 5.0 {
+            merged.push(pool);
+            pool = (0.0, 0.0);
+        }
+    }
+    if pool.0 > 0.0 {
+        match merged.last_mut() {
+            Some(last) => {
+                last.0 += pool.0;
+                last.1 += pool.1;
+            }
+            None => merged.push(pool),
+        }
+    }
+    let stat: f64 = merged.iter().map(|(e, o)| (o - e) * (o - e) / e).sum();
+    let df = merged.len().saturating_sub(1).max(1);
+    (stat, df, gamma_q(df as f64 / 2.0, stat / 2.0))
+}
