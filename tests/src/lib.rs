@@ -158,3 +158,83 @@ pub fn prompts(n: usize, lo: u32, hi: u32) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+/// A TCP relay in front of a worker that a test can freeze: while frozen it accepts
+/// connections and reads what arrives but passes nothing on in either direction, as a stopped
+/// (SIGSTOP) or black-holed worker would; thawed, it passes everything held and what follows.
+pub struct Relay {
+    /// Its address as a URL.
+    pub url: String,
+    frozen: tokio::sync::watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Relay {
+    /// Starts a relay on a free loopback port to `upstream`.
+    pub async fn start(upstream: SocketAddr) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+        let addr = listener.local_addr().unwrap();
+        let (frozen, watch) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            while let Ok((down, _)) = listener.accept().await {
+                let watch = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    let _ = down.set_nodelay(true);
+                    let _ = up.set_nodelay(true);
+                    let (dr, dw) = down.into_split();
+                    let (ur, uw) = up.into_split();
+                    tokio::join!(pass(dr, uw, watch.clone()), pass(ur, dw, watch));
+                });
+            }
+        });
+        Relay {
+            url: format!("http://{addr}"),
+            frozen,
+            task,
+        }
+    }
+
+    /// Holds everything from now on.
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    /// Passes on what was held and everything after.
+    pub fn thaw(&self) {
+        self.frozen.send_replace(false);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to`, holding each chunk while `frozen` says so.
+async fn pass(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        while *frozen.borrow_and_update() {
+            if frozen.changed().await.is_err() {
+                return;
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}

@@ -501,6 +501,7 @@ mod tests {
             predraft_wait_ms: 0.0,
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
+            no_draft: None,
         });
         s.add(&RoundRecord {
             drafted: 0,
@@ -518,6 +519,7 @@ mod tests {
             predraft_wait_ms: 0.0,
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
+            no_draft: None,
         });
         assert_eq!(s.draft_rpc, vec![0.5]);
         assert_eq!(s.verify_rpc, vec![1.0, 0.5]);

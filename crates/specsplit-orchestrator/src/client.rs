@@ -11,14 +11,18 @@ use specsplit_proto::{DraftRequest, EndSessionRequest, PingRequest, VerifyReques
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-use crate::adaptive::{resize_widths, DepthController};
-use crate::stats::{GenerationStats, RoundRecord};
+use crate::adaptive::{resize_widths, DepthController, DraftBackoff, SpeedGovernor};
+use crate::stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 use crate::{GenerateConfig, Generation, Mode, Pipeline, StopReason};
 
 /// Largest gRPC message sent or accepted (dense draft distributions are large).
 const MAX_MESSAGE_BYTES: usize = 512 << 20;
 /// How long to keep retrying a worker that is unreachable mid-generation (e.g. restarting).
 const RECONNECT_WINDOW: Duration = Duration::from_secs(30);
+/// How long ending a session may take (best effort, after the generation's result is known).
+const END_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long connecting to a worker and its first ping may take, each.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Errors of the orchestrator.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +47,14 @@ pub enum OrchestratorError {
         worker: &'static str,
         /// The gRPC status.
         status: Status,
+    },
+    /// A worker did not answer in time.
+    #[error("{worker} worker did not answer within {after_ms} ms")]
+    Timeout {
+        /// "draft" or "target".
+        worker: &'static str,
+        /// The time allowed, in ms.
+        after_ms: u64,
     },
     /// The settings are invalid.
     #[error("invalid settings: {0}")]
@@ -70,6 +82,10 @@ pub struct Orchestrator {
     target_addr: String,
     eos: Vec<u32>,
     vocab_size: usize,
+    /// The limits the target reported.
+    target_limits: WorkerLimits,
+    /// The limits the draft reported (None without a draft).
+    draft_limits: Option<WorkerLimits>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -277,6 +293,47 @@ fn own_runtime() -> bool {
     *OWN.get_or_init(|| std::env::var("SPECSPLIT_OWN_RUNTIME").map_or(true, |v| v != "0"))
 }
 
+/// The request limits a worker reported in its ping (0 where it did not say).
+#[derive(Debug, Clone, Copy, Default)]
+struct WorkerLimits {
+    max_context: usize,
+    max_prompt_len: usize,
+    max_tree_nodes: usize,
+    max_tree_depth: usize,
+}
+
+impl WorkerLimits {
+    fn of(p: &specsplit_proto::PingResponse) -> Self {
+        let n = |v: i32| v.max(0) as usize;
+        Self {
+            max_context: n(p.max_context),
+            max_prompt_len: n(p.max_prompt_len),
+            max_tree_nodes: n(p.max_tree_nodes),
+            max_tree_depth: n(p.max_tree_depth),
+        }
+    }
+}
+
+/// Pings a worker within [`CONNECT_TIMEOUT`].
+async fn ping<F, T>(worker: &'static str, addr: &str, call: F) -> Result<T, OrchestratorError>
+where
+    F: Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    let unreachable = |reason: String| OrchestratorError::Unreachable {
+        worker,
+        addr: addr.to_string(),
+        reason,
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(unreachable(short(s.message()))),
+        Err(_) => Err(unreachable(format!(
+            "no answer to a ping within {} s",
+            CONNECT_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
 async fn channel(worker: &'static str, addr: &str) -> Result<Channel, OrchestratorError> {
     let unreachable = |reason: String| OrchestratorError::Unreachable {
         worker,
@@ -288,12 +345,13 @@ async fn channel(worker: &'static str, addr: &str) -> Result<Channel, Orchestrat
     } else {
         format!("http://{addr}")
     };
-    Endpoint::from_shared(uri)
+    let endpoint = Endpoint::from_shared(uri)
         .map_err(|e| unreachable(format!("bad address: {e}")))?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .connect()
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true);
+    tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
         .await
+        .map_err(|_| unreachable("no connection within 5 s".into()))?
         .map_err(|e| unreachable(format!("{e} (is the worker running and listening there?)")))
 }
 
@@ -325,15 +383,7 @@ impl Orchestrator {
         let mut target = TargetServiceClient::new(channel("target", target_addr).await?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        let tp = target
-            .ping(PingRequest {})
-            .await
-            .map_err(|s| OrchestratorError::Unreachable {
-                worker: "target",
-                addr: target_addr.into(),
-                reason: s.message().to_string(),
-            })?
-            .into_inner();
+        let tp = ping("target", target_addr, target.ping(PingRequest {})).await?;
         let mut eos: Vec<u32> = tp.eos_token_ids.iter().map(|&t| t as u32).collect();
         let draft = match draft_addr {
             None => None,
@@ -341,15 +391,7 @@ impl Orchestrator {
                 let mut d = DraftServiceClient::new(channel("draft", addr).await?)
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES);
-                let dp = d
-                    .ping(PingRequest {})
-                    .await
-                    .map_err(|s| OrchestratorError::Unreachable {
-                        worker: "draft",
-                        addr: addr.into(),
-                        reason: s.message().to_string(),
-                    })?
-                    .into_inner();
+                let dp = ping("draft", addr, d.ping(PingRequest {})).await?;
                 if dp.vocab_size != tp.vocab_size {
                     return Err(OrchestratorError::Incompatible(format!(
                         "the draft model '{}' has a vocabulary of {} tokens but the target model \
@@ -357,13 +399,17 @@ impl Orchestrator {
                         dp.model_name, dp.vocab_size, tp.model_name, tp.vocab_size
                     )));
                 }
-                for t in dp.eos_token_ids {
+                for &t in &dp.eos_token_ids {
                     if !eos.contains(&(t as u32)) {
                         eos.push(t as u32);
                     }
                 }
-                Some(d)
+                Some((d, WorkerLimits::of(&dp)))
             }
+        };
+        let (draft, draft_limits) = match draft {
+            Some((d, l)) => (Some(d), Some(l)),
+            None => (None, None),
         };
         Ok(Self {
             draft,
@@ -371,6 +417,8 @@ impl Orchestrator {
             target_addr: target_addr.to_string(),
             eos,
             vocab_size: tp.vocab_size.max(0) as usize,
+            target_limits: WorkerLimits::of(&tp),
+            draft_limits,
             rt,
         })
     }
@@ -406,14 +454,25 @@ impl Orchestrator {
                 "speculative mode needs a draft worker address".into(),
             ));
         }
+        let t = &self.target_limits;
+        if prompt.len() > known(t.max_context) || prompt.len() > known(t.max_prompt_len) {
+            return Err(OrchestratorError::Config(format!(
+                "the prompt has {} tokens but the target accepts at most {} (max_prompt_len) \
+                 and holds at most {} in a session (max_context)",
+                prompt.len(),
+                t.max_prompt_len,
+                t.max_context
+            )));
+        }
         let session = format!("gen-{:032x}", rand::random::<u128>());
+        let secret = new_secret();
         // The round loop runs on the client runtime's thread, where the channels' tasks run
         // (see `ClientRuntime`), whatever polls the caller. The caller still calls `on_tokens`
         // itself, with every round's tokens, in order, before the result.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u32>>();
         let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
         let body = async move {
-            run_and_end(&o, &session, &cfg, &prompt, move |t| {
+            run_and_end(&o, &session, &secret, &cfg, &prompt, move |t| {
                 // The receiver is gone only when the caller was dropped (and aborts us).
                 let _ = tx.send(t.to_vec());
             })
@@ -433,18 +492,22 @@ impl Orchestrator {
         task.join().await
     }
 
-    /// Ends `session` on both workers (best effort: a dead worker holds none anyway).
-    async fn end_sessions(&self, session: &str) {
+    /// Ends `session` on both workers at once, each within [`END_SESSION_TIMEOUT`] (best
+    /// effort: a dead worker holds none anyway, and an idle one drops it after its TTL).
+    async fn end_sessions(&self, session: &str, secret: &str) {
         let end = EndSessionRequest {
             session_id: session.to_string(),
-            ..Default::default()
+            session_secret: secret.to_string(),
         };
         let mut target = self.target.clone();
-        let _ = tokio::time::timeout(Duration::from_secs(5), target.end_session(end.clone())).await;
-        if let Some(d) = &self.draft {
-            let mut d = d.clone();
-            let _ = tokio::time::timeout(Duration::from_secs(5), d.end_session(end)).await;
-        }
+        let on_target = tokio::time::timeout(END_SESSION_TIMEOUT, target.end_session(end.clone()));
+        let on_draft = async {
+            if let Some(d) = &self.draft {
+                let mut d = d.clone();
+                let _ = tokio::time::timeout(END_SESSION_TIMEOUT, d.end_session(end)).await;
+            }
+        };
+        let _ = tokio::join!(on_target, on_draft);
     }
 }
 
@@ -452,13 +515,21 @@ impl Orchestrator {
 async fn run_and_end(
     o: &Orchestrator,
     session: &str,
+    secret: &str,
     cfg: &GenerateConfig,
     prompt: &[u32],
     on_tokens: impl FnMut(&[u32]),
 ) -> Result<Generation, OrchestratorError> {
-    let result = Run::new(o, session, cfg).run(prompt, on_tokens).await;
-    o.end_sessions(session).await;
+    let result = Run::new(o, session, secret, cfg)
+        .run(prompt, on_tokens)
+        .await;
+    o.end_sessions(session, secret).await;
     result
+}
+
+/// A fresh session secret: 32 random hex digits (128 bits).
+fn new_secret() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
 /// A spawned task (a generation, a connection), aborted when its caller stops waiting for it
@@ -494,10 +565,38 @@ struct Drafted {
     model_ms: f64,
 }
 
+impl Drafted {
+    /// No tree, after `ms` spent waiting for one.
+    fn none(ms: f64) -> Self {
+        Self {
+            tree: TokenTree::new(),
+            ms,
+            server_ms: 0.0,
+            model_ms: 0.0,
+        }
+    }
+}
+
+/// How a draft request of a round ended.
+enum DraftOutcome {
+    /// A tree.
+    Tree(Drafted),
+    /// The draft failed (recorded); the round goes on without a tree, after `ms` waiting.
+    Failed(f64),
+    /// The generation's deadline passed while waiting.
+    Deadline,
+}
+
+/// A pre-draft running beside a verify call: its task, and when it must have answered.
+type PreDraft = tokio::task::JoinHandle<Result<Result<Drafted, OrchestratorError>, ()>>;
+
 /// State of one generation.
 struct Run<'a> {
     o: &'a Orchestrator,
     session: &'a str,
+    /// Sent with every request of the session (the workers refuse the session's requests
+    /// without it).
+    secret: &'a str,
     cfg: &'a GenerateConfig,
     /// Prompt + emitted tokens.
     seq: Vec<u32>,
@@ -507,13 +606,30 @@ struct Run<'a> {
     depth: DepthController,
     widths: Vec<usize>,
     request_no: u64,
+    /// The generation's deadline, if any.
+    deadline: Option<Instant>,
+    /// Rounds to wait before trying a failing draft again.
+    backoff: DraftBackoff,
+    /// Whether speculation pays, from measured round times.
+    governor: SpeedGovernor,
+    /// The draft is not asked again in this generation (the sequence outgrew its limits, or
+    /// it refused a request as invalid).
+    draft_off: bool,
+    draft_failures: usize,
+    switches: Vec<SpeedSwitch>,
 }
 
 impl<'a> Run<'a> {
-    fn new(o: &'a Orchestrator, session: &'a str, cfg: &'a GenerateConfig) -> Self {
+    fn new(
+        o: &'a Orchestrator,
+        session: &'a str,
+        secret: &'a str,
+        cfg: &'a GenerateConfig,
+    ) -> Self {
         Self {
             o,
             session,
+            secret,
             cfg,
             seq: Vec::new(),
             target_cached: None,
@@ -521,6 +637,12 @@ impl<'a> Run<'a> {
             depth: DepthController::new(cfg.min_depth, cfg.max_depth),
             widths: cfg.widths.clone(),
             request_no: 0,
+            deadline: None,
+            backoff: DraftBackoff::new(cfg.draft_retry_rounds, cfg.draft_retry_max_rounds),
+            governor: SpeedGovernor::new(cfg.spec_probe_rounds),
+            draft_off: false,
+            draft_failures: 0,
+            switches: Vec::new(),
         }
     }
 
@@ -532,13 +654,153 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// `at`, or the generation's deadline if that comes first.
+    fn bounded(&self, at: Instant) -> Instant {
+        self.deadline.map_or(at, |d| d.min(at))
+    }
+
+    fn past_deadline(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The most tree nodes and levels the target accepts after the current sequence.
+    fn target_room(&self) -> (usize, usize) {
+        let t = &self.o.target_limits;
+        let mut nodes =
+            known(t.max_tree_nodes).min(known(t.max_context).saturating_sub(self.seq.len()));
+        if t.max_context == 0 {
+            nodes = known(t.max_tree_nodes);
+        }
+        (nodes, known(t.max_tree_depth))
+    }
+
+    /// Whether the draft accepts a request carrying `ctx_len` tokens and `widths`.
+    fn draft_accepts(&self, ctx_len: usize, widths: &[usize]) -> bool {
+        let Some(d) = &self.o.draft_limits else {
+            return false;
+        };
+        ctx_len <= known(d.max_prompt_len)
+            && ctx_len.saturating_add(tree_size(widths)) <= known(d.max_context)
+            && tree_size(widths) <= known(d.max_tree_nodes)
+            && widths.len() <= known(d.max_tree_depth)
+    }
+
+    /// The widths of this round's tree: `widths` cut to fit the target's room after the
+    /// sequence and the draft's limits (empty when no tree fits).
+    fn fit_widths(&mut self, widths: &[usize]) -> Vec<usize> {
+        let (room, levels) = self.target_room();
+        let mut w = fit_tree_widths(widths, room, levels);
+        if let Some(d) = &self.o.draft_limits {
+            if self.seq.len() > known(d.max_prompt_len) || self.seq.len() >= known(d.max_context) {
+                // The sequence only grows: the draft cannot serve this generation any more.
+                tracing::info!(
+                    tokens = self.seq.len(),
+                    "the sequence outgrew the draft worker's limits; target-only rounds from here"
+                );
+                self.draft_off = true;
+                return Vec::new();
+            }
+            let room = known(d.max_context) - self.seq.len();
+            w = fit_tree_widths(
+                &w,
+                room.min(known(d.max_tree_nodes)),
+                known(d.max_tree_depth),
+            );
+        }
+        w
+    }
+
+    /// Records a failed draft request of round `round`.
+    fn draft_failed(&mut self, round: usize, what: &str) {
+        self.draft_failures += 1;
+        self.backoff.fail(round);
+        tracing::warn!(
+            round,
+            "draft worker failed ({what}); target-only rounds meanwhile"
+        );
+    }
+
+    /// Records a draft error of round `round`: a refusal as invalid (an older worker's limits)
+    /// turns the draft off for the rest of the generation, anything else backs off.
+    fn draft_error(&mut self, round: usize, e: &OrchestratorError) {
+        match e {
+            OrchestratorError::Rpc { status, .. } if status.code() == Code::InvalidArgument => {
+                self.draft_failures += 1;
+                self.draft_off = true;
+                tracing::warn!(
+                    round,
+                    "draft worker refused a request ({}); target-only rounds for the rest",
+                    short(status.message())
+                );
+            }
+            e => self.draft_failed(round, &short(&e.to_string())),
+        }
+    }
+
+    /// Asks the draft for a tree after the sequence, within the draft deadline.
+    async fn draft(&mut self, round: usize, widths: &[usize]) -> DraftOutcome {
+        let no = self.request_no;
+        self.request_no += 1;
+        let t0 = Instant::now();
+        let until = self.bounded(t0 + Duration::from_millis(self.cfg.draft_timeout_ms));
+        let limits = self.limits();
+        let call = draft_call(
+            self.o,
+            self.session,
+            self.secret,
+            self.cfg,
+            no,
+            &self.seq,
+            widths,
+            &limits,
+        );
+        let waited = || t0.elapsed().as_secs_f64() * 1e3;
+        match tokio::time::timeout_at(until.into(), call).await {
+            Ok(Ok(d)) => {
+                self.backoff.succeed();
+                DraftOutcome::Tree(d)
+            }
+            Ok(Err(e)) => {
+                self.draft_error(round, &e);
+                DraftOutcome::Failed(waited())
+            }
+            Err(_) if self.past_deadline() => DraftOutcome::Deadline,
+            Err(_) => {
+                let ms = self.cfg.draft_timeout_ms;
+                self.draft_failed(round, &format!("no answer within {ms} ms"));
+                DraftOutcome::Failed(waited())
+            }
+        }
+    }
+
+    /// Starts a draft after `ctx` with `widths` on its own task, bounded by the draft deadline;
+    /// the task answers `Err(())` when that passed.
+    fn spawn_predraft(&mut self, ctx: Vec<u32>, widths: Vec<usize>) -> PreDraft {
+        let o = self.o.clone();
+        let (sess, secret, cfg, no) = (
+            self.session.to_string(),
+            self.secret.to_string(),
+            self.cfg.clone(),
+            self.request_no,
+        );
+        self.request_no += 1;
+        let limits = self.limits();
+        let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
+        tokio::spawn(async move {
+            let call = draft_call(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits);
+            tokio::time::timeout_at(until.into(), call)
+                .await
+                .map_err(|_| ())
+        })
+    }
+
     async fn run(
         mut self,
         prompt: &[u32],
         mut on_tokens: impl FnMut(&[u32]),
     ) -> Result<Generation, OrchestratorError> {
         let start = Instant::now();
-        let deadline =
+        self.deadline =
             (self.cfg.deadline_ms > 0).then(|| start + Duration::from_millis(self.cfg.deadline_ms));
         self.seq = prompt.to_vec();
         let mut out: Vec<u32> = Vec::new();
@@ -546,18 +808,25 @@ impl<'a> Run<'a> {
         let mut ttft_ms = 0.0;
         // The pre-drafted next tree (empty after a miss).
         let mut next_tree: Option<Drafted> = None;
+        let target_context = known(self.o.target_limits.max_context);
         let stop = loop {
             if out.len() >= self.cfg.max_tokens {
                 break StopReason::MaxTokens;
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if self.past_deadline() {
                 break StopReason::Deadline;
             }
+            // Even a round without a tree needs the whole sequence in the target's context.
+            if self.seq.len() > target_context {
+                break StopReason::Context;
+            }
             let round_start = Instant::now();
+            let round = rounds.len();
             let remaining = self.cfg.max_tokens - out.len();
+            let pre_drafted = next_tree.take();
             // Never draft deeper than what may still be emitted (accepted + 1 ≤ remaining).
-            let depth = if self.cfg.mode == Mode::Ar {
-                0
+            let (widths, mut no_draft) = if self.cfg.mode == Mode::Ar {
+                (Vec::new(), Some(NoDraft::Mode))
             } else {
                 let d = if self.cfg.adaptive_depth {
                     self.depth.depth(self.widths.len())
@@ -565,67 +834,106 @@ impl<'a> Run<'a> {
                     self.cfg.widths.len()
                 };
                 self.widths = resize_widths(&self.cfg.widths, d);
-                d.min(remaining - 1)
+                let wanted = resize_widths(&self.widths, d.min(remaining - 1));
+                if wanted.is_empty() {
+                    (wanted, Some(NoDraft::LastToken))
+                } else if self.draft_off {
+                    (Vec::new(), Some(NoDraft::Limit))
+                } else if !self.backoff.ready(round) {
+                    (Vec::new(), Some(NoDraft::Backoff))
+                } else if !self.governor.speculate(round) {
+                    (Vec::new(), Some(NoDraft::Slow))
+                } else {
+                    let w = self.fit_widths(&wanted);
+                    let why = w.is_empty().then_some(NoDraft::Limit);
+                    (w, why)
+                }
             };
-            let widths = resize_widths(&self.widths, depth);
+            let depth = widths.len();
             // The first round drafts beside the target's prefill: the target's first token
             // needs no draft, so the target decodes it as a plain step while the draft drafts
             // after the prompt (as an overlapped pre-draft does), and the part of that tree
             // below the root the target picked is verified next round.
             let first = rounds.is_empty() && depth > 0 && first_round_overlap(self.cfg.pipeline);
-            let (drafted, overlap_hit) = if depth == 0 || first {
-                let empty = Drafted {
-                    tree: TokenTree::new(),
-                    ms: 0.0,
-                    server_ms: 0.0,
-                    model_ms: 0.0,
-                };
-                (empty, None)
+            if first {
+                no_draft = Some(NoDraft::FirstRound);
+            }
+            let (mut drafted, overlap_hit) = if depth == 0 || first {
+                (Drafted::none(0.0), None)
             } else {
-                match next_tree.take() {
+                match pre_drafted {
                     Some(pre) if !pre.tree.is_empty() => {
                         // Never deeper than what may still be emitted.
                         let tree = subtree(&pre.tree, None, depth);
-                        let pre = Drafted {
-                            tree,
-                            ms: 0.0,
-                            server_ms: 0.0,
-                            model_ms: 0.0,
-                        };
-                        (pre, Some(true))
+                        (
+                            Drafted {
+                                tree,
+                                ..Drafted::none(0.0)
+                            },
+                            Some(true),
+                        )
                     }
-                    Some(_) => (self.draft(&widths).await?, Some(false)),
-                    None => (self.draft(&widths).await?, None),
+                    pre => match self.draft(round, &widths).await {
+                        DraftOutcome::Tree(d) => (d, pre.map(|_| false)),
+                        DraftOutcome::Failed(ms) => {
+                            no_draft = Some(NoDraft::DraftFailed);
+                            (Drafted::none(ms), None)
+                        }
+                        DraftOutcome::Deadline => break StopReason::Deadline,
+                    },
                 }
             };
-            let overlap = (self.cfg.pipeline == Pipeline::Overlapped || first) && depth > 0;
+            // Whatever its source, the tree fits the target's room after the sequence.
+            let (room, levels) = self.target_room();
+            if !drafted.tree.is_empty()
+                && (drafted.tree.len() > room || drafted.tree.max_depth() >= levels)
+            {
+                let mut l = levels.min(drafted.tree.max_depth() + 1);
+                let mut t = subtree(&drafted.tree, None, l);
+                while l > 0 && t.len() > room {
+                    l -= 1;
+                    t = subtree(&drafted.tree, None, l);
+                }
+                drafted.tree = t;
+                if drafted.tree.is_empty() {
+                    no_draft = Some(NoDraft::Limit);
+                }
+            }
+            let depth = if drafted.tree.is_empty() {
+                0
+            } else {
+                drafted.tree.max_depth() + 1
+            };
+            let overlap =
+                (self.cfg.pipeline == Pipeline::Overlapped || first) && !widths.is_empty();
             // The guess for the overlapped pre-draft: the tree's first-child path is accepted.
             let guess = first_child_path(&drafted.tree);
-            let (verdict, pre) = if overlap && remaining > guess.len() + 1 {
+            let mut pre = None;
+            if overlap && (first || depth > 0) && remaining > guess.len() + 1 {
                 let mut ctx = self.seq.clone();
                 ctx.extend(guess.iter().map(|&i| drafted.tree.token(i)));
                 let mut pre_widths = vec![1];
                 pre_widths.extend_from_slice(&widths);
-                let o = self.o.clone();
-                let (sess, cfg, no) = (self.session.to_string(), self.cfg.clone(), self.request_no);
-                self.request_no += 1;
-                let limits = self.limits();
-                let pre = tokio::spawn(async move {
-                    draft_call(&o, &sess, &cfg, no, &ctx, &pre_widths, &limits).await
-                });
-                match self.verify(&drafted.tree).await {
-                    Ok(v) => (v, Some(pre)),
-                    Err(e) => {
-                        // Wait for the pre-draft even on error so no request outlives the
-                        // generation.
-                        let _ = pre.await;
-                        return Err(e);
-                    }
+                if self.draft_accepts(ctx.len(), &pre_widths) {
+                    pre = Some(self.spawn_predraft(ctx, pre_widths));
                 }
-            } else {
-                (self.verify(&drafted.tree).await?, None)
+            }
+            let verdict = match self.verify(&drafted.tree).await {
+                Ok(v) => v,
+                Err(e) => {
+                    // No request outlives the generation.
+                    if let Some(p) = pre {
+                        p.abort();
+                    }
+                    return Err(e);
+                }
             };
-            let (v, verify_ms, server) = verdict;
+            let Some((v, verify_ms, server)) = verdict else {
+                if let Some(p) = pre {
+                    p.abort();
+                }
+                break StopReason::Deadline;
+            };
             let mut emitted: Vec<u32> = v.accepted.clone();
             emitted.push(v.next);
             if self.cfg.adaptive_depth && !drafted.tree.is_empty() {
@@ -654,38 +962,67 @@ impl<'a> Run<'a> {
                 (0.0, 0.0, 0.0);
             if let Some(pre) = pre {
                 let waited = Instant::now();
-                let pre = pre
+                let answer = pre
                     .await
-                    .map_err(|e| OrchestratorError::Protocol(e.to_string()))??;
+                    .map_err(|e| OrchestratorError::Runtime(e.to_string()))?;
                 predraft_wait_ms = waited.elapsed().as_secs_f64() * 1e3;
-                (predraft_server_ms, predraft_model_ms) = (pre.server_ms, pre.model_ms);
-                // Use the pre-drafted tree when the guess held and its root is the target's
-                // token.
-                let hit = v.accepted_nodes == guess
-                    && pre.tree.roots().next().map(|r| pre.tree.token(r)) == Some(v.next);
-                let tree = if hit {
-                    subtree(&pre.tree, Some(0), usize::MAX)
-                } else {
-                    TokenTree::new()
-                };
-                next_tree = Some(Drafted {
-                    tree,
-                    ms: 0.0,
-                    server_ms: 0.0,
-                    model_ms: 0.0,
-                });
+                match answer {
+                    Ok(Ok(pre)) => {
+                        self.backoff.succeed();
+                        (predraft_server_ms, predraft_model_ms) = (pre.server_ms, pre.model_ms);
+                        // Use the pre-drafted tree when the guess held and its root is the
+                        // target's token.
+                        let hit = v.accepted_nodes == guess
+                            && pre.tree.roots().next().map(|r| pre.tree.token(r)) == Some(v.next);
+                        let tree = if hit {
+                            subtree(&pre.tree, Some(0), usize::MAX)
+                        } else {
+                            TokenTree::new()
+                        };
+                        next_tree = Some(Drafted {
+                            tree,
+                            ..Drafted::none(0.0)
+                        });
+                    }
+                    Ok(Err(e)) => self.draft_error(round, &e),
+                    // The generation's deadline: the next round stops.
+                    Err(()) if self.past_deadline() => {}
+                    Err(()) => {
+                        let ms = self.cfg.draft_timeout_ms;
+                        self.draft_failed(round, &format!("no answer within {ms} ms"));
+                    }
+                }
             }
+            let full_send = self.target_cached.is_none();
             out.extend_from_slice(&emitted);
             self.seq.extend_from_slice(&emitted);
             self.pending = vec![v.next];
             self.target_cached = Some(v.cached_len);
-            let drafted_depth = if drafted.tree.is_empty() {
-                0
-            } else {
-                drafted.tree.max_depth() + 1
-            };
+            let round_ms = round_start.elapsed().as_secs_f64() * 1e3;
+            // A round that sent the whole sequence (a prefill) says nothing about the pace.
+            if self.cfg.mode == Mode::Spec && !full_send {
+                if drafted.tree.is_empty() {
+                    self.governor.observe_target_only(emitted.len(), round_ms);
+                } else {
+                    self.governor
+                        .observe_spec(emitted.len(), round_ms, verify_ms);
+                }
+                if let Some(s) = self.governor.review(round) {
+                    tracing::info!(
+                        spec_tokens_per_s = s.spec_tokens_per_s,
+                        target_only_tokens_per_s = s.target_only_tokens_per_s,
+                        "{}",
+                        if s.speculate {
+                            "probing speculation again"
+                        } else {
+                            "speculation measured slower than target-only decoding; pausing it"
+                        }
+                    );
+                    self.switches.push(s);
+                }
+            }
             rounds.push(RoundRecord {
-                drafted: drafted_depth,
+                drafted: depth,
                 tree_nodes: drafted.tree.len(),
                 accepted: v.accepted.len(),
                 emitted,
@@ -695,51 +1032,45 @@ impl<'a> Run<'a> {
                 verify_server_ms: server.wall_ms,
                 draft_model_ms: drafted.model_ms,
                 verify_model_ms: server.model_ms,
-                round_ms: round_start.elapsed().as_secs_f64() * 1e3,
+                round_ms,
                 overlap_hit,
                 predraft_wait_ms,
                 predraft_server_ms,
                 predraft_model_ms,
+                no_draft: if drafted.tree.is_empty() {
+                    no_draft.or(Some(NoDraft::Limit))
+                } else {
+                    None
+                },
             });
             if let Some(s) = stop_now {
                 break s;
             }
         };
         let elapsed = start.elapsed().as_secs_f64();
+        let mut stats = GenerationStats::from_rounds(&rounds, elapsed, ttft_ms);
+        stats.draft_failures = self.draft_failures;
+        stats.speed_switches = self.switches;
         Ok(Generation {
-            stats: GenerationStats::from_rounds(&rounds, elapsed, ttft_ms),
+            stats,
             token_ids: out,
             stop_reason: stop,
             rounds,
         })
     }
 
-    /// Drafts after the whole sequence (the draft protocol has no delta form).
-    async fn draft(&mut self, widths: &[usize]) -> Result<Drafted, OrchestratorError> {
-        let no = self.request_no;
-        self.request_no += 1;
-        draft_call(
-            self.o,
-            self.session,
-            self.cfg,
-            no,
-            &self.seq,
-            widths,
-            &self.limits(),
-        )
-        .await
-    }
-
     /// Verifies `tree`, by delta when the target holds the session, else with the full
-    /// sequence; a lost session or a restarted target gets the full sequence again.
+    /// sequence; a lost session or a restarted target gets the full sequence again. `None`
+    /// when the generation's deadline passed first.
     async fn verify(
         &mut self,
         tree: &TokenTree,
-    ) -> Result<(Verified, f64, ServerTimes), OrchestratorError> {
+    ) -> Result<Option<(Verified, f64, ServerTimes)>, OrchestratorError> {
         // Built once; only a retry builds it again.
         let mut wire = Some(tree.to_proto());
         let give_up = Instant::now() + RECONNECT_WINDOW;
         let mut backoff = Duration::from_millis(50);
+        let rpc_timeout = Duration::from_millis(self.cfg.rpc_timeout_ms);
         loop {
             let (draft_tree, root_distribution) = wire.take().unwrap_or_else(|| tree.to_proto());
             let mut req = VerifyRequest {
@@ -750,6 +1081,7 @@ impl<'a> Run<'a> {
                 siblings_without_replacement: tree.siblings_without_replacement(),
                 temperature: self.cfg.temperature,
                 sampling: Some(self.cfg.sampling()),
+                session_secret: self.secret.to_string(),
                 ..Default::default()
             };
             self.request_no += 1;
@@ -762,7 +1094,29 @@ impl<'a> Run<'a> {
             }
             let t0 = Instant::now();
             let mut target = self.o.target.clone();
-            match self.o.rt.in_flight(target.verify_drafts(req)).await {
+            let until = self.bounded(t0 + rpc_timeout);
+            let call = self.o.rt.in_flight(target.verify_drafts(req));
+            let answer = match tokio::time::timeout_at(until.into(), call).await {
+                Ok(a) => a,
+                Err(_) if self.past_deadline() => return Ok(None),
+                Err(_) if Instant::now() < give_up => {
+                    tracing::warn!(
+                        addr = %self.o.target_addr,
+                        "target did not answer within {} ms; retrying",
+                        self.cfg.rpc_timeout_ms
+                    );
+                    // The request may or may not have reached the session.
+                    self.target_cached = None;
+                    continue;
+                }
+                Err(_) => {
+                    return Err(OrchestratorError::Timeout {
+                        worker: "target",
+                        after_ms: self.cfg.rpc_timeout_ms,
+                    })
+                }
+            };
+            match answer {
                 Ok(r) => {
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     let r = r.into_inner();
@@ -770,22 +1124,25 @@ impl<'a> Run<'a> {
                         .rt
                         .observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
                     let server = ServerTimes::of(r.telemetry.as_ref());
-                    return Ok((Verified::from_response(&r, tree)?, ms, server));
+                    return Ok(Some((Verified::from_response(&r, tree)?, ms, server)));
                 }
                 Err(s) if s.code() == Code::FailedPrecondition && self.target_cached.is_some() => {
                     tracing::warn!(
-                        session = self.session,
                         "target lost the session ({}); resending the full context",
-                        s.message()
+                        short(s.message())
                     );
+                    tracing::debug!(session = self.session, "session lost on the target");
                     self.target_cached = None;
                 }
                 Err(s)
                     if matches!(s.code(), Code::Unavailable | Code::Unknown)
                         && Instant::now() < give_up =>
                 {
-                    tracing::warn!(addr = %self.o.target_addr, "target unavailable ({}); retrying", s.message());
-                    tokio::time::sleep(backoff).await;
+                    tracing::warn!(addr = %self.o.target_addr, "target unavailable ({}); retrying", short(s.message()));
+                    tokio::time::sleep_until(self.bounded(Instant::now() + backoff).into()).await;
+                    if self.past_deadline() {
+                        return Ok(None);
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                     // A restarted target holds no session: start over with the full context.
                     self.target_cached = None;
@@ -796,9 +1153,56 @@ impl<'a> Run<'a> {
     }
 }
 
+/// A limit a worker reported, `usize::MAX` where it did not say (0).
+fn known(limit: usize) -> usize {
+    if limit == 0 {
+        usize::MAX
+    } else {
+        limit
+    }
+}
+
+/// Nodes of a full tree with `widths` children per level.
+fn tree_size(widths: &[usize]) -> usize {
+    let mut level = 1usize;
+    let mut total = 0usize;
+    for &w in widths {
+        level = level.saturating_mul(w);
+        total = total.saturating_add(level);
+    }
+    total
+}
+
+/// `widths` cut to at most `levels` levels and at most `nodes` nodes in all: the deepest
+/// levels go first, and a single level too wide is narrowed. Empty when no node fits.
+fn fit_tree_widths(widths: &[usize], nodes: usize, levels: usize) -> Vec<usize> {
+    let mut w: Vec<usize> = widths.iter().copied().take(levels).collect();
+    while w.len() > 1 && tree_size(&w) > nodes {
+        w.pop();
+    }
+    if let Some(first) = w.first_mut() {
+        *first = (*first).min(nodes);
+        if *first == 0 {
+            w.clear();
+        }
+    }
+    w
+}
+
+/// `text` cut to a length fit for a log line or an error message.
+fn short(text: &str) -> String {
+    const MAX: usize = 200;
+    match text.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}…", &text[..i]),
+        None => text.to_string(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn draft_call(
     o: &Orchestrator,
     session: &str,
+    secret: &str,
     cfg: &GenerateConfig,
     request_no: u64,
     seq: &[u32],
@@ -818,6 +1222,7 @@ async fn draft_call(
         session_id: session.to_string(),
         tree_widths: widths.iter().map(|&w| w as i32).collect(),
         sampling: Some(cfg.sampling()),
+        session_secret: secret.to_string(),
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -1089,6 +1494,35 @@ mod tests {
         assert_eq!(p.max_depth(), 1);
         let whole = subtree(&t, None, usize::MAX);
         assert_eq!(whole.tokens(), t.tokens());
+    }
+
+    #[test]
+    fn trees_are_cut_to_the_room_left() {
+        assert_eq!(tree_size(&[4, 2, 1]), 4 + 8 + 8);
+        assert_eq!(tree_size(&[]), 0);
+        assert_eq!(tree_size(&[usize::MAX, 2]), usize::MAX, "saturates");
+        assert_eq!(fit_tree_widths(&[4, 2, 1], 100, usize::MAX), vec![4, 2, 1]);
+        assert_eq!(fit_tree_widths(&[4, 2, 1], 19, usize::MAX), vec![4, 2]);
+        assert_eq!(fit_tree_widths(&[4, 2, 1], 11, usize::MAX), vec![4]);
+        assert_eq!(fit_tree_widths(&[4, 2, 1], 3, usize::MAX), vec![3]);
+        assert_eq!(
+            fit_tree_widths(&[4, 2, 1], 0, usize::MAX),
+            Vec::<usize>::new()
+        );
+        assert_eq!(fit_tree_widths(&[1, 1, 1, 1], 100, 2), vec![1, 1]);
+        assert_eq!(known(0), usize::MAX);
+        assert_eq!(known(64), 64);
+    }
+
+    #[test]
+    fn secrets_are_fresh_128_bit_hex_strings() {
+        let (a, b) = (new_secret(), new_secret());
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+        let long = "x".repeat(1000);
+        assert_eq!(short(&long).chars().count(), 201);
+        assert_eq!(short("brief"), "brief");
     }
 
     #[test]

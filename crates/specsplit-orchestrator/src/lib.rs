@@ -9,9 +9,9 @@ mod adaptive;
 mod client;
 mod stats;
 
-pub use adaptive::DepthController;
+pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
 pub use client::{Orchestrator, OrchestratorError};
-pub use stats::{GenerationStats, RoundRecord};
+pub use stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 
 use serde::{Deserialize, Serialize};
 
@@ -48,6 +48,9 @@ pub enum StopReason {
     MaxTokens,
     /// The deadline passed.
     Deadline,
+    /// The target's context is full: the sequence holds every token its sessions can hold
+    /// (the last token is the target's prediction after a full cache).
+    Context,
 }
 
 /// Settings of one generation.
@@ -80,6 +83,21 @@ pub struct GenerateConfig {
     pub deadline_ms: u64,
     /// Stop at these tokens (besides the workers' own EOS ids).
     pub stop_token_ids: Vec<u32>,
+    /// Most milliseconds one request to the target may take (never past the deadline); a
+    /// target that does not answer in time is retried until the reconnect window (30 s) ends,
+    /// then the generation fails.
+    pub rpc_timeout_ms: u64,
+    /// Most milliseconds a round waits for the draft (never past the deadline); a draft that
+    /// does not answer in time counts as failed and the round runs target-only.
+    pub draft_timeout_ms: u64,
+    /// Target-only rounds after a failed draft request before the draft is tried again; the
+    /// wait doubles with each further failure in a row.
+    pub draft_retry_rounds: usize,
+    /// Longest wait, in rounds, between tries of a failing draft.
+    pub draft_retry_max_rounds: usize,
+    /// When speculative rounds measure fewer tokens per second than target-only rounds, run
+    /// this many target-only rounds before probing speculation again (0 = never switch).
+    pub spec_probe_rounds: usize,
 }
 
 impl Default for GenerateConfig {
@@ -98,6 +116,11 @@ impl Default for GenerateConfig {
             seed: 0,
             deadline_ms: 0,
             stop_token_ids: Vec::new(),
+            rpc_timeout_ms: 30_000,
+            draft_timeout_ms: 5_000,
+            draft_retry_rounds: 2,
+            draft_retry_max_rounds: 64,
+            spec_probe_rounds: 32,
         }
     }
 }
@@ -137,6 +160,19 @@ impl GenerateConfig {
             return Err(format!(
                 "adaptive depth bounds must satisfy 1 <= min_depth <= max_depth, got {}..{}",
                 self.min_depth, self.max_depth
+            ));
+        }
+        if self.rpc_timeout_ms == 0 || self.draft_timeout_ms == 0 {
+            return Err(format!(
+                "rpc_timeout_ms and draft_timeout_ms must be at least 1, got {} and {}",
+                self.rpc_timeout_ms, self.draft_timeout_ms
+            ));
+        }
+        if self.draft_retry_rounds == 0 || self.draft_retry_max_rounds < self.draft_retry_rounds {
+            return Err(format!(
+                "draft retry rounds must satisfy 1 <= draft_retry_rounds <= \
+                 draft_retry_max_rounds, got {} and {}",
+                self.draft_retry_rounds, self.draft_retry_max_rounds
             ));
         }
         Ok(())

@@ -2,8 +2,28 @@
 
 use serde::Serialize;
 
+/// Why a round verified no draft tree.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum NoDraft {
+    /// The generation is target-only (`Mode::Ar`).
+    Mode,
+    /// The first round: the draft drafted beside the target's prefill instead.
+    FirstRound,
+    /// Only one token was left to generate.
+    LastToken,
+    /// The draft request failed (transport error, error status, or no answer in time).
+    DraftFailed,
+    /// Waiting, after a failed draft request, before the draft is tried again.
+    Backoff,
+    /// Speculative rounds measured slower than target-only rounds.
+    Slow,
+    /// The sequence plus a tree would exceed what the draft or the target accepts.
+    Limit,
+}
+
 /// What happened in one round.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
 pub struct RoundRecord {
     /// Depth of the draft tree (the most tokens it could get accepted); 0 for a target-only step.
     pub drafted: usize,
@@ -40,6 +60,8 @@ pub struct RoundRecord {
     pub predraft_server_ms: f64,
     /// Of that, its model time, in ms (0 when none ran).
     pub predraft_model_ms: f64,
+    /// Why the round verified no tree (None when it verified one).
+    pub no_draft: Option<NoDraft>,
 }
 
 impl RoundRecord {
@@ -50,6 +72,20 @@ impl RoundRecord {
         (self.round_ms - self.draft_server_ms - self.verify_server_ms - self.predraft_wait_ms)
             .max(0.0)
     }
+}
+
+/// A change between speculative and target-only rounds made on measured speed.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SpeedSwitch {
+    /// Index of the first round the change applies to.
+    pub round: usize,
+    /// True when speculation resumes (a probe), false when it stops.
+    pub speculate: bool,
+    /// Measured tokens per second of the recent speculative rounds.
+    pub spec_tokens_per_s: f64,
+    /// Tokens per second of target-only rounds: measured on such rounds where there were
+    /// some, else estimated as one token per verify call.
+    pub target_only_tokens_per_s: f64,
 }
 
 /// Summary of a generation.
@@ -82,6 +118,12 @@ pub struct GenerationStats {
     /// the draft and target workers' reported wall times. Exact for the sequential pipeline; in
     /// the overlapped one a pre-draft still running when the verdict arrives adds to it.
     pub round_overhead_ms: f64,
+    /// Draft requests that failed (error, no answer in time, or refused), pre-drafts included.
+    pub draft_failures: usize,
+    /// Rounds that verified no draft tree (every round of a target-only generation).
+    pub target_only_rounds: usize,
+    /// Switches between speculative and target-only rounds made on measured speed.
+    pub speed_switches: Vec<SpeedSwitch>,
 }
 
 impl GenerationStats {
@@ -121,6 +163,9 @@ impl GenerationStats {
             overlap_attempts: attempts,
             network_share: ratio((verify - server).max(0.0), verify),
             round_overhead_ms: ratio(overhead, rounds.len() as f64),
+            draft_failures: 0,
+            target_only_rounds: rounds.iter().filter(|r| r.tree_nodes == 0).count(),
+            speed_switches: Vec::new(),
         }
     }
 }
@@ -146,6 +191,7 @@ mod tests {
             predraft_wait_ms: 0.0,
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
+            no_draft: None,
         }
     }
 
@@ -166,6 +212,17 @@ mod tests {
         assert!((s.tokens_per_s - 4.0).abs() < 1e-12);
         assert!((s.tpot_ms - 1900.0 / 7.0).abs() < 1e-9);
         assert!((s.network_share - 0.2).abs() < 1e-12);
+        assert_eq!(s.target_only_rounds, 0);
+        let plain = RoundRecord {
+            no_draft: Some(NoDraft::DraftFailed),
+            ..round(0, 0, None)
+        };
+        let s = GenerationStats::from_rounds(&[plain, round(4, 1, None)], 1.0, 1.0);
+        assert_eq!(s.target_only_rounds, 1);
+        assert!(
+            (s.mean_accepted_len - 2.0).abs() < 1e-12,
+            "speculative rounds only"
+        );
     }
 
     #[test]
