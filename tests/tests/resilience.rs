@@ -283,7 +283,7 @@ async fn generations_run_to_the_targets_context_in_both_modes() {
 async fn a_draft_with_smaller_limits_hands_over_to_target_only_rounds() {
     let target = start_target(&config(MODEL, true)).await;
     let mut dcfg = config(MODEL, false);
-    dcfg.max_prompt_len = 40;
+    dcfg.max_prompt_len = Some(40);
     dcfg.max_context = 48;
     let draft = start_draft(&dcfg).await;
     let orch = Orchestrator::connect(Some(&draft.url), &target.url)
