@@ -104,12 +104,20 @@ async fn qwen_coder_pair_is_exact_over_40_prompts_of_128_tokens() {
             max_tokens: MAX_TOKENS,
             widths: widths.to_vec(),
             pipeline,
+            // Every round speculates: no switch to target-only rounds when speculation is
+            // slower, and a draft deadline no loaded CPU misses.
+            spec_probe_rounds: 0,
+            draft_timeout_ms: 600_000,
             ..Default::default()
         };
         let t = Instant::now();
         let g = orch.generate(&prompt, &cfg, |_| {}).await.unwrap();
         spec_secs += t.elapsed().as_secs_f64();
         spec_tokens += g.token_ids.len();
+        assert_eq!(
+            g.stats.target_only_rounds, 0,
+            "prompt {i}: rounds ran without a draft"
+        );
         accepted += g.rounds.iter().map(|r| r.accepted).sum::<usize>();
         drafted += g.rounds.iter().map(|r| r.drafted).sum::<usize>();
         let same = g.token_ids == reference.token_ids;
