@@ -210,6 +210,22 @@ async fn a_request_may_carry_a_whole_context_and_no_more() {
         })
         .await;
     assert!(r.is_ok(), "{r:?}");
+    // A whole context leaves no room for the draft: refused, not a failure of the worker.
+    let s = refused(
+        d.generate_drafts(DraftRequest {
+            prompt_token_ids: tokens(1024),
+            max_draft_len: 4,
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+    );
+    assert!(
+        s.message()
+            .contains("exceeds the draft context of 1024 tokens"),
+        "{}",
+        s.message()
+    );
     let s = refused(
         d.generate_drafts(DraftRequest {
             prompt_token_ids: tokens(1025),
