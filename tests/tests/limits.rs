@@ -308,6 +308,35 @@ async fn target_tree_depth_and_message_size_are_bounded() {
         "{}",
         s.message()
     );
+    // Distributions larger than the vocabulary (512) are refused before conversion.
+    let big = DraftDistribution {
+        token_ids: vec![1; 513],
+        probs: vec![0.0; 513],
+    };
+    let s = refused(
+        t.verify_drafts(VerifyRequest {
+            prompt_token_ids: vec![1, 2],
+            draft_tree: chain(2, Some(big.clone())),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+    );
+    assert_eq!(
+        s.message(),
+        "a child_distribution in draft_tree has 513 entries; at most the vocabulary size 512"
+    );
+    let s = refused(
+        t.verify_drafts(VerifyRequest {
+            prompt_token_ids: vec![1, 2],
+            draft_tree: chain(1, None),
+            root_distribution: Some(big),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+    );
+    assert!(s.message().starts_with("root_distribution has 513 entries"));
     // A 100 MB message is refused from its length prefix, quickly, with the limit named.
     let started = Instant::now();
     let s = raw_call(

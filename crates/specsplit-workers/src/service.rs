@@ -185,6 +185,37 @@ fn check_ids(ids: &[(&str, &str)]) -> Result<(), Status> {
     Ok(())
 }
 
+/// Refuses a tree whose distributions or top-k lists have more entries than the vocabulary
+/// (INVALID_ARGUMENT, naming where), before they are converted.
+fn check_distribution_sizes(r: &VerifyRequest, vocab: usize) -> Result<(), Status> {
+    let over = |what: &str, n: usize| {
+        Status::invalid_argument(format!(
+            "{what} has {n} entries; at most the vocabulary size {vocab}"
+        ))
+    };
+    if let Some(d) = &r.root_distribution {
+        let n = d.token_ids.len().max(d.probs.len());
+        if n > vocab {
+            return Err(over("root_distribution", n));
+        }
+    }
+    let mut stack: Vec<&specsplit_proto::TokenNode> = r.draft_tree.iter().collect();
+    while let Some(node) = stack.pop() {
+        if let Some(d) = &node.child_distribution {
+            let n = d.token_ids.len().max(d.probs.len());
+            if n > vocab {
+                return Err(over("a child_distribution in draft_tree", n));
+            }
+        }
+        let n = node.top_k_token_ids.len().max(node.top_k_probs.len());
+        if n > vocab {
+            return Err(over("a top-k list in draft_tree", n));
+        }
+        stack.extend(node.children.iter());
+    }
+    Ok(())
+}
+
 /// Where a worker runs its model work for a request.
 ///
 /// Each hand-off between threads costs a wake-up of a parked thread (tens of microseconds on
@@ -651,6 +682,7 @@ impl TargetService for TargetWorker {
             ("session_secret", &r.session_secret),
         ])?;
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature)?;
+        check_distribution_sizes(&r, self.info.vocab_size)?;
         let tree = if r.draft_tree.is_empty() {
             TokenTree::new()
         } else {
