@@ -211,7 +211,7 @@ async fn hostile_requests_stay_within_the_budget_and_do_not_stall_others() {
         base_kib >> 10
     );
     assert!(
-        worst < Duration::from_secs(3),
+        worst < Duration::from_secs(5),
         "another session waited {worst:?}"
     );
 }
