@@ -153,8 +153,13 @@ async fn draft_sizes_are_bounded_before_allocation() {
     // the limits, plus 64 KiB), refused from its length prefix.
     let mut r = req(4, vec![]);
     r.session_id = "x".repeat(100_000);
-    let s = refused(d.generate_drafts(r).await, Code::OutOfRange);
-    assert!(s.message().contains("the limit is"), "{}", s.message());
+    let s = refused(d.generate_drafts(r).await, Code::InvalidArgument);
+    assert!(
+        s.message().starts_with("the request is 100")
+            && s.message().contains("this worker accepts at most"),
+        "{}",
+        s.message()
+    );
     let mut r = req(4, vec![]);
     r.request_id = "y".repeat(257);
     refused(d.generate_drafts(r).await, Code::InvalidArgument);
@@ -205,6 +210,22 @@ async fn a_request_may_carry_a_whole_context_and_no_more() {
         })
         .await;
     assert!(r.is_ok(), "{r:?}");
+    // A whole context leaves no room for the draft: refused, not a failure of the worker.
+    let s = refused(
+        d.generate_drafts(DraftRequest {
+            prompt_token_ids: tokens(1024),
+            max_draft_len: 4,
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+    );
+    assert!(
+        s.message()
+            .contains("exceeds the draft context of 1024 tokens"),
+        "{}",
+        s.message()
+    );
     let s = refused(
         d.generate_drafts(DraftRequest {
             prompt_token_ids: tokens(1025),
@@ -287,6 +308,35 @@ async fn target_tree_depth_and_message_size_are_bounded() {
         "{}",
         s.message()
     );
+    // Distributions larger than the vocabulary (512) are refused before conversion.
+    let big = DraftDistribution {
+        token_ids: vec![1; 513],
+        probs: vec![0.0; 513],
+    };
+    let s = refused(
+        t.verify_drafts(VerifyRequest {
+            prompt_token_ids: vec![1, 2],
+            draft_tree: chain(2, Some(big.clone())),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+    );
+    assert_eq!(
+        s.message(),
+        "a child_distribution in draft_tree has 513 entries; at most the vocabulary size 512"
+    );
+    let s = refused(
+        t.verify_drafts(VerifyRequest {
+            prompt_token_ids: vec![1, 2],
+            draft_tree: chain(1, None),
+            root_distribution: Some(big),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+    );
+    assert!(s.message().starts_with("root_distribution has 513 entries"));
     // A 100 MB message is refused from its length prefix, quickly, with the limit named.
     let started = Instant::now();
     let s = raw_call(
@@ -296,8 +346,15 @@ async fn target_tree_depth_and_message_size_are_bounded() {
     )
     .await
     .unwrap_err();
-    assert_eq!(s.code(), Code::OutOfRange, "{s:?}");
-    assert!(s.message().contains("the limit is"), "{}", s.message());
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(
+        s.message().starts_with(&format!(
+            "the request is {} bytes; this worker accepts at most ",
+            100 << 20
+        )),
+        "{}",
+        s.message()
+    );
     assert!(started.elapsed() < Duration::from_secs(30));
     // The worker still serves.
     t.ping(PingRequest {}).await.unwrap();

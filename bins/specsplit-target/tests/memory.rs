@@ -187,7 +187,10 @@ async fn hostile_requests_stay_within_the_budget_and_do_not_stall_others() {
                 assert!(s.message().starts_with("all 4 sessions are busy"), "{s:?}");
                 busy += 1
             }
-            Err(s) if s.code() == Code::OutOfRange => too_long += 1,
+            Err(s) if s.message().starts_with("the request is 125829120 bytes") => {
+                assert_eq!(s.code(), Code::InvalidArgument);
+                too_long += 1
+            }
             Err(s) => panic!("unexpected status {s:?}"),
         }
     }
@@ -208,7 +211,7 @@ async fn hostile_requests_stay_within_the_budget_and_do_not_stall_others() {
         base_kib >> 10
     );
     assert!(
-        worst < Duration::from_secs(3),
+        worst < Duration::from_secs(5),
         "another session waited {worst:?}"
     );
 }

@@ -186,6 +186,37 @@ fn check_ids(ids: &[(&str, &str)]) -> Result<(), Status> {
     Ok(())
 }
 
+/// Refuses a tree whose distributions or top-k lists have more entries than the vocabulary
+/// (INVALID_ARGUMENT, naming where), before they are converted.
+fn check_distribution_sizes(r: &VerifyRequest, vocab: usize) -> Result<(), Status> {
+    let over = |what: &str, n: usize| {
+        Status::invalid_argument(format!(
+            "{what} has {n} entries; at most the vocabulary size {vocab}"
+        ))
+    };
+    if let Some(d) = &r.root_distribution {
+        let n = d.token_ids.len().max(d.probs.len());
+        if n > vocab {
+            return Err(over("root_distribution", n));
+        }
+    }
+    let mut stack: Vec<&specsplit_proto::TokenNode> = r.draft_tree.iter().collect();
+    while let Some(node) = stack.pop() {
+        if let Some(d) = &node.child_distribution {
+            let n = d.token_ids.len().max(d.probs.len());
+            if n > vocab {
+                return Err(over("a child_distribution in draft_tree", n));
+            }
+        }
+        let n = node.top_k_token_ids.len().max(node.top_k_probs.len());
+        if n > vocab {
+            return Err(over("a top-k list in draft_tree", n));
+        }
+        stack.extend(node.children.iter());
+    }
+    Ok(())
+}
+
 /// Where a worker runs its model work for a request.
 ///
 /// Each hand-off between threads costs a wake-up of a parked thread (tens of microseconds on
@@ -656,6 +687,7 @@ impl TargetService for TargetWorker {
             ("session_secret", &r.session_secret),
         ])?;
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature)?;
+        check_distribution_sizes(&r, self.info.vocab_size)?;
         let tree = if r.draft_tree.is_empty() {
             TokenTree::new()
         } else {
@@ -930,6 +962,7 @@ async fn serve_here<S: GrpcService, T: Send + 'static>(
         },
     );
     let r = tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(explain_oversized))
         .add_service(health)
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, shutdown)
@@ -985,6 +1018,80 @@ impl specsplit_proto::health::health_server::Health for Health {
             tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), tokio_stream::pending());
         Ok(Response::new(Box::pin(stream)))
     }
+}
+
+/// Answers a request refused for its length (tonic's OUT_OF_RANGE "decoded message length
+/// too large", decided from the length prefix before the message is read) INVALID_ARGUMENT,
+/// saying which limit it is derived from. Other responses pass unchanged.
+fn explain_oversized(
+    mut resp: tonic::codegen::http::Response<tonic::body::Body>,
+) -> tonic::codegen::http::Response<tonic::body::Body> {
+    use tonic::codegen::http::HeaderValue;
+    let headers = resp.headers_mut();
+    if headers.get("grpc-status").is_none_or(|v| v != "11") {
+        return resp;
+    }
+    let msg = headers
+        .get("grpc-message")
+        .and_then(|v| v.to_str().ok())
+        .map(percent_decode)
+        .unwrap_or_default();
+    let Some(rest) = msg.strip_prefix("Error, decoded message length too large: found ") else {
+        return resp;
+    };
+    // "<found> bytes, the limit is: <limit> bytes"
+    let mut numbers = rest
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty());
+    let (Some(found), Some(limit)) = (numbers.next(), numbers.next()) else {
+        return resp;
+    };
+    let text = format!(
+        "the request is {found} bytes; this worker accepts at most {limit} (derived from \
+         max_prompt_len, max_tree_nodes, max_tree_depth and the vocabulary size)"
+    );
+    if let Ok(v) = HeaderValue::from_str(&percent_encode(&text)) {
+        headers.insert("grpc-status", HeaderValue::from_static("3"));
+        headers.insert("grpc-message", v);
+    }
+    resp
+}
+
+/// Decodes gRPC's percent-encoded status message.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = (b[i] == b'%' && i + 2 < b.len())
+            .then(|| std::str::from_utf8(&b[i + 1..i + 3]).ok())
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(v) => {
+                out.push(v);
+                i += 3;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Percent-encodes a status message for the `grpc-message` header.
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == b' ' {
+                (c as char).to_string()
+            } else {
+                format!("%{c:02X}")
+            }
+        })
+        .collect()
 }
 
 /// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
@@ -1133,6 +1240,31 @@ mod tests {
         l.extend();
         assert!(l.spinning());
         assert!(l.started.load(std::sync::atomic::Ordering::Acquire));
+    }
+
+    #[test]
+    fn oversized_requests_become_invalid_argument_naming_the_limit() {
+        use tonic::codegen::http::Response;
+        let tonic_status = Status::out_of_range(
+            "Error, decoded message length too large: found 125829120 bytes, the limit is: \
+             76416 bytes",
+        );
+        let resp = explain_oversized(tonic_status.into_http());
+        let got = Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(got.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            got.message(),
+            "the request is 125829120 bytes; this worker accepts at most 76416 (derived from \
+             max_prompt_len, max_tree_nodes, max_tree_depth and the vocabulary size)"
+        );
+        // Everything else passes unchanged.
+        let other = Status::out_of_range("something else").into_http();
+        let resp = explain_oversized(other);
+        assert_eq!(resp.headers()["grpc-status"], "11");
+        let ok = explain_oversized(Response::new(tonic::body::Body::empty()));
+        assert!(ok.headers().get("grpc-status").is_none());
+        assert_eq!(percent_decode(&percent_encode("a%b: é(1)")), "a%b: é(1)");
+        assert_eq!(percent_decode("50%"), "50%");
     }
 
     #[test]
