@@ -180,6 +180,49 @@ async fn a_frozen_draft_costs_each_round_at_most_the_draft_deadline() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_too_slow_to_pay_is_paused_and_probed_again() {
+    let target = start_target(&config(MODEL, true)).await;
+    let draft = start_draft(&config(MODEL, false)).await;
+    let relay = Relay::start(draft.addr).await;
+    let orch = Orchestrator::connect(Some(&relay.url), &target.url)
+        .await
+        .unwrap();
+    let prompt = &prompts(6, 3, 500)[5];
+    let reference = orch.generate(prompt, &ar(120), |_| {}).await.unwrap();
+    // Each draft request now takes at least 2 × 25 ms, against a few ms per target step.
+    relay.set_delay_ms(25);
+    let cfg = GenerateConfig {
+        spec_probe_rounds: 8,
+        ..spec(120, Pipeline::Sequential)
+    };
+    let g = orch.generate(prompt, &cfg, |_| {}).await.unwrap();
+    assert_eq!(g.token_ids, reference.token_ids);
+    let sw = &g.stats.speed_switches;
+    assert!(sw.len() >= 2, "paused, then probed: {sw:?}");
+    assert!(!sw[0].speculate, "{sw:?}");
+    assert!(
+        sw[0].spec_tokens_per_s < sw[0].target_only_tokens_per_s,
+        "{sw:?}"
+    );
+    assert!(sw[1].speculate && sw[1].round == sw[0].round + 8, "{sw:?}");
+    // The paused rounds say why, and speculation resumed after them.
+    let paused = &g.rounds[sw[0].round..sw[1].round];
+    assert!(
+        paused
+            .iter()
+            .all(|r| matches!(r.no_draft, Some(NoDraft::Slow | NoDraft::LastToken))),
+        "{paused:?}"
+    );
+    assert!(
+        g.rounds.get(sw[1].round).is_none_or(|r| r.tree_nodes > 0),
+        "the probe speculates"
+    );
+    assert_eq!(g.stats.draft_failures, 0);
+    target.stop().await;
+    draft.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_target_returns_by_the_deadline_with_its_tokens() {
     let target = start_target(&config(MODEL, true)).await;
     let draft = start_draft(&config(MODEL, false)).await;
