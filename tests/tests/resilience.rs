@@ -484,3 +484,44 @@ async fn every_request_of_a_generation_carries_its_own_secret() {
         s.abort();
     }
 }
+
+// Slow (about 31 s: the 30 s retry window), so off by default; run it with
+// `cargo test -p specsplit-e2e --test resilience -- --ignored`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_frozen_target_without_a_deadline_is_a_timeout_error_after_the_retry_window() {
+    let target = start_target(&config(MODEL, true)).await;
+    let relay = Arc::new(Relay::start(target.addr).await);
+    let orch = Orchestrator::connect(None, &relay.url).await.unwrap();
+    let cfg = GenerateConfig {
+        rpc_timeout_ms: 1000,
+        ..ar(400)
+    };
+    let r2 = relay.clone();
+    let t0 = Instant::now();
+    let mut calls = 0;
+    let r = tokio::time::timeout(
+        Duration::from_secs(60),
+        orch.generate(&prompts(2, 3, 500)[1], &cfg, |_| {
+            calls += 1;
+            if calls == 2 {
+                r2.freeze();
+            }
+        }),
+    )
+    .await
+    .expect("a frozen target must not hang the generation");
+    let elapsed = t0.elapsed();
+    match r {
+        Err(specsplit_orchestrator::OrchestratorError::Timeout { worker, after_ms }) => {
+            assert_eq!((worker, after_ms), ("target", 1000));
+        }
+        other => panic!("expected a timeout, got {:?}", other.map(|g| g.stop_reason)),
+    }
+    assert!(
+        elapsed >= Duration::from_secs(30) && elapsed < Duration::from_secs(34),
+        "{elapsed:?}"
+    );
+    relay.thaw();
+    target.stop().await;
+}
