@@ -166,6 +166,7 @@ pub struct Relay {
     /// Its address as a URL.
     pub url: String,
     frozen: tokio::sync::watch::Sender<bool>,
+    delay_ms: Arc<std::sync::atomic::AtomicU64>,
     task: JoinHandle<()>,
 }
 
@@ -175,9 +176,12 @@ impl Relay {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
         let addr = listener.local_addr().unwrap();
         let (frozen, watch) = tokio::sync::watch::channel(false);
+        let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let delay = delay_ms.clone();
         let task = tokio::spawn(async move {
             while let Ok((down, _)) = listener.accept().await {
                 let watch = watch.clone();
+                let delay = delay.clone();
                 tokio::spawn(async move {
                     let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
                         return;
@@ -186,13 +190,17 @@ impl Relay {
                     let _ = up.set_nodelay(true);
                     let (dr, dw) = down.into_split();
                     let (ur, uw) = up.into_split();
-                    tokio::join!(pass(dr, uw, watch.clone()), pass(ur, dw, watch));
+                    tokio::join!(
+                        pass(dr, uw, watch.clone(), delay.clone()),
+                        pass(ur, dw, watch, delay)
+                    );
                 });
             }
         });
         Relay {
             url: format!("http://{addr}"),
             frozen,
+            delay_ms,
             task,
         }
     }
@@ -206,6 +214,12 @@ impl Relay {
     pub fn thaw(&self) {
         self.frozen.send_replace(false);
     }
+
+    /// Holds each chunk this many milliseconds before passing it on (a slow link or worker).
+    pub fn set_delay_ms(&self, ms: u64) {
+        self.delay_ms
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Drop for Relay {
@@ -214,11 +228,12 @@ impl Drop for Relay {
     }
 }
 
-/// Copies `from` to `to`, holding each chunk while `frozen` says so.
+/// Copies `from` to `to`, holding each chunk while `frozen` says so, and `delay_ms` first.
 async fn pass(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut frozen: tokio::sync::watch::Receiver<bool>,
+    delay_ms: Arc<std::sync::atomic::AtomicU64>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 64 << 10];
@@ -227,6 +242,10 @@ async fn pass(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        let delay = delay_ms.load(std::sync::atomic::Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+        }
         while *frozen.borrow_and_update() {
             if frozen.changed().await.is_err() {
                 return;

@@ -127,6 +127,7 @@ async fn unreachable_or_dying_draft_is_a_clear_error_not_a_hang() {
     let orch = Orchestrator::connect(Some(&draft.url), &target.url)
         .await
         .unwrap();
+    let reference = orch.generate(&[5, 6, 7], &ar(64), |_| {}).await.unwrap();
     let draft = Arc::new(Mutex::new(Some(draft)));
     let d2 = draft.clone();
     let r = tokio::time::timeout(
@@ -139,9 +140,11 @@ async fn unreachable_or_dying_draft_is_a_clear_error_not_a_hang() {
     )
     .await
     .expect("generation must not hang when the draft dies");
-    let e = r.expect_err("the draft died");
-    assert!(e.to_string().contains("draft"), "{e}");
-    // The target's session was ended on the error path.
+    // The generation goes on with target-only rounds, with the target-only output.
+    let g = r.expect("a dying draft does not end the generation");
+    assert_eq!(g.token_ids, reference.token_ids);
+    assert!(g.stats.draft_failures >= 1, "{:?}", g.stats);
+    // The target's session was ended.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(target.sessions.len(), 0);
     target.stop().await;

@@ -180,6 +180,49 @@ async fn a_frozen_draft_costs_each_round_at_most_the_draft_deadline() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_too_slow_to_pay_is_paused_and_probed_again() {
+    let target = start_target(&config(MODEL, true)).await;
+    let draft = start_draft(&config(MODEL, false)).await;
+    let relay = Relay::start(draft.addr).await;
+    let orch = Orchestrator::connect(Some(&relay.url), &target.url)
+        .await
+        .unwrap();
+    let prompt = &prompts(6, 3, 500)[5];
+    let reference = orch.generate(prompt, &ar(120), |_| {}).await.unwrap();
+    // Each draft request now takes at least 2 × 25 ms, against a few ms per target step.
+    relay.set_delay_ms(25);
+    let cfg = GenerateConfig {
+        spec_probe_rounds: 8,
+        ..spec(120, Pipeline::Sequential)
+    };
+    let g = orch.generate(prompt, &cfg, |_| {}).await.unwrap();
+    assert_eq!(g.token_ids, reference.token_ids);
+    let sw = &g.stats.speed_switches;
+    assert!(sw.len() >= 2, "paused, then probed: {sw:?}");
+    assert!(!sw[0].speculate, "{sw:?}");
+    assert!(
+        sw[0].spec_tokens_per_s < sw[0].target_only_tokens_per_s,
+        "{sw:?}"
+    );
+    assert!(sw[1].speculate && sw[1].round == sw[0].round + 8, "{sw:?}");
+    // The paused rounds say why, and speculation resumed after them.
+    let paused = &g.rounds[sw[0].round..sw[1].round];
+    assert!(
+        paused
+            .iter()
+            .all(|r| matches!(r.no_draft, Some(NoDraft::Slow | NoDraft::LastToken))),
+        "{paused:?}"
+    );
+    assert!(
+        g.rounds.get(sw[1].round).is_none_or(|r| r.tree_nodes > 0),
+        "the probe speculates"
+    );
+    assert_eq!(g.stats.draft_failures, 0);
+    target.stop().await;
+    draft.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_target_returns_by_the_deadline_with_its_tokens() {
     let target = start_target(&config(MODEL, true)).await;
     let draft = start_draft(&config(MODEL, false)).await;
@@ -440,4 +483,45 @@ async fn every_request_of_a_generation_carries_its_own_secret() {
     for s in servers {
         s.abort();
     }
+}
+
+// Slow (about 31 s: the 30 s retry window), so off by default; run it with
+// `cargo test -p specsplit-e2e --test resilience -- --ignored`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_frozen_target_without_a_deadline_is_a_timeout_error_after_the_retry_window() {
+    let target = start_target(&config(MODEL, true)).await;
+    let relay = Arc::new(Relay::start(target.addr).await);
+    let orch = Orchestrator::connect(None, &relay.url).await.unwrap();
+    let cfg = GenerateConfig {
+        rpc_timeout_ms: 1000,
+        ..ar(400)
+    };
+    let r2 = relay.clone();
+    let t0 = Instant::now();
+    let mut calls = 0;
+    let r = tokio::time::timeout(
+        Duration::from_secs(60),
+        orch.generate(&prompts(2, 3, 500)[1], &cfg, |_| {
+            calls += 1;
+            if calls == 2 {
+                r2.freeze();
+            }
+        }),
+    )
+    .await
+    .expect("a frozen target must not hang the generation");
+    let elapsed = t0.elapsed();
+    match r {
+        Err(specsplit_orchestrator::OrchestratorError::Timeout { worker, after_ms }) => {
+            assert_eq!((worker, after_ms), ("target", 1000));
+        }
+        other => panic!("expected a timeout, got {:?}", other.map(|g| g.stop_reason)),
+    }
+    assert!(
+        elapsed >= Duration::from_secs(30) && elapsed < Duration::from_secs(34),
+        "{elapsed:?}"
+    );
+    relay.thaw();
+    target.stop().await;
 }

@@ -121,6 +121,29 @@ struct GenerateArgs {
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     deadline_ms: Option<u64>,
+    /// Most milliseconds one request to the target may take (retried within 30 s, then an
+    /// error; never past the deadline).
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rpc_timeout_ms: Option<u64>,
+    /// Most milliseconds a round waits for the draft before it goes on target-only.
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_timeout_ms: Option<u64>,
+    /// Target-only rounds after a failed draft request before the draft is tried again
+    /// (doubling with each failure in a row).
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_retry_rounds: Option<usize>,
+    /// Longest wait, in rounds, between tries of a failing draft.
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_retry_max_rounds: Option<usize>,
+    /// When speculation measures slower than target-only decoding, run this many target-only
+    /// rounds before trying it again (0 = never switch).
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spec_probe_rounds: Option<usize>,
     /// Send the prompt as is, without the model's chat template.
     #[arg(long)]
     #[serde(skip)]
@@ -168,6 +191,11 @@ struct Settings {
     top_p: f32,
     seed: u64,
     deadline_ms: u64,
+    rpc_timeout_ms: u64,
+    draft_timeout_ms: u64,
+    draft_retry_rounds: usize,
+    draft_retry_max_rounds: usize,
+    spec_probe_rounds: usize,
 }
 
 impl Default for Settings {
@@ -195,6 +223,11 @@ impl Default for Settings {
             top_p: g.top_p,
             seed: g.seed,
             deadline_ms: g.deadline_ms,
+            rpc_timeout_ms: g.rpc_timeout_ms,
+            draft_timeout_ms: g.draft_timeout_ms,
+            draft_retry_rounds: g.draft_retry_rounds,
+            draft_retry_max_rounds: g.draft_retry_max_rounds,
+            spec_probe_rounds: g.spec_probe_rounds,
         }
     }
 }
@@ -215,6 +248,11 @@ impl Settings {
             seed: self.seed,
             deadline_ms: self.deadline_ms,
             stop_token_ids: Vec::new(),
+            rpc_timeout_ms: self.rpc_timeout_ms,
+            draft_timeout_ms: self.draft_timeout_ms,
+            draft_retry_rounds: self.draft_retry_rounds,
+            draft_retry_max_rounds: self.draft_retry_max_rounds,
+            spec_probe_rounds: self.spec_probe_rounds,
         }
     }
 }
@@ -443,7 +481,7 @@ async fn run(
         }
         let st = &gen.stats;
         eprintln!(
-            "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% stop={:?}",
+            "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} stop={}",
             st.tokens,
             st.tokens_per_s,
             st.ttft_ms,
@@ -452,7 +490,13 @@ async fn run(
             st.mean_accepted_len,
             st.rounds,
             st.overlap_hit_rate * 100.0,
-            gen.stop_reason,
+            st.draft_failures,
+            st.target_only_rounds,
+            st.speed_switches.len(),
+            serde_json::to_value(gen.stop_reason)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default(),
         );
     }
     Ok(())

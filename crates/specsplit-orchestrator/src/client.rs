@@ -580,7 +580,7 @@ impl Drafted {
 /// How a draft request of a round ended.
 enum DraftOutcome {
     /// A tree.
-    Tree(Drafted),
+    Tree(Box<Drafted>),
     /// The draft failed (recorded); the round goes on without a tree, after `ms` waiting.
     Failed(f64),
     /// The generation's deadline passed while waiting.
@@ -758,7 +758,7 @@ impl<'a> Run<'a> {
         match tokio::time::timeout_at(until.into(), call).await {
             Ok(Ok(d)) => {
                 self.backoff.succeed();
-                DraftOutcome::Tree(d)
+                DraftOutcome::Tree(Box::new(d))
             }
             Ok(Err(e)) => {
                 self.draft_error(round, &e);
@@ -874,7 +874,7 @@ impl<'a> Run<'a> {
                         )
                     }
                     pre => match self.draft(round, &widths).await {
-                        DraftOutcome::Tree(d) => (d, pre.map(|_| false)),
+                        DraftOutcome::Tree(d) => (*d, pre.map(|_| false)),
                         DraftOutcome::Failed(ms) => {
                             no_draft = Some(NoDraft::DraftFailed);
                             (Drafted::none(ms), None)
@@ -1223,7 +1223,6 @@ async fn draft_call(
         tree_widths: widths.iter().map(|&w| w as i32).collect(),
         sampling: Some(cfg.sampling()),
         session_secret: secret.to_string(),
-        ..Default::default()
     };
     let t0 = Instant::now();
     let mut d = draft.clone();

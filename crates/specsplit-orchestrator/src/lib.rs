@@ -4,6 +4,12 @@
 //! tokens plus the target's own next token. In the overlapped pipeline the next round's tree is
 //! drafted while the current one is verified, on the guess that the tree's first-child path is
 //! accepted. Sessions are ended on both workers on every exit path.
+//!
+//! A generation survives its draft: a draft that fails, answers too late, outgrows its limits or
+//! measures slower than the target alone is replaced by target-only rounds (the target verifies
+//! an empty tree), which emit exactly what speculation would; a failing draft is tried again
+//! after a backoff in rounds. Every request has a deadline, the generation's own deadline holds
+//! against a frozen worker, and a generation runs to the target's context and stops there.
 
 mod adaptive;
 mod client;
