@@ -122,7 +122,10 @@ async fn qwen_coder_pair_is_exact_over_40_prompts_of_128_tokens() {
             .filter_map(|r| r.no_draft)
             .filter(|w| !matches!(w, NoDraft::FirstRound | NoDraft::LastToken))
             .collect();
-        assert!(skipped.is_empty(), "prompt {i}: rounds without a draft: {skipped:?}");
+        assert!(
+            skipped.is_empty(),
+            "prompt {i}: rounds without a draft: {skipped:?}"
+        );
         accepted += g.rounds.iter().map(|r| r.accepted).sum::<usize>();
         drafted += g.rounds.iter().map(|r| r.drafted).sum::<usize>();
         let same = g.token_ids == reference.token_ids;
