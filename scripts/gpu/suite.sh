@@ -3,7 +3,7 @@
 #   bash .device/suite.sh [tests] [forward] [e2e] [engine] [wake] [e2ewake] [e2eenv] [fwdenv] [e2e2gpu] [qwen] [smollm2]
 #   (none = tests forward e2e)
 # Every output goes to $OUT (suite.log, JSON, CSV). The fused kernels and the retained CUDA
-# memory pool are compared side by side in the same call (CONFIGS below). `qwen` and `smollm2`
+# memory pool are compared side by side in the same run (CONFIGS below). `qwen` and `smollm2`
 # need the models assembled by join.sh.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -43,7 +43,7 @@ e2e)
             --pipelines "${PIPELINES:-sequential}" --out "$OUT" --name e2e-b08-$c 2>&1 | tail -20
     done ;;
 engine)
-    # The target engine's whole rounds beside the bare passes (twelfth session).
+    # The target engine's whole rounds beside the bare passes.
     log "forward 7b with engine rounds"
     timeout 240 /tmp/b forward --model random:qwen2.5-7b --device cuda:0 --contexts 512 \
         --chains 1,3,8 --trees 32 --iters 20 --out "$OUT" --name forward-7b-engine 2>&1 \

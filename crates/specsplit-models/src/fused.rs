@@ -18,7 +18,9 @@
 //! - `all`: also every one-row dense projection ([`rows_enabled`]) that the batch-invariant
 //!   kernels below do not take: the target's plain decode steps then run the GEMV while verify
 //!   passes keep cuBLAS, so bf16 near-ties can break differently between target-only decoding
-//!   and speculation (measured in docs/benchmarks.md);
+//!   and speculation (on random weights, where near-ties are common, no generation stayed
+//!   identical to target-only over 64 tokens: H100, 2026-11-23, `specsplit-bench e2e`,
+//!   synthetic β = 0.8);
 //! - `0`: nowhere.
 //!
 //! The same PTX holds the batch-invariant kernels ([`bi_matmul`], [`rows_attention`]) that every

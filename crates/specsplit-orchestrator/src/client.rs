@@ -268,8 +268,9 @@ fn client_spin() -> SpinMode {
 /// Whether a speculative generation's first round drafts beside the target's prefill:
 /// `SPECSPLIT_FIRST_ROUND_OVERLAP=1` always, `0` never, and by default with the overlapped
 /// pipeline only (the one for workers on their own devices: two workers sharing one GPU slow
-/// each other's first passes about twofold, H100, thirteenth session). Otherwise the first
-/// round drafts first and verifies the tree with the prefill, as later rounds do.
+/// each other's first passes about twofold; H100, 2026-11-25, `specsplit-bench e2e`).
+/// Otherwise the first round drafts first and verifies the tree with the prefill, as later
+/// rounds do.
 fn first_round_overlap(pipeline: Pipeline) -> bool {
     static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     SET.get_or_init(|| {

@@ -347,7 +347,8 @@ impl TargetEngine {
         // chain+tree mask below stays small.
         let (keep, new) = if new.len() > 1 {
             // One pass (not `Transformer::prefill`'s chunks): at the 7B shape the chunked
-            // prefill of a 127-token prompt took 28 ms against 19 ms (H100, fourteenth session).
+            // prefill of a 127-token prompt took 27.6 ms against 19.0–19.4 ms in one pass
+            // (target-only TTFT, H100, 2026-11-25, `specsplit-bench e2e`).
             let head = &new[..new.len() - 1];
             let ids = Tensor::new(head, &dev)?;
             let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
