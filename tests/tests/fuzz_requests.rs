@@ -863,6 +863,9 @@ fn fuzz_over_loopback() {
             ..Config::default()
         });
         let result = runner.run(&strategy, |bytes| {
+            if let Ok(mut s) = INPUT.lock() {
+                *s = hex(&bytes[..bytes.len().min(4096)]);
+            }
             let out = rt.block_on(raw_call(ch, path, bytes.clone())).map(|_| ());
             failures.check(path, &out, &bytes);
             Ok(())
