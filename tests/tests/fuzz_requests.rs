@@ -560,9 +560,133 @@ fn apply(mut b: Vec<u8>, muts: &[Mutation]) -> Vec<u8> {
 fn input(rpc: Rpc) -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![
         1 => prop::collection::vec(any::<u8>(), 0..512),
-        4 => (select(seeds(rpc)), prop::collection::vec(mutation(), 1..4))
+        3 => (select(seeds(rpc)), prop::collection::vec(mutation(), 1..4))
+            .prop_map(|(seed, muts)| apply(seed, &muts)),
+        3 => structured(rpc),
+        1 => (structured(rpc), prop::collection::vec(mutation(), 1..2))
             .prop_map(|(seed, muts)| apply(seed, &muts)),
     ]
+}
+
+/// A nested forest from parent choices: node `i + roots` hangs under an earlier node.
+fn forest(roots: usize, extra: &[(Index, i32)], root_tokens: &[i32]) -> Vec<TokenNode> {
+    let n = roots + extra.len();
+    let mut parent = vec![None; n];
+    let mut token = vec![0i32; n];
+    for (i, t) in root_tokens.iter().take(roots).enumerate() {
+        token[i] = *t;
+    }
+    for (k, (p, t)) in extra.iter().enumerate() {
+        let i = roots + k;
+        parent[i] = Some(p.index(i));
+        token[i] = *t;
+    }
+    // Build bottom-up: children are always after their parent.
+    let mut built: Vec<Option<TokenNode>> = (0..n).map(|i| Some(node(token[i], vec![]))).collect();
+    for i in (0..n).rev() {
+        if let Some(p) = parent[i] {
+            let child = built[i].take().expect("built once");
+            if let Some(pn) = built[p].as_mut() {
+                pn.children.insert(0, child);
+            }
+        }
+    }
+    built.into_iter().take(roots).flatten().collect()
+}
+
+/// Well-formed requests with random contents (sessions, secrets, prompts, trees, sampling), so
+/// that many inputs pass decoding and validation and run the model.
+fn structured(rpc: Rpc) -> BoxedStrategy<Vec<u8>> {
+    let token = prop_oneof![4000 => 0i32..512, 1 => -3i32..0, 1 => 510i32..520];
+    let session = select(vec!["", SESSION, "a", "b", "c"]);
+    let secret = select(vec!["", SECRET, "short", "another-secret-0123456789abcdef"]);
+    let sampling = prop::option::of((0.0f32..2.0, 0i32..40, 0.0f32..1.0, any::<u64>()).prop_map(
+        |(temperature, top_k, top_p, seed)| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        },
+    ));
+    match rpc {
+        Rpc::Draft => (
+            prop::collection::vec(token.clone(), 0..120),
+            -2i32..12,
+            -1i32..4,
+            prop::collection::vec(prop_oneof![20 => 1i32..4, 1 => -1i32..1], 0..5),
+            (session, secret, any::<bool>(), sampling),
+        )
+            .prop_map(
+                |(prompt, max_draft_len, num_beams, widths, (sid, sec, reset, sampling))| {
+                    DraftRequest {
+                        request_id: "s".into(),
+                        prompt_token_ids: prompt,
+                        max_draft_len,
+                        num_beams,
+                        tree_widths: widths,
+                        session_id: sid.into(),
+                        session_secret: sec.into(),
+                        reset_cache: reset,
+                        sampling,
+                        ..Default::default()
+                    }
+                    .encode_to_vec()
+                },
+            )
+            .boxed(),
+        Rpc::Verify => (
+            prop::collection::vec(token.clone(), 0..120),
+            (
+                1usize..5,
+                prop::collection::vec((any::<Index>(), token.clone()), 0..70),
+            ),
+            prop::collection::vec(token.clone(), 0..5),
+            (prop::collection::vec(token, 0..3), -1i32..300),
+            (session, secret, sampling, any::<bool>()),
+            prop::option::weighted(0.2, prop::collection::vec((0i32..512, 0.0f32..1.0), 0..6)),
+        )
+            .prop_map(
+                |(
+                    prompt,
+                    (roots, extra),
+                    root_tokens,
+                    (new, expected),
+                    (sid, sec, sampling, wr),
+                    dist,
+                )| {
+                    let mut roots_tok = root_tokens;
+                    roots_tok.resize(roots, 1);
+                    VerifyRequest {
+                        request_id: "s".into(),
+                        prompt_token_ids: prompt,
+                        draft_tree: forest(roots, &extra, &roots_tok),
+                        session_id: sid.into(),
+                        session_secret: sec.into(),
+                        new_token_ids: new,
+                        expected_prefix_length: expected,
+                        sampling,
+                        siblings_without_replacement: wr,
+                        root_distribution: dist.map(|d| DraftDistribution {
+                            token_ids: d.iter().map(|x| x.0).collect(),
+                            probs: d.iter().map(|x| x.1).collect(),
+                        }),
+                        ..Default::default()
+                    }
+                    .encode_to_vec()
+                },
+            )
+            .boxed(),
+        Rpc::DraftEnd | Rpc::TargetEnd => (session, secret)
+            .prop_map(|(sid, sec)| {
+                EndSessionRequest {
+                    session_id: sid.into(),
+                    session_secret: sec.into(),
+                }
+                .encode_to_vec()
+            })
+            .boxed(),
+        Rpc::DraftPing | Rpc::TargetPing => Just(Vec::new()).boxed(),
+    }
 }
 
 /// Distinct failures (a class key: request type, kind, the start of the message), each with the
@@ -658,6 +782,7 @@ fn fuzz(rpc: Rpc) {
     let peak_seen = AtomicUsize::new(0);
     let errors = AtomicUsize::new(0);
     let failures = Failures::default();
+    let classes: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
     let result = runner.run(&input(rpc), |bytes| {
         if let Ok(mut s) = INPUT.lock() {
             *s = hex(&bytes[..bytes.len().min(4096)]);
@@ -683,8 +808,10 @@ fn fuzz(rpc: Rpc) {
             );
         }
         peak_seen.fetch_max(peak, Ordering::Relaxed);
-        if out.is_err() {
+        if let Err(s) = &out {
             errors.fetch_add(1, Ordering::Relaxed);
+            let key = format!("{:?}: {}", s.code(), class_of(s.message()));
+            *classes.lock().unwrap().entry(key).or_insert(0) += 1;
         }
         failures.check(&format!("{rpc:?}"), &out, &bytes);
         Ok(())
@@ -696,6 +823,12 @@ fn fuzz(rpc: Rpc) {
         errors.into_inner(),
         peak_seen.into_inner()
     );
+    // Where the inputs stopped: the most frequent answers.
+    let mut classes: Vec<(String, usize)> = classes.into_inner().unwrap().into_iter().collect();
+    classes.sort_by(|a, b| b.1.cmp(&a.1));
+    for (class, n) in classes.iter().take(8) {
+        eprintln!("  {n:>8}  {class}");
+    }
     // The worker still serves.
     w.assert_serving();
     failures.assert_none();
