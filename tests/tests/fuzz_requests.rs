@@ -825,7 +825,7 @@ fn fuzz(rpc: Rpc) {
     );
     // Where the inputs stopped: the most frequent answers.
     let mut classes: Vec<(String, usize)> = classes.into_inner().unwrap().into_iter().collect();
-    classes.sort_by(|a, b| b.1.cmp(&a.1));
+    classes.sort_by_key(|c| std::cmp::Reverse(c.1));
     for (class, n) in classes.iter().take(8) {
         eprintln!("  {n:>8}  {class}");
     }
