@@ -156,7 +156,7 @@ const MAX_INPUT: usize = 1 << 20;
 fn fuzz_config(target: bool) -> WorkerConfig {
     WorkerConfig {
         max_context: 256,
-        max_prompt_len: 200,
+        max_prompt_len: Some(200),
         max_tree_nodes: 64,
         max_sessions: 16,
         memory_budget_mb: 64,

@@ -14,6 +14,13 @@
 //! (four, two or one columns at a time, chosen by the column alone) whatever the number of
 //! rows; the row count only changes how the work is spread over threads. So a row's result
 //! depends on that row and the weights alone.
+//!
+//! One exception is faster and just as exact: Q4K weights on x86-64 keep candle's repacked
+//! tiles for passes of at most [`Q4K_TILE_ROWS`] rows (longer passes go through in chunks of
+//! that many). Those kernels also quantize each row alone and give every row its own
+//! accumulators, run through the same instructions whether a tile holds one row or four; the
+//! only branch of candle's x86 product that depends on the row count for Q4K is its AMX kernel,
+//! taken from 32 rows, which the chunks never reach.
 
 use candle_core::quantized::k_quants::{
     self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
@@ -21,6 +28,11 @@ use candle_core::quantized::k_quants::{
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
+
+/// The most rows one Q4K product takes on candle's repacked x86 tiles: fewer than the 32 rows
+/// from which candle switches to AMX tiles (another summation order) on CPUs that have them.
+pub const Q4K_TILE_ROWS: usize = 31;
 
 use crate::ModelError;
 
@@ -65,7 +77,15 @@ macro_rules! with_blocks {
 pub struct QuantMatrix {
     rows: usize,
     cols: usize,
-    blocks: Blocks,
+    kernel: Kernel,
+}
+
+/// How a [`QuantMatrix`] computes its products.
+enum Kernel {
+    /// candle's compact kernel over typed blocks.
+    Compact(Blocks),
+    /// candle's repacked Q4K tiles (x86-64), at most [`Q4K_TILE_ROWS`] rows a call.
+    Q4KTiles(Arc<QTensor>),
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -117,13 +137,32 @@ fn typed<T: GgmlType>(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<T>, 
 }
 
 impl QuantMatrix {
-    /// Copies a CPU `QTensor` of shape `(rows, cols)` (rows = output features) into typed
-    /// blocks. `Ok(None)` for F32/F16/BF16 tensors, which are plain matrices (load them dense).
-    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>, ModelError> {
+    /// A CPU `QTensor` of shape `(rows, cols)` (rows = output features) as a batch-invariant
+    /// matrix: its blocks copied into a typed vector (the `QTensor` is dropped with the last
+    /// reference to `q`), or, for Q4K on x86-64, kept for candle's repacked tiles. `Ok(None)` for
+    /// F32/F16/BF16 tensors, which are plain matrices (load them dense).
+    pub fn from_qtensor(q: Arc<QTensor>) -> Result<Option<Self>, ModelError> {
         let (rows, cols) = q
             .shape()
             .dims2()
             .map_err(|e| ModelError::Weights(format!("a quantized weight must be 2-D: {e}")))?;
+        if cfg!(target_arch = "x86_64") && q.dtype() == GgmlDType::Q4K {
+            // Whole blocks, as the compact kernel checks.
+            if cols == 0 || !cols.is_multiple_of(GgmlDType::Q4K.block_size()) {
+                return Err(ModelError::Weights(format!(
+                    "a Q4K weight needs a width that is a multiple of {}, got {cols}",
+                    GgmlDType::Q4K.block_size()
+                )));
+            }
+            if !q.device().is_cpu() {
+                return Err(ModelError::Weights("a QuantMatrix is for the CPU".into()));
+            }
+            return Ok(Some(Self {
+                rows,
+                cols,
+                kernel: Kernel::Q4KTiles(q),
+            }));
+        }
         let bytes = q.data()?;
         let b = bytes.as_ref();
         let blocks = match q.dtype() {
@@ -141,7 +180,11 @@ impl QuantMatrix {
             GgmlDType::Q6K => Blocks::Q6K(typed(b, rows, cols)?),
             GgmlDType::Q8K => Blocks::Q8K(typed(b, rows, cols)?),
         };
-        Ok(Some(Self { rows, cols, blocks }))
+        Ok(Some(Self {
+            rows,
+            cols,
+            kernel: Kernel::Compact(blocks),
+        }))
     }
 
     /// Output features (rows of `W`).
@@ -156,7 +199,11 @@ impl QuantMatrix {
 
     /// The GGUF block type.
     pub fn dtype(&self) -> GgmlDType {
-        match &self.blocks {
+        let blocks = match &self.kernel {
+            Kernel::Compact(b) => b,
+            Kernel::Q4KTiles(_) => return GgmlDType::Q4K,
+        };
+        match blocks {
             Blocks::Q4_0(_) => GgmlDType::Q4_0,
             Blocks::Q4_1(_) => GgmlDType::Q4_1,
             Blocks::Q5_0(_) => GgmlDType::Q5_0,
@@ -187,6 +234,24 @@ impl QuantMatrix {
             candle_core::bail!("QuantMatrix runs on the CPU only");
         }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
+        let blocks = match &self.kernel {
+            Kernel::Compact(b) => b,
+            Kernel::Q4KTiles(q) => {
+                let q: &QTensor = q;
+                if m <= Q4K_TILE_ROWS {
+                    return x.apply_op1_no_bwd(q);
+                }
+                let parts = (0..m)
+                    .step_by(Q4K_TILE_ROWS)
+                    .map(|r| {
+                        x.narrow(0, r, Q4K_TILE_ROWS.min(m - r))?
+                            .contiguous()?
+                            .apply_op1_no_bwd(q)
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                return Tensor::cat(&parts, 0);
+            }
+        };
         let n = self.rows;
         let mut dst = vec![0f32; m * n];
         {
@@ -196,7 +261,7 @@ impl QuantMatrix {
             };
             let start = layout.start_offset();
             let lhs = &cpu.as_slice::<f32>()?[start..start + m * k];
-            with_blocks!(&self.blocks, w => k_quants::matmul((m, k, n), lhs, w.as_slice(), &mut dst)?);
+            with_blocks!(blocks, w => k_quants::matmul((m, k, n), lhs, w.as_slice(), &mut dst)?);
         }
         Tensor::from_vec(dst, (m, n), &Device::Cpu)
     }
@@ -204,10 +269,24 @@ impl QuantMatrix {
     /// The dequantized rows `ids` (a 1-D u32 tensor): f32 `(ids.len(), cols)`, as an embedding
     /// lookup. An id past the last row is an error.
     pub fn embedding(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let blocks = match &self.kernel {
+            Kernel::Compact(b) => b,
+            Kernel::Q4KTiles(q) => {
+                let n = ids.dims1()?;
+                if let Some(&id) = ids
+                    .to_vec1::<u32>()?
+                    .iter()
+                    .find(|&&i| i as usize >= self.rows)
+                {
+                    candle_core::bail!("token id {id} is past the {} embedding rows", self.rows);
+                }
+                return q.embedding(ids)?.reshape((n, self.cols));
+            }
+        };
         let ids = ids.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
         let cols = self.cols;
         let mut out = vec![0f32; ids.len() * cols];
-        with_blocks!(&self.blocks, w => {
+        with_blocks!(blocks, w => {
             let per_row = w.len() / self.rows.max(1);
             for (dst, &id) in out.chunks_exact_mut(cols).zip(&ids) {
                 let id = id as usize;
@@ -235,7 +314,8 @@ mod tests {
     #[test]
     fn products_and_rows_match_candles_compact_kernel() {
         let w = weight(48, 256);
-        let x = weight(3, 256);
+        // More rows than one Q4K tile call takes.
+        let x = weight(Q4K_TILE_ROWS + 3, 256);
         for dtype in [
             GgmlDType::Q4_0,
             GgmlDType::Q4K,
@@ -243,10 +323,11 @@ mod tests {
             GgmlDType::Q8K,
         ] {
             let q = QTensor::quantize(&w, dtype).unwrap();
-            let m = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
+            let q = Arc::new(q);
+            let m = QuantMatrix::from_qtensor(q.clone()).unwrap().unwrap();
             assert_eq!((m.rows(), m.cols(), m.dtype()), (48, 256, dtype));
             let y = m.forward(&x).unwrap();
-            assert_eq!(y.dims(), [3, 48]);
+            assert_eq!(y.dims(), [Q4K_TILE_ROWS + 3, 48]);
             // Every row equals the same row's product alone, and is close to the dense product.
             let y: Vec<Vec<f32>> = y.to_vec2().unwrap();
             for (r, row) in y.iter().enumerate() {
@@ -286,10 +367,17 @@ mod tests {
     #[test]
     fn bad_inputs_are_errors() {
         let q = QTensor::quantize(&weight(16, 256), GgmlDType::Q8_0).unwrap();
-        let m = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
+        let m = QuantMatrix::from_qtensor(Arc::new(q)).unwrap().unwrap();
         assert!(m.forward(&weight(2, 128)).is_err());
         let e = m
             .embedding(&Tensor::new(&[16u32], &Device::Cpu).unwrap())
+            .unwrap_err();
+        assert!(e.to_string().contains("past the 16"), "{e}");
+        let q4k = QTensor::quantize(&weight(16, 256), GgmlDType::Q4K).unwrap();
+        let m = QuantMatrix::from_qtensor(Arc::new(q4k)).unwrap().unwrap();
+        assert!(m.forward(&weight(2, 512)).is_err());
+        let e = m
+            .embedding(&Tensor::new(&[3u32, 16], &Device::Cpu).unwrap())
             .unwrap_err();
         assert!(e.to_string().contains("past the 16"), "{e}");
         // A byte count that is not whole blocks of the shape is refused.
@@ -298,6 +386,6 @@ mod tests {
         assert_eq!(typed::<BlockQ8_0>(&[0u8; 68], 2, 32).unwrap().len(), 2);
         // Dense GGUF types are not block matrices.
         let f = QTensor::quantize(&weight(4, 32), GgmlDType::F32).unwrap();
-        assert!(QuantMatrix::from_qtensor(&f).unwrap().is_none());
+        assert!(QuantMatrix::from_qtensor(Arc::new(f)).unwrap().is_none());
     }
 }

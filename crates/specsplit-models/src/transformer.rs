@@ -170,11 +170,17 @@ impl Proj {
 /// `QMatMul`.
 fn quant_linear(q: Arc<QTensor>, b: Option<Tensor>, device: &Device) -> Result<Linear, ModelError> {
     if device.is_cpu() {
-        return Ok(match crate::cpu_quant::QuantMatrix::from_qtensor(&q)? {
-            Some(w) => Linear::QuantCpu { w: Arc::new(w), b },
-            None => Linear::Dense {
-                w: q.dequantize(device)?.to_dtype(DType::F32)?,
-                b,
+        let dense = match q.dtype() {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                Some(q.dequantize(device)?.to_dtype(DType::F32)?)
+            }
+            _ => None,
+        };
+        return Ok(match dense {
+            Some(w) => Linear::Dense { w, b },
+            None => match crate::cpu_quant::QuantMatrix::from_qtensor(q)? {
+                Some(w) => Linear::QuantCpu { w: Arc::new(w), b },
+                None => return Err(ModelError::Weights("a dense GGUF weight".into())),
             },
         });
     }
@@ -791,11 +797,15 @@ impl Transformer {
             }
             None if device.is_cpu() => {
                 // One copy of the blocks, shared by a tied head.
-                let e = match crate::cpu_quant::QuantMatrix::from_qtensor(&embed)? {
-                    Some(q) => Embedding::QuantCpu(Arc::new(q)),
-                    None => Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?),
+                let e = match embed.dtype() {
+                    GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                        Embedding::Dense(embed.dequantize(device)?.to_dtype(dtype)?)
+                    }
+                    _ => match crate::cpu_quant::QuantMatrix::from_qtensor(embed)? {
+                        Some(q) => Embedding::QuantCpu(Arc::new(q)),
+                        None => return Err(ModelError::Weights("a dense GGUF embedding".into())),
+                    },
                 };
-                drop(embed);
                 let head = match (&e, c.tie_word_embeddings) {
                     (Embedding::QuantCpu(q), true) => Linear::QuantCpu {
                         w: q.clone(),

@@ -285,24 +285,29 @@ fn dense_f16_rows_match_alone() {
 /// up to the largest verify pass.
 const REAL_SIZES: [usize; 13] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 65, 129];
 
-fn check_gguf(model: (&str, &str)) {
+/// Pass sizes for the Qwen2.5-Coder 0.5B in CI: every chain and small tree, and the passes
+/// where candle's kernels change (a tile of 4 rows, 32 rows).
+const CI_SIZES: [usize; 8] = [1, 2, 3, 4, 5, 9, 17, 33];
+
+fn check_gguf(model: (&str, &str), sizes: &[usize]) {
     let path = model_path(model);
     let m = Transformer::from_gguf(&path, &Device::Cpu).unwrap();
     let case = Case::new(m.config().vocab_size, 5);
-    check(&m, &case, &REAL_SIZES, model.0);
+    check(&m, &case, sizes, model.0);
 }
 
 #[test]
 fn smollm2_q4_1_rows_match_alone() {
-    check_gguf(SMOLLM2);
+    check_gguf(SMOLLM2, &REAL_SIZES);
 }
 
 #[test]
 fn qwen_0_5b_q4_k_m_rows_match_alone() {
-    check_gguf(QWEN05);
+    check_gguf(QWEN05, &CI_SIZES);
 }
 
 #[test]
+#[ignore = "several minutes on 2 cores: run with scripts/exactness-long.sh"]
 fn qwen_1_5b_q4_k_m_rows_match_alone() {
-    check_gguf(QWEN15);
+    check_gguf(QWEN15, &REAL_SIZES);
 }

@@ -60,14 +60,15 @@ enum Prompt {
 }
 
 /// Prompt logits, then `steps` greedy tokens, both models fed the same (reference-chosen) token.
-/// Returns (max abs diff over all steps, our tokens, reference tokens).
+/// Returns (max abs diff over all steps, our tokens, reference tokens, the reference's top-1
+/// minus top-2 logit at each step).
 fn compare(
     ours: &Transformer,
     reference: &mut dyn Reference,
     prompt: &[u32],
     mode: Prompt,
     steps: usize,
-) -> (f32, Vec<u32>, Vec<u32>) {
+) -> (f32, Vec<u32>, Vec<u32>, Vec<f32>) {
     let dev = Device::Cpu;
     reference.clear();
     let mut cache = ours.new_cache(prompt.len() + steps + 1).unwrap();
@@ -97,6 +98,7 @@ fn compare(
     }
     let (mut a, mut b) = (a.unwrap(), b.unwrap());
     let (mut max_diff, mut ours_toks, mut ref_toks) = (0f32, Vec::new(), Vec::new());
+    let mut margins = Vec::new();
     for step in 0..=steps {
         let b2 = b.reshape(a.dims()).unwrap();
         let d = max_abs_diff(&a, &b2);
@@ -107,6 +109,9 @@ fn compare(
         let (ta, tb) = (argmax_rows(&a)[0], argmax_rows(&b2)[0]);
         ours_toks.push(ta);
         ref_toks.push(tb);
+        let mut v: Vec<f32> = b2.flatten_all().unwrap().to_vec1().unwrap();
+        v.sort_by(|x, y| y.total_cmp(x));
+        margins.push(v[0] - v[1]);
         if step == steps {
             break;
         }
@@ -124,23 +129,31 @@ fn compare(
             .forward(&u32s(&[tb], &dev).unsqueeze(0).unwrap(), pos)
             .unwrap();
     }
-    (max_diff, ours_toks, ref_toks)
+    (max_diff, ours_toks, ref_toks, margins)
 }
 
 /// Batched prompt logits of both implementations: within the activation re-quantization noise
-/// (`QUANT_NOISE_TOL`) with identical argmax. (On CPU our attention computes each query row on
-/// its own, for batch invariance, while the references batch rows per head; candle's gemm
-/// rounds those differently in the last bit, and the 8-bit activation re-quantization of the
-/// quantized matmuls can amplify a last-bit change into a visible logit change.)
+/// (`QUANT_NOISE_TOL`) with identical argmax, unless the reference's top two logits are closer
+/// than the difference seen (a near tie). (On CPU our attention and products compute each row
+/// on its own, for batch invariance, so our batched rows are those of one token at a time, while
+/// the references batch rows per head and run candle's multi-row quantized kernels (repacked
+/// Q6K tiles), which round differently; the 8-bit activation re-quantization of the quantized
+/// matmuls can amplify a last-bit change into a visible logit change. The token-by-token
+/// comparison holds both to `GGUF_TOL`.)
 fn check_batched_prompt(
     ours: &Transformer,
     reference: &mut dyn Reference,
     prompt: &[u32],
     name: &str,
 ) {
-    let (diff, a, b) = compare(ours, reference, prompt, Prompt::Batched, 0);
-    eprintln!("{name}: batched-prompt max |logit diff| = {diff:e}");
-    assert_eq!(a, b, "{name}: batched prompt argmax differs");
+    let (diff, a, b, margins) = compare(ours, reference, prompt, Prompt::Batched, 0);
+    eprintln!("{name}: batched-prompt max |logit diff| = {diff:e}, reference margin {margins:?}");
+    assert!(
+        a == b || margins[0] <= 2.0 * diff,
+        "{name}: batched prompt argmax differs ({a:?} vs {b:?}) with a reference top-2 margin \
+         of {} (max |logit diff| {diff})",
+        margins[0]
+    );
     assert!(
         diff <= QUANT_NOISE_TOL,
         "{name}: batched prompt diff {diff}"
@@ -173,7 +186,7 @@ fn smollm2_gguf_matches_quantized_llama_and_greedy_64() {
     assert!(cfg.tie_word_embeddings);
     let mut reference = load_reference(&path, quantized_llama::ModelWeights::from_gguf);
     check_batched_prompt(&ours, &mut reference, SMOL_PROMPT, "smollm2");
-    let (diff, ours_toks, ref_toks) =
+    let (diff, ours_toks, ref_toks, _) =
         compare(&ours, &mut reference, SMOL_PROMPT, Prompt::TokenByToken, 64);
     eprintln!("smollm2: max |logit diff| over prompt + 64 greedy steps = {diff:e}");
     eprintln!("smollm2 greedy tokens: {ref_toks:?}");
@@ -200,7 +213,7 @@ fn qwen05_gguf_matches_quantized_qwen2() {
     assert!(cfg.attention_bias);
     let mut reference = load_reference(&path, quantized_qwen2::ModelWeights::from_gguf);
     check_batched_prompt(&ours, &mut reference, QWEN_PROMPT, "qwen2.5-0.5b");
-    let (diff, ours_toks, ref_toks) =
+    let (diff, ours_toks, ref_toks, _) =
         compare(&ours, &mut reference, QWEN_PROMPT, Prompt::TokenByToken, 4);
     eprintln!("qwen2.5-0.5b: max |logit diff| over prompt + 4 greedy steps = {diff:e}");
     assert_eq!(ours_toks, ref_toks, "greedy tokens differ");
