@@ -269,9 +269,18 @@ async fn bad_requests_get_the_right_status_codes() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(
-        code(t.verify_drafts(delta("s", ok.cached_length + 1)).await),
-        Code::FailedPrecondition
+    // The refusal names the caller's length, not the session's (another client may send it).
+    let err = t
+        .verify_drafts(delta("s", ok.cached_length + 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let msg = err.message();
+    assert!(
+        msg.contains("CACHE_EVICTED_DELTA_ONLY")
+            && msg.contains(&(ok.cached_length + 1).to_string())
+            && !msg.contains(&format!("length {}", ok.cached_length)),
+        "{msg}"
     );
     assert_eq!(
         code(t.verify_drafts(delta("s", ok.cached_length)).await),

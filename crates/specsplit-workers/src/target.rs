@@ -264,11 +264,11 @@ impl TargetEngine {
                 expected_len,
             } => {
                 if expected_len != s.tokens.len() {
+                    // The session's own length stays out of the message: a session created
+                    // without a secret is open to any client that knows its id.
                     return Err(EngineError::FailedPrecondition(format!(
-                        "{CACHE_EVICTED_MARKER}: expected_prefix_length {} does not match the \
-                         session's cached length {}; resend the full prompt",
-                        expected_len,
-                        s.tokens.len()
+                        "{CACHE_EVICTED_MARKER}: expected_prefix_length {expected_len} does not \
+                         match the session's cached sequence; resend the full prompt"
                     )));
                 }
                 if new_tokens.is_empty() && s.last_logits.is_none() {
