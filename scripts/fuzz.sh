@@ -11,6 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 CASES="${CASES:-170000}"
 JOBS="${JOBS:-$(nproc)}"
+# One thread of model work per test process: the tests run side by side.
+export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-1}"
 bin=$(cargo test -p specsplit-e2e --test fuzz_requests --no-run --message-format=json 2>/dev/null \
   | sed -n 's/.*"executable":"\([^"]*fuzz_requests[^"]*\)".*/\1/p' | tail -1)
 if [ -z "$bin" ]; then
