@@ -140,6 +140,44 @@ fn finish(tree: &TokenTree, accepted_nodes: Vec<usize>, next_token: u32) -> Verd
     }
 }
 
+/// The checks of a sampled verifier's inputs: valid parameters, a vocabulary, and
+/// `tree.len() + 1` rows of `vocab_size` logits.
+fn check_logits(
+    tree: &TokenTree,
+    target_logits: &[f32],
+    vocab_size: usize,
+    params: &SamplingParams,
+) -> Result<(), VerifyError> {
+    params.validate().map_err(VerifyError::InvalidParams)?;
+    if vocab_size == 0 {
+        return Err(VerifyError::ZeroVocab);
+    }
+    let rows = tree.len() + 1;
+    let expected = rows.saturating_mul(vocab_size);
+    if target_logits.len() != expected {
+        return Err(VerifyError::WrongLogitsLength {
+            rows,
+            vocab_size,
+            expected,
+            got: target_logits.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Every drafted token lies inside the vocabulary.
+fn check_tokens(tree: &TokenTree, vocab_size: usize) -> Result<(), VerifyError> {
+    match tree.tokens().iter().position(|&t| t as usize >= vocab_size) {
+        Some(node) => Err(TreeError::TokenOutOfVocab {
+            node,
+            token: i64::from(tree.token(node)),
+            vocab_size,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
 /// Lossless stochastic verification. `target_logits` holds `tree.len() + 1` rows of
 /// `vocab_size` raw logits (row convention in the module docs); `params` are the same
 /// transforms the draft applied. Greedy parameters reduce to [`verify_greedy`] on the rows'
@@ -155,32 +193,12 @@ pub fn verify_stochastic<R: Rng + ?Sized>(
     params: &SamplingParams,
     rng: &mut R,
 ) -> Result<Verdict, VerifyError> {
-    params.validate().map_err(VerifyError::InvalidParams)?;
-    if vocab_size == 0 {
-        return Err(VerifyError::ZeroVocab);
-    }
-    let rows = tree.len() + 1;
-    let expected = rows.saturating_mul(vocab_size);
-    if target_logits.len() != expected {
-        return Err(VerifyError::WrongLogitsLength {
-            rows,
-            vocab_size,
-            expected,
-            got: target_logits.len(),
-        });
-    }
+    check_logits(tree, target_logits, vocab_size, params)?;
     let row_of = |r: usize| &target_logits[r * vocab_size..(r + 1) * vocab_size];
     if params.is_greedy() {
         return Ok(greedy_walk(tree, |r| argmax(row_of(r))));
     }
-    if let Some(node) = tree.tokens().iter().position(|&t| t as usize >= vocab_size) {
-        return Err(TreeError::TokenOutOfVocab {
-            node,
-            token: i64::from(tree.token(node)),
-            vocab_size,
-        }
-        .into());
-    }
+    check_tokens(tree, vocab_size)?;
     tree.require_distributions()?;
 
     let without_replacement = tree.siblings_without_replacement();
@@ -268,32 +286,12 @@ pub fn verify_point_mass<R: Rng + ?Sized>(
     params: &SamplingParams,
     rng: &mut R,
 ) -> Result<Verdict, VerifyError> {
-    params.validate().map_err(VerifyError::InvalidParams)?;
-    if vocab_size == 0 {
-        return Err(VerifyError::ZeroVocab);
-    }
-    let rows = tree.len() + 1;
-    let expected = rows.saturating_mul(vocab_size);
-    if target_logits.len() != expected {
-        return Err(VerifyError::WrongLogitsLength {
-            rows,
-            vocab_size,
-            expected,
-            got: target_logits.len(),
-        });
-    }
+    check_logits(tree, target_logits, vocab_size, params)?;
     let row_of = |r: usize| &target_logits[r * vocab_size..(r + 1) * vocab_size];
     if params.is_greedy() {
         return Ok(greedy_walk(tree, |r| argmax(row_of(r))));
     }
-    if let Some(node) = tree.tokens().iter().position(|&t| t as usize >= vocab_size) {
-        return Err(TreeError::TokenOutOfVocab {
-            node,
-            token: i64::from(tree.token(node)),
-            vocab_size,
-        }
-        .into());
-    }
+    check_tokens(tree, vocab_size)?;
     let mut p = vec![0.0f64; vocab_size];
     let mut accepted = Vec::new();
     let mut parent: Option<usize> = None;

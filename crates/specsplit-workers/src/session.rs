@@ -402,7 +402,7 @@ mod tests {
         assert_eq!(s.anonymous(), 5);
         assert_eq!(s.bytes(), 60);
         let Err(EngineError::ResourceExhausted(m)) = s.reserve_anonymous(12) else {
-            panic!("a sixth sessionless request must be refused");
+            panic!("the request without a session beyond five must be refused");
         };
         assert_eq!(
             m,
