@@ -1,8 +1,9 @@
 //! The `specsplit-target` binary: serves gRPC health, answers Ping, and on SIGTERM finishes
 //! in-flight requests before exiting cleanly.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod common;
+
+use std::process::Command;
 use std::time::Duration;
 
 use specsplit_proto::target_service_client::TargetServiceClient;
@@ -12,38 +13,16 @@ use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_health_and_stops_gracefully_on_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit-target"))
-        .args([
-            "--model",
-            "random:tiny:3",
-            "--listen",
-            "127.0.0.1:0",
-            "--max-context",
-            "4096",
-            "--max-prompt-len",
-            "4000",
-        ])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start specsplit-target");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let addr = loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("worker log");
-        if let Some(i) = line.find("addr=") {
-            break line[i + 5..].split_whitespace().next().unwrap().to_string();
-        }
-    };
-    let url = format!("http://{addr}");
+    let (mut child, url) = common::spawn_target(&[
+        "--model",
+        "random:tiny:3",
+        "--listen",
+        "127.0.0.1:0",
+        "--max-context",
+        "4096",
+        "--max-prompt-len",
+        "4000",
+    ]);
     let channel = tonic::transport::Channel::from_shared(url.clone())
         .unwrap()
         .connect()

@@ -2,8 +2,9 @@
 //! requests neither take its memory past the model plus the session budget (and a bounded
 //! slack for passes in flight) nor stall another session's requests.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use prost::bytes::{Buf, BufMut};
@@ -73,30 +74,8 @@ impl Drop for Worker {
 }
 
 fn start(args: &[&str]) -> (Worker, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit-target"))
-        .args(args)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start specsplit-target");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let worker = Worker(child);
-    let addr = loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("worker log");
-        if let Some(i) = line.find("addr=") {
-            break line[i + 5..].split_whitespace().next().unwrap().to_string();
-        }
-    };
-    (worker, format!("http://{addr}"))
+    let (child, url) = common::spawn_target(args);
+    (Worker(child), url)
 }
 
 #[cfg(target_os = "linux")]
