@@ -20,6 +20,7 @@ use prost::Message;
 use serde_json::{json, Value};
 use specsplit_core::tree::{TokenTree, TreeLimits};
 use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline, RoundRecord};
+use specsplit_proto::convert::TreeWire;
 use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{
     DraftRequest, PingRequest, TelemetryMetadata, VerifyRequest, VerifyResponse,

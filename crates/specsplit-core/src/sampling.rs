@@ -93,47 +93,9 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Converts and validates wire parameters.
-    pub fn from_proto(p: &specsplit_proto::SamplingParams) -> Result<Self, SamplingError> {
-        let top_k = usize::try_from(p.top_k).map_err(|_| SamplingError::InvalidTopK {
-            value: i64::from(p.top_k),
-        })?;
-        let params = SamplingParams {
-            temperature: p.temperature,
-            top_k,
-            top_p: p.top_p,
-            seed: p.seed,
-        };
-        params.validate()?;
-        Ok(params)
-    }
-
-    /// Converts to wire parameters (top-k saturates at `i32::MAX`).
-    pub fn to_proto(&self) -> specsplit_proto::SamplingParams {
-        specsplit_proto::SamplingParams {
-            temperature: self.temperature,
-            top_k: i32::try_from(self.top_k).unwrap_or(i32::MAX),
-            top_p: self.top_p,
-            seed: self.seed,
-        }
-    }
-
     /// Whether top-p truncation is active (0 < top_p < 1).
     fn top_p_active(&self) -> bool {
         self.top_p > 0.0 && self.top_p < 1.0
-    }
-}
-
-impl TryFrom<&specsplit_proto::SamplingParams> for SamplingParams {
-    type Error = SamplingError;
-    fn try_from(p: &specsplit_proto::SamplingParams) -> Result<Self, Self::Error> {
-        SamplingParams::from_proto(p)
-    }
-}
-
-impl From<&SamplingParams> for specsplit_proto::SamplingParams {
-    fn from(p: &SamplingParams) -> Self {
-        p.to_proto()
     }
 }
 
@@ -540,37 +502,25 @@ mod tests {
     }
 
     #[test]
-    fn params_validation_and_round_trip() {
-        let bad = |t: f32, k: i32, p: f32| {
-            SamplingParams::from_proto(&specsplit_proto::SamplingParams {
-                temperature: t,
-                top_k: k,
-                top_p: p,
-                seed: 0,
-            })
-        };
+    fn params_validation() {
+        let bad = |t: f32, p: f32| sampled(t, 0, p).validate();
         assert!(matches!(
-            bad(-1.0, 0, 1.0),
+            bad(-1.0, 1.0),
             Err(SamplingError::InvalidTemperature { .. })
         ));
         assert!(matches!(
-            bad(f32::NAN, 0, 1.0),
+            bad(f32::NAN, 1.0),
             Err(SamplingError::InvalidTemperature { .. })
         ));
         assert!(matches!(
-            bad(1.0, -2, 1.0),
-            Err(SamplingError::InvalidTopK { .. })
-        ));
-        assert!(matches!(
-            bad(1.0, 0, 1.5),
+            bad(1.0, 1.5),
             Err(SamplingError::InvalidTopP { .. })
         ));
         assert!(matches!(
-            bad(1.0, 0, f32::NAN),
+            bad(1.0, f32::NAN),
             Err(SamplingError::InvalidTopP { .. })
         ));
-        let p = sampled(0.7, 5, 0.9);
-        assert_eq!(SamplingParams::from_proto(&p.to_proto()), Ok(p));
+        assert!(sampled(0.7, 5, 0.9).validate().is_ok());
         assert!(SamplingParams::default().is_greedy());
     }
 

@@ -1,16 +1,13 @@
-//! Flattened breadth-first token trees: building, validation and conversion to and from the
-//! nested wire form ([`specsplit_proto::TokenNode`]).
+//! Flattened breadth-first token trees: building and validation. (The nested wire form and its
+//! conversions belong to `specsplit-proto`.)
 //!
 //! A [`TokenTree`] is a forest stored in breadth-first order: all roots first, then the children
 //! of node 0, the children of node 1, and so on. Consequently every parent has a smaller index
 //! than its children, the children of a node are contiguous and in the order the verifier must
 //! try them, and depths never decrease along the index order.
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
-
-use specsplit_proto::{DraftDistribution, TokenNode};
 
 /// Absolute tolerance on the total mass of a probability distribution.
 pub const SUM_TOLERANCE: f64 = 1e-3;
@@ -32,7 +29,7 @@ pub enum Distribution {
     },
 }
 
-/// Why a [`Distribution`] (or a wire [`DraftDistribution`]) is not a valid distribution.
+/// Why a [`Distribution`] is not a valid distribution.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum DistributionError {
     /// No probabilities at all.
@@ -185,60 +182,6 @@ impl Distribution {
         }
         Ok(())
     }
-
-    /// Converts a wire distribution and validates it against `vocab_size`.
-    pub fn from_proto(
-        proto: &DraftDistribution,
-        vocab_size: usize,
-    ) -> Result<Distribution, DistributionError> {
-        let dist = if proto.token_ids.is_empty() {
-            Distribution::Dense(proto.probs.clone())
-        } else {
-            let mut ids = Vec::with_capacity(proto.token_ids.len());
-            for &t in &proto.token_ids {
-                match u32::try_from(t) {
-                    Ok(u) => ids.push(u),
-                    Err(_) => {
-                        return Err(DistributionError::TokenOutOfVocab {
-                            token: i64::from(t),
-                            vocab_size,
-                        })
-                    }
-                }
-            }
-            Distribution::Sparse {
-                ids,
-                probs: proto.probs.clone(),
-            }
-        };
-        dist.validate(vocab_size)?;
-        Ok(dist)
-    }
-
-    /// Converts to the wire form (dense: empty `token_ids`).
-    pub fn to_proto(&self) -> DraftDistribution {
-        match self {
-            Distribution::Dense(p) => DraftDistribution {
-                token_ids: Vec::new(),
-                probs: p.clone(),
-            },
-            Distribution::Sparse { ids, probs } => DraftDistribution {
-                token_ids: ids.iter().map(|&t| id_to_wire(t)).collect(),
-                probs: probs.clone(),
-            },
-        }
-    }
-}
-
-impl From<&Distribution> for DraftDistribution {
-    fn from(d: &Distribution) -> Self {
-        d.to_proto()
-    }
-}
-
-/// Converts an internal token id to the wire's `int32` (saturating; valid ids always fit).
-fn id_to_wire(t: u32) -> i32 {
-    i32::try_from(t).unwrap_or(i32::MAX)
 }
 
 /// Limits a received tree must respect.
@@ -731,118 +674,10 @@ impl TokenTree {
         }
         Ok(())
     }
-
-    /// Flattens a wire forest breadth-first and validates it against `limits`. Never recurses
-    /// and stops as soon as a size or depth limit is exceeded, so hostile input is cheap.
-    pub fn from_proto(
-        roots: &[TokenNode],
-        root_distribution: Option<&DraftDistribution>,
-        without_replacement: bool,
-        limits: &TreeLimits,
-    ) -> Result<TokenTree, TreeError> {
-        if roots.is_empty() {
-            return Err(TreeError::Empty);
-        }
-        if roots.len() > limits.max_nodes {
-            return Err(TreeError::TooManyNodes {
-                count: roots.len(),
-                max: limits.max_nodes,
-            });
-        }
-        if limits.max_depth == 0 {
-            return Err(TreeError::TooDeep { depth: 1, max: 0 });
-        }
-        let mut tree = TokenTree::new();
-        tree.siblings_without_replacement = without_replacement;
-        if let Some(d) = root_distribution {
-            let dist = Distribution::from_proto(d, limits.vocab_size)
-                .map_err(|reason| TreeError::BadDistribution { node: None, reason })?;
-            tree.root_distribution = Some(dist);
-        }
-        let mut queue: VecDeque<(&TokenNode, Option<usize>)> =
-            roots.iter().map(|r| (r, None)).collect();
-        while let Some((node, parent)) = queue.pop_front() {
-            let index = tree.len();
-            check_token(index, i64::from(node.token_id), limits.vocab_size)?;
-            check_log_prob(index, node.log_prob)?;
-            check_top_k(
-                index,
-                node.top_k_token_ids.iter().map(|&t| i64::from(t)),
-                node.top_k_token_ids.len(),
-                &node.top_k_probs,
-                limits.vocab_size,
-            )?;
-            let token = node.token_id as u32; // non-negative: checked above
-            let pushed = match parent {
-                None => tree.push_root(token, node.log_prob)?,
-                Some(p) => tree.push_child(p, token, node.log_prob)?,
-            };
-            if let Some(d) = &node.child_distribution {
-                let dist = Distribution::from_proto(d, limits.vocab_size).map_err(|reason| {
-                    TreeError::BadDistribution {
-                        node: Some(pushed),
-                        reason,
-                    }
-                })?;
-                tree.child_distributions[pushed] = Some(dist);
-            }
-            tree.top_k_ids[pushed] = node.top_k_token_ids.iter().map(|&t| t as u32).collect();
-            tree.top_k_probs[pushed] = node.top_k_probs.clone();
-            if !node.children.is_empty() {
-                let child_depth = tree.depths[pushed] + 1;
-                if child_depth + 1 > limits.max_depth {
-                    return Err(TreeError::TooDeep {
-                        depth: child_depth + 1,
-                        max: limits.max_depth,
-                    });
-                }
-                let count = tree.len() + queue.len() + node.children.len();
-                if count > limits.max_nodes {
-                    return Err(TreeError::TooManyNodes {
-                        count,
-                        max: limits.max_nodes,
-                    });
-                }
-                queue.extend(node.children.iter().map(|c| (c, Some(pushed))));
-            }
-        }
-        Ok(tree)
-    }
-
-    /// Converts to the nested wire form: the root list and the root distribution.
-    /// Builds bottom-up without recursion; `from_proto(to_proto(t))` reproduces `t` exactly.
-    pub fn to_proto(&self) -> (Vec<TokenNode>, Option<DraftDistribution>) {
-        let mut built: Vec<Option<TokenNode>> = Vec::with_capacity(self.len());
-        for i in 0..self.len() {
-            built.push(Some(TokenNode {
-                token_id: id_to_wire(self.tokens[i]),
-                log_prob: self.log_probs[i],
-                children: Vec::new(),
-                top_k_token_ids: self.top_k_ids[i].iter().map(|&t| id_to_wire(t)).collect(),
-                top_k_probs: self.top_k_probs[i].clone(),
-                child_distribution: self.child_distributions[i]
-                    .as_ref()
-                    .map(Distribution::to_proto),
-            }));
-        }
-        // Children always have larger indices than their parent: fill parents from the back.
-        for i in (0..self.len()).rev() {
-            let children: Vec<TokenNode> =
-                self.children(i).filter_map(|c| built[c].take()).collect();
-            if let Some(node) = built[i].as_mut() {
-                node.children = children;
-            }
-        }
-        let roots = self.roots().filter_map(|r| built[r].take()).collect();
-        (
-            roots,
-            self.root_distribution.as_ref().map(Distribution::to_proto),
-        )
-    }
 }
 
 /// Checks a node token id against the vocabulary.
-fn check_token(node: usize, token: i64, vocab_size: usize) -> Result<(), TreeError> {
+pub fn check_token(node: usize, token: i64, vocab_size: usize) -> Result<(), TreeError> {
     if token < 0 || token as u64 >= vocab_size as u64 {
         return Err(TreeError::TokenOutOfVocab {
             node,
@@ -854,7 +689,7 @@ fn check_token(node: usize, token: i64, vocab_size: usize) -> Result<(), TreeErr
 }
 
 /// Checks a draft log-probability: not NaN and not above [`LOG_PROB_TOLERANCE`].
-fn check_log_prob(node: usize, log_prob: f32) -> Result<(), TreeError> {
+pub fn check_log_prob(node: usize, log_prob: f32) -> Result<(), TreeError> {
     if log_prob.is_nan() || log_prob > LOG_PROB_TOLERANCE {
         return Err(TreeError::BadLogProb { node, log_prob });
     }
@@ -862,7 +697,7 @@ fn check_log_prob(node: usize, log_prob: f32) -> Result<(), TreeError> {
 }
 
 /// Checks the informational top-k lists of a node.
-fn check_top_k(
+pub fn check_top_k(
     node: usize,
     mut ids: impl Iterator<Item = i64>,
     num_ids: usize,

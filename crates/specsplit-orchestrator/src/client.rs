@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use specsplit_core::tree::{TokenTree, TreeLimits};
+use specsplit_proto::convert::TreeWire;
 use specsplit_proto::draft_service_client::DraftServiceClient;
 use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{DraftRequest, EndSessionRequest, PingRequest, VerifyRequest};

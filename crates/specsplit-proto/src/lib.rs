@@ -5,6 +5,7 @@
 #![allow(clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
 pub mod codec;
+pub mod convert;
 
 /// Generated protobuf messages and tonic client/server stubs for package `specsplit`.
 #[allow(missing_docs)]

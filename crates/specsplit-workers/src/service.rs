@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::{TokenTree, TreeLimits};
+use specsplit_proto::convert::{SamplingWire, TreeWire};
 use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
 use specsplit_proto::health::health_check_response::ServingStatus;
 use specsplit_proto::health::health_server::HealthServer;

@@ -3,7 +3,6 @@
 
 use proptest::prelude::*;
 use specsplit_core::tree::{Distribution, TokenTree};
-use specsplit_proto::TokenNode;
 
 /// A generated tree plus the parent list it was generated from (the ground truth).
 #[derive(Debug, Clone)]
@@ -117,14 +116,6 @@ pub fn make_dist(weights: &[f32], sparse_ids: Option<Vec<u32>>) -> Distribution 
     match sparse_ids {
         Some(ids) => Distribution::Sparse { ids, probs },
         None => Distribution::Dense(probs),
-    }
-}
-
-/// Drops a nested forest without recursion (deep protos would overflow the stack otherwise).
-pub fn drop_deep(roots: Vec<TokenNode>) {
-    let mut stack = roots;
-    while let Some(mut n) = stack.pop() {
-        stack.append(&mut n.children);
     }
 }
 
