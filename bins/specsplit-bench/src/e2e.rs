@@ -437,7 +437,22 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
             steady.iter().map(|r| r.round_ms).sum(),
         ),
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
+        "output_digest": output_digest(gens),
     })
+}
+
+/// A fingerprint of every generation's tokens, in order (FNV-1a, 64 bits, hex), so that two
+/// builds' runs of the same configuration can be compared for identical outputs.
+fn output_digest(gens: &[Generation]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for g in gens {
+        for &t in g.token_ids.iter().chain(std::iter::once(&u32::MAX)) {
+            for b in t.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    format!("{h:016x}")
 }
 
 /// The number `v[key]` holds (0 when absent).
