@@ -78,10 +78,6 @@ async fn tiny_different_draft_matches_target_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_round_drafts_beside_the_targets_prefill() {
-    let forced = std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP").ok();
-    if forced.as_deref() == Some("0") {
-        return; // turned off for this run: the other tests cover the plain first round
-    }
     // A draft identical to the target: its tree's root is always the target's first token, so
     // the second round verifies the tree drafted during the first, without a draft call.
     let target = start_target(&config("random:tiny:7", true)).await;
@@ -110,12 +106,31 @@ async fn first_round_drafts_beside_the_targets_prefill() {
     };
     let s = orch.generate(prompt, &sequential, |_| {}).await.unwrap();
     assert_eq!(s.token_ids, reference.token_ids);
-    if forced.is_none() {
+    assert_eq!(
+        s.rounds[0].drafted, 3,
+        "sequential: the first round verifies a tree"
+    );
+    assert_eq!(s.rounds[0].predraft_server_ms, 0.0);
+    // The setting overrides the default rule either way, with the same output.
+    for (pipeline, overlap) in [(Pipeline::Sequential, true), (Pipeline::Overlapped, false)] {
+        let forced = GenerateConfig {
+            pipeline,
+            first_round_overlap: Some(overlap),
+            ..cfg.clone()
+        };
+        let f = orch.generate(prompt, &forced, |_| {}).await.unwrap();
+        assert_eq!(f.token_ids, reference.token_ids);
+        let drafted = if overlap { 0 } else { 3 };
         assert_eq!(
-            s.rounds[0].drafted, 3,
-            "sequential: the first round verifies a tree"
+            f.rounds[0].drafted, drafted,
+            "{pipeline:?}, overlap {overlap}"
         );
-        assert_eq!(s.rounds[0].predraft_server_ms, 0.0);
+        if overlap {
+            assert!(
+                f.rounds[0].predraft_server_ms > 0.0,
+                "drafted beside the prefill"
+            );
+        }
     }
     let g = orch.generate(prompt, &cfg, |_| {}).await.unwrap();
     assert_eq!(g.token_ids, reference.token_ids);

@@ -14,7 +14,8 @@ use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
 use specsplit_models::tokenizer::ChatFormat;
 use specsplit_models::transformer::Transformer;
 use specsplit_orchestrator::{
-    GenerateConfig, Generation, GenerationStats, Mode, Orchestrator, Pipeline, RoundRecord,
+    ClientSpin, GenerateConfig, Generation, GenerationStats, Mode, Orchestrator, Pipeline,
+    RoundRecord,
 };
 use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
@@ -65,6 +66,10 @@ pub struct E2eSettings {
     pub seed: u64,
     /// Unmeasured passes over every prompt before each configuration is measured.
     pub warmup: usize,
+    /// Whether the first round drafts beside the target's prefill (None = the default rule).
+    pub first_round_overlap: Option<bool>,
+    /// When the orchestrator's client runtime busy-polls.
+    pub client_spin: ClientSpin,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -521,12 +526,13 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         max_tokens: s.max_tokens,
         temperature: 0.0,
         seed: 1,
+        first_round_overlap: s.first_round_overlap,
         ..GenerateConfig::default()
     };
     let meta_models = json!({"target": target.name, "draft": draft.name});
 
     // Target-only baseline; its outputs are the reference continuations.
-    let ar_orch = Orchestrator::connect(None, &t_server.addr).await?;
+    let ar_orch = Orchestrator::connect_with(None, &t_server.addr, s.client_spin).await?;
     let ar_cfg = GenerateConfig {
         mode: Mode::Ar,
         ..base_cfg.clone()
@@ -603,7 +609,8 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             _ => draft.name.clone(),
         };
         let d_server = start_draft(engine, label.clone()).await?;
-        let orch = Orchestrator::connect(Some(&d_server.addr), &t_server.addr).await?;
+        let orch =
+            Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?;
         let drafter = if beta.is_some() { "synthetic" } else { "real" };
         let mut best: Vec<(Pipeline, usize, f64)> = Vec::new();
         for r in &runs {
@@ -744,6 +751,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "prompts": prompts.len(), "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
             "random_prompts": random,
             "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "warmup_passes": s.warmup,
+            "first_round_overlap": s.first_round_overlap, "client_spin": s.client_spin,
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use specsplit_orchestrator::Pipeline;
+use specsplit_orchestrator::{ClientSpin, Pipeline};
 
 /// Benchmark harness for SpecSplit.
 #[derive(Parser, Debug)]
@@ -153,6 +153,14 @@ struct E2eArgs {
     /// short generation [default: 2; quick: 0].
     #[arg(long)]
     warmup: Option<usize>,
+    /// Draft the first round beside the target's prefill: true or false (default: with the
+    /// overlapped pipeline only).
+    #[arg(long, value_name = "BOOL")]
+    first_round_overlap: Option<bool>,
+    /// Busy-poll the orchestrator's sockets while a request is in flight: auto (once a worker
+    /// reports a CUDA device), always or never.
+    #[arg(long, value_name = "auto|always|never", default_value = "auto")]
+    client_spin: ClientSpin,
     /// Small preset that finishes quickly.
     #[arg(long)]
     quick: bool,
@@ -245,6 +253,8 @@ fn e2e(a: E2eArgs) -> Result<()> {
         device_draft: a.device_draft,
         dtype: a.dtype,
         prompts_file: a.prompts,
+        first_round_overlap: a.first_round_overlap,
+        client_spin: a.client_spin,
         out: a.out,
         name,
     };

@@ -19,7 +19,9 @@ use anyhow::{Context, Result};
 use prost::Message;
 use serde_json::{json, Value};
 use specsplit_core::tree::{TokenTree, TreeLimits};
-use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline, RoundRecord};
+use specsplit_orchestrator::{
+    ClientSpin, GenerateConfig, Mode, Orchestrator, Pipeline, RoundRecord,
+};
 use specsplit_proto::convert::TreeWire;
 use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{
@@ -71,6 +73,10 @@ pub struct RpcArgs {
     /// Worker threads of the multi-thread runtime (0 = one per CPU, tokio's default).
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
+    /// Busy-poll the orchestrator's sockets while a request is in flight: auto (once a worker
+    /// reports a CUDA device), always or never.
+    #[arg(long, value_name = "auto|always|never", default_value = "auto")]
+    client_spin: ClientSpin,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -111,6 +117,7 @@ pub fn main(a: RpcArgs) -> Result<()> {
         depth: a.depth,
         pings: a.pings,
         runtime,
+        client_spin: a.client_spin,
         out: a.out,
         name: a.name,
     };
@@ -140,6 +147,8 @@ pub struct RpcSettings {
     pub pings: usize,
     /// Runtime description for the report (the runtime itself is built by the caller).
     pub runtime: String,
+    /// When the orchestrator's client runtime busy-polls.
+    pub client_spin: ClientSpin,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -398,8 +407,9 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
         "label": "ping", "context": 0, "rpc_ms": stats(&pings),
     })];
 
-    let ar_orch = Orchestrator::connect(None, &t_server.addr).await?;
-    let spec_orch = Orchestrator::connect(Some(&d_server.addr), &t_server.addr).await?;
+    let ar_orch = Orchestrator::connect_with(None, &t_server.addr, s.client_spin).await?;
+    let spec_orch =
+        Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?;
     for &len in &s.contexts {
         let prompt = util::random_ids(42 + len as u64, len.max(1), vocab, &[]);
         let configs = [
@@ -463,7 +473,7 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
             "kind": "rpc",
             "target": target.name, "draft": draft.name, "device": s.device,
             "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
-            "runtime": s.runtime,
+            "runtime": s.runtime, "client_spin": s.client_spin,
             "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device)).to_lowercase(),
             "depth": s.depth, "rounds": s.rounds, "warmup": s.warmup,
             "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use specsplit_models::tokenizer::TextTokenizer;
-use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{ClientSpin, GenerateConfig, Mode, Orchestrator, Pipeline};
 use specsplit_workers::cli::{init_logging, shutdown_signal};
 use specsplit_workers::config::{load_section, WorkerConfig};
 use specsplit_workers::launch;
@@ -156,6 +156,16 @@ struct GenerateArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pipeline: Option<PipelineArg>,
+    /// Draft the first round beside the target's prefill: true or false (default: with the
+    /// overlapped pipeline only).
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_round_overlap: Option<bool>,
+    /// Busy-poll the client's sockets while a request is in flight: auto (once a worker reports
+    /// a CUDA device), always or never.
+    #[arg(long, value_name = "auto|always|never")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    client_spin: Option<ClientSpin>,
     /// Print one JSON object (text, token_ids, stats, rounds, config) instead of streaming.
     #[arg(long)]
     #[serde(skip)]
@@ -196,6 +206,9 @@ struct Settings {
     draft_retry_rounds: usize,
     draft_retry_max_rounds: usize,
     spec_probe_rounds: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_round_overlap: Option<bool>,
+    client_spin: ClientSpin,
 }
 
 impl Default for Settings {
@@ -228,6 +241,8 @@ impl Default for Settings {
             draft_retry_rounds: g.draft_retry_rounds,
             draft_retry_max_rounds: g.draft_retry_max_rounds,
             spec_probe_rounds: g.spec_probe_rounds,
+            first_round_overlap: g.first_round_overlap,
+            client_spin: ClientSpin::default(),
         }
     }
 }
@@ -253,6 +268,7 @@ impl Settings {
             draft_retry_rounds: self.draft_retry_rounds,
             draft_retry_max_rounds: self.draft_retry_max_rounds,
             spec_probe_rounds: self.spec_probe_rounds,
+            first_round_overlap: self.first_round_overlap,
         }
     }
 }
@@ -436,7 +452,7 @@ async fn run(
     let prompt = tokenizer
         .encode(&text_in, !s.chat_template)
         .context("tokenizing the prompt")?;
-    let orch = Orchestrator::connect(draft_addr, target_addr).await?;
+    let orch = Orchestrator::connect_with(draft_addr, target_addr, s.client_spin).await?;
     let mut decoder = tokenizer.stream_decoder(true);
     let mut ends_with_newline = true;
     let mut stdout = std::io::stdout();

@@ -38,7 +38,14 @@ fn generate_json(extra: &[&str]) -> Value {
 
 #[test]
 fn json_output_has_the_documented_fields_and_matches_target_only() {
-    let spec = generate_json(&["--widths", "3,2,1"]);
+    let spec = generate_json(&[
+        "--widths",
+        "3,2,1",
+        "--first-round-overlap",
+        "false",
+        "--client-spin",
+        "never",
+    ]);
     let ar = generate_json(&["--mode", "ar"]);
     for key in [
         "text",
@@ -56,7 +63,14 @@ fn json_output_has_the_documented_fields_and_matches_target_only() {
     assert_eq!(spec["stats"]["tokens"].as_u64().unwrap() as usize, n);
     assert_eq!(spec["config"]["widths"], serde_json::json!([3, 2, 1]));
     assert_eq!(ar["config"]["mode"], "ar");
+    assert_eq!(spec["config"]["first_round_overlap"], false);
+    assert_eq!(spec["config"]["client_spin"], "never");
+    assert_eq!(ar["config"]["client_spin"], "auto");
     let rounds = spec["rounds"].as_array().unwrap();
+    assert_eq!(
+        rounds[0]["drafted"], 3,
+        "without the first-round overlap the first round verifies a tree"
+    );
     let emitted: usize = rounds
         .iter()
         .map(|r| r["emitted"].as_array().unwrap().len())
@@ -111,6 +125,7 @@ fn bad_input_is_a_clear_error() {
         (&["generate", "x", "--temperature=-1"], "temperature"),
         (&["generate", "x", "--top-p", "1.5"], "top_p"),
         (&["generate", "x", "--max-tokens", "0"], "max_tokens"),
+        (&["generate", "x", "--client-spin", "sometimes"], "auto, always or never"),
         (
             &[
                 "generate",
@@ -158,6 +173,8 @@ fn help_explains_the_flags() {
         "--no-chat-template",
         "--mode",
         "--pipeline",
+        "--first-round-overlap",
+        "--client-spin",
         "--json",
     ] {
         assert!(help.contains(flag), "help lacks {flag}");

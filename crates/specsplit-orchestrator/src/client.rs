@@ -14,6 +14,8 @@ use tonic::{Code, Status};
 
 use crate::adaptive::{resize_widths, DepthController, DraftBackoff, SpeedGovernor};
 use crate::stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
+use serde::{Deserialize, Serialize};
+
 use crate::{GenerateConfig, Generation, Mode, Pipeline, StopReason};
 
 /// Largest gRPC message sent or accepted (dense draft distributions are large).
@@ -112,17 +114,8 @@ struct ClientRuntime {
 }
 
 impl ClientRuntime {
-    fn start() -> Result<Arc<Self>, OrchestratorError> {
-        // Spinning only helps the runtime that runs the channels' tasks.
-        Self::start_with(if own_runtime() {
-            client_spin()
-        } else {
-            SpinMode::Never
-        })
-    }
-
-    /// [`ClientRuntime::start`], busy-polling while RPCs are in flight as `spin` says.
-    fn start_with(spin: SpinMode) -> Result<Arc<Self>, OrchestratorError> {
+    /// Starts the runtime's thread, busy-polling while RPCs are in flight as `spin` says.
+    fn start(spin: ClientSpin) -> Result<Arc<Self>, OrchestratorError> {
         let failed = |e: std::io::Error| {
             OrchestratorError::Runtime(format!("cannot start the client runtime: {e}"))
         };
@@ -144,9 +137,9 @@ impl ClientRuntime {
                 drop(alive);
             })
             .map_err(failed)?;
-        let spin = (spin != SpinMode::Never).then(|| {
+        let spin = (spin != ClientSpin::Never).then(|| {
             let s = Arc::new(Spin::default());
-            let on = spin == SpinMode::Always;
+            let on = spin == ClientSpin::Always;
             s.enabled.store(on, std::sync::atomic::Ordering::Release);
             handle.spawn(s.clone().run());
             s
@@ -185,7 +178,7 @@ impl ClientRuntime {
         rpc.await
     }
 
-    /// Notes the device a worker reported for a request: in [`SpinMode::OnGpu`], a CUDA device
+    /// Notes the device a worker reported for a request: in [`ClientSpin::Auto`], a CUDA device
     /// turns spinning on for this runtime's later RPCs.
     fn observe_device(&self, device: Option<&str>) {
         if let (Some(s), Some(d)) = (&self.spin, device) {
@@ -201,7 +194,7 @@ impl ClientRuntime {
 /// tasks as soon as it arrives, instead of parking its thread and being woken by the kernel
 /// (a wake-up of an idle CPU, tens of microseconds or more on a virtual machine). It costs one
 /// busy core while a generation waits for a worker; with no RPC in flight it sleeps. See
-/// [`SpinMode`] for when it is on.
+/// [`ClientSpin`] for when it is on.
 #[derive(Default)]
 struct Spin {
     /// Whether RPCs are counted (and so spun for) at all.
@@ -244,55 +237,35 @@ impl Drop for SpinGuard {
     }
 }
 
-/// When a client runtime busy-polls while RPCs are in flight ([`Spin`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SpinMode {
-    /// Never (`SPECSPLIT_CLIENT_SPIN=0`).
-    Never,
-    /// For every RPC (`SPECSPLIT_CLIENT_SPIN=1`).
+/// When an orchestrator's client runtime busy-polls its sockets while an RPC is in flight
+/// instead of sleeping until the kernel wakes it: one wake-up less per RPC, one busy core per
+/// generating client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientSpin {
+    /// Once a worker has reported a CUDA device in a response's telemetry: GPU hosts have
+    /// cores to spare, while a CPU worker in the same process needs every core.
+    #[default]
+    Auto,
+    /// For every RPC.
     Always,
-    /// Once a worker has reported a CUDA device in a response's telemetry (the default): GPU
-    /// hosts have cores to spare, while a CPU worker in the same process needs every core.
-    OnGpu,
+    /// Never.
+    Never,
 }
 
-/// The client runtimes' [`SpinMode`], from `SPECSPLIT_CLIENT_SPIN`.
-fn client_spin() -> SpinMode {
-    static SPIN: std::sync::OnceLock<SpinMode> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| match std::env::var("SPECSPLIT_CLIENT_SPIN").as_deref() {
-        Ok("1") => SpinMode::Always,
-        Ok("0") => SpinMode::Never,
-        _ => SpinMode::OnGpu,
-    })
-}
+impl std::str::FromStr for ClientSpin {
+    type Err = String;
 
-/// Whether a speculative generation's first round drafts beside the target's prefill:
-/// `SPECSPLIT_FIRST_ROUND_OVERLAP=1` always, `0` never, and by default with the overlapped
-/// pipeline only (the one for workers on their own devices: two workers sharing one GPU slow
-/// each other's first passes about twofold; H100, 2026-11-25, `specsplit-bench e2e`).
-/// Otherwise the first round drafts first and verifies the tree with the prefill, as later
-/// rounds do.
-fn first_round_overlap(pipeline: Pipeline) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    SET.get_or_init(|| {
-        match std::env::var("SPECSPLIT_FIRST_ROUND_OVERLAP")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("0") => Some(false),
-            Ok("1") => Some(true),
-            _ => None,
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "always" => Ok(Self::Always),
+            "never" => Ok(Self::Never),
+            other => Err(format!(
+                "unknown client spin '{other}': use auto, always or never"
+            )),
         }
-    })
-    .unwrap_or(pipeline == Pipeline::Overlapped)
-}
-
-/// Whether orchestrators run on their own [`ClientRuntime`] thread (the default);
-/// `SPECSPLIT_OWN_RUNTIME=0` keeps the channels and round loops on the caller's runtime
-/// instead, for side-by-side measurements of the two.
-fn own_runtime() -> bool {
-    static OWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OWN.get_or_init(|| std::env::var("SPECSPLIT_OWN_RUNTIME").map_or(true, |v| v != "0"))
+    }
 }
 
 /// The request limits a worker reported in its ping (0 where it did not say).
@@ -364,10 +337,16 @@ impl Orchestrator {
         draft_addr: Option<&str>,
         target_addr: &str,
     ) -> Result<Self, OrchestratorError> {
-        let rt = ClientRuntime::start()?;
-        if !own_runtime() {
-            return Self::connect_here(draft_addr, target_addr, rt).await;
-        }
+        Self::connect_with(draft_addr, target_addr, ClientSpin::default()).await
+    }
+
+    /// [`Orchestrator::connect`], with the client runtime busy-polling as `spin` says.
+    pub async fn connect_with(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+        spin: ClientSpin,
+    ) -> Result<Self, OrchestratorError> {
+        let rt = ClientRuntime::start(spin)?;
         // Connected on the client runtime, so that the channels' tasks are spawned there.
         let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
         let rt2 = rt.clone();
@@ -480,12 +459,7 @@ impl Orchestrator {
             })
             .await
         };
-        let task = match tokio::runtime::Handle::try_current() {
-            // The earlier arrangement, kept for side-by-side measurements: the loop on the
-            // caller's runtime, where `connect` put the channels' tasks.
-            Ok(caller) if !own_runtime() => AbortOnDrop(caller.spawn(body)),
-            _ => self.rt.spawn(body),
-        };
+        let task = self.rt.spawn(body);
         let mut on_tokens = on_tokens;
         // The channel closes when the round loop returns (the sender is dropped with it).
         while let Some(t) = rx.recv().await {
@@ -856,7 +830,7 @@ impl<'a> Run<'a> {
             // needs no draft, so the target decodes it as a plain step while the draft drafts
             // after the prompt (as an overlapped pre-draft does), and the part of that tree
             // below the root the target picked is verified next round.
-            let first = rounds.is_empty() && depth > 0 && first_round_overlap(self.cfg.pipeline);
+            let first = rounds.is_empty() && depth > 0 && self.cfg.overlaps_first_round();
             if first {
                 no_draft = Some(NoDraft::FirstRound);
             }
@@ -1382,7 +1356,7 @@ mod tests {
 
     #[test]
     fn client_runtime_runs_tasks_on_its_thread_and_stops_with_the_last_handle() {
-        let rt = ClientRuntime::start().unwrap();
+        let rt = ClientRuntime::start(ClientSpin::default()).unwrap();
         let alive = rt.alive.clone();
         let caller = std::thread::current().id();
         // Awaited with no tokio runtime around the caller at all.
@@ -1405,7 +1379,7 @@ mod tests {
 
     #[test]
     fn a_spinning_runtime_spins_only_while_rpcs_are_in_flight() {
-        let rt = ClientRuntime::start_with(SpinMode::Always).unwrap();
+        let rt = ClientRuntime::start(ClientSpin::Always).unwrap();
         let spin = rt.spin.clone().expect("asked to spin");
         let alive = rt.alive.clone();
         let waiter = tokio::runtime::Builder::new_current_thread()
@@ -1434,7 +1408,7 @@ mod tests {
 
     #[test]
     fn on_gpu_spinning_starts_once_a_worker_reports_cuda() {
-        let rt = ClientRuntime::start_with(SpinMode::OnGpu).unwrap();
+        let rt = ClientRuntime::start(ClientSpin::Auto).unwrap();
         let spin = rt.spin.clone().expect("the spinner waits for a GPU worker");
         let enabled = || spin.enabled.load(std::sync::atomic::Ordering::Acquire);
         assert!(!enabled());
@@ -1443,7 +1417,7 @@ mod tests {
         assert!(!enabled(), "CPU workers need every core");
         rt.observe_device(Some("cuda:0"));
         assert!(enabled());
-        assert!(ClientRuntime::start_with(SpinMode::Never)
+        assert!(ClientRuntime::start(ClientSpin::Never)
             .unwrap()
             .spin
             .is_none());
@@ -1451,7 +1425,7 @@ mod tests {
 
     #[test]
     fn dropping_a_task_handle_aborts_it_and_lets_the_thread_stop() {
-        let rt = ClientRuntime::start().unwrap();
+        let rt = ClientRuntime::start(ClientSpin::default()).unwrap();
         let alive = rt.alive.clone();
         let task = rt.spawn(std::future::pending::<Result<(), OrchestratorError>>());
         drop(rt);
@@ -1464,7 +1438,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_is_an_error() {
-        let rt = ClientRuntime::start().unwrap();
+        let rt = ClientRuntime::start(ClientSpin::default()).unwrap();
         let waiter = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();

@@ -16,7 +16,7 @@ mod client;
 mod stats;
 
 pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
-pub use client::{Orchestrator, OrchestratorError};
+pub use client::{ClientSpin, Orchestrator, OrchestratorError};
 pub use stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 
 use serde::{Deserialize, Serialize};
@@ -104,6 +104,10 @@ pub struct GenerateConfig {
     /// When speculative rounds measure fewer tokens per second than target-only rounds, run
     /// this many target-only rounds before probing speculation again (0 = never switch).
     pub spec_probe_rounds: usize,
+    /// Whether a speculative generation's first round drafts beside the target's prefill
+    /// (`None`: with the overlapped pipeline only); see [`GenerateConfig::overlaps_first_round`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_round_overlap: Option<bool>,
 }
 
 impl Default for GenerateConfig {
@@ -127,6 +131,7 @@ impl Default for GenerateConfig {
             draft_retry_rounds: 2,
             draft_retry_max_rounds: 64,
             spec_probe_rounds: 32,
+            first_round_overlap: None,
         }
     }
 }
@@ -140,6 +145,18 @@ impl GenerateConfig {
             top_p: self.top_p,
             seed: self.seed,
         }
+    }
+
+    /// Whether a speculative generation's first round drafts beside the target's prefill: the
+    /// target decodes the first token as a plain step while the draft drafts after the prompt,
+    /// and the next round verifies the part of that tree below the target's token. Otherwise
+    /// the first round drafts first and verifies the tree with the prefill, as later rounds do.
+    /// By default only the overlapped pipeline does, the one for workers on their own devices:
+    /// two workers sharing one GPU slow each other's first passes about twofold (H100,
+    /// 2026-11-25, `specsplit-bench e2e`).
+    pub fn overlaps_first_round(&self) -> bool {
+        self.first_round_overlap
+            .unwrap_or(self.pipeline == Pipeline::Overlapped)
     }
 
     /// Checks the settings, with a message naming the bad one.
