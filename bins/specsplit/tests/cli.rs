@@ -125,7 +125,10 @@ fn bad_input_is_a_clear_error() {
         (&["generate", "x", "--temperature=-1"], "temperature"),
         (&["generate", "x", "--top-p", "1.5"], "top_p"),
         (&["generate", "x", "--max-tokens", "0"], "max_tokens"),
-        (&["generate", "x", "--client-spin", "sometimes"], "auto, always or never"),
+        (
+            &["generate", "x", "--client-spin", "sometimes"],
+            "auto, always or never",
+        ),
         (
             &[
                 "generate",
