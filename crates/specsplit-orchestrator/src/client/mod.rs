@@ -1,0 +1,237 @@
+//! The orchestrator: gRPC clients of the two workers, on a client runtime of their own, and
+//! generations run round by round against them.
+
+mod error;
+mod round;
+mod runtime;
+mod tree;
+mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use specsplit_proto::draft_service_client::DraftServiceClient;
+use specsplit_proto::target_service_client::TargetServiceClient;
+use specsplit_proto::{EndSessionRequest, PingRequest};
+use tonic::transport::Channel;
+
+pub use error::OrchestratorError;
+pub use runtime::ClientSpin;
+
+use crate::{GenerateConfig, Generation, Mode};
+use round::Run;
+use runtime::ClientRuntime;
+use worker::{channel, known, ping, WorkerLimits, MAX_MESSAGE_BYTES};
+
+/// How long ending a session may take (best effort, after the generation's result is known).
+const END_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A connection to a target worker and, for speculative decoding, a draft worker.
+///
+/// Its gRPC channels and its generations' round loops run on a current-thread runtime on a
+/// thread of its own (see [`ClientRuntime`]), which stops when the last clone is dropped.
+#[derive(Clone)]
+pub struct Orchestrator {
+    draft: Option<DraftServiceClient<Channel>>,
+    target: TargetServiceClient<Channel>,
+    target_addr: String,
+    eos: Vec<u32>,
+    vocab_size: usize,
+    /// The limits the target reported.
+    target_limits: WorkerLimits,
+    /// The limits the draft reported (None without a draft).
+    draft_limits: Option<WorkerLimits>,
+    /// Dropped after the channels (fields drop in order), though either order is safe.
+    rt: Arc<ClientRuntime>,
+}
+
+impl Orchestrator {
+    /// Connects to the workers (no draft for target-only decoding), pings both and checks that
+    /// their vocabularies match.
+    pub async fn connect(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+    ) -> Result<Self, OrchestratorError> {
+        Self::connect_with(draft_addr, target_addr, ClientSpin::default()).await
+    }
+
+    /// [`Orchestrator::connect`], with the client runtime busy-polling as `spin` says.
+    pub async fn connect_with(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+        spin: ClientSpin,
+    ) -> Result<Self, OrchestratorError> {
+        let rt = ClientRuntime::start(spin)?;
+        // Connected on the client runtime, so that the channels' tasks are spawned there.
+        let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
+        let rt2 = rt.clone();
+        rt.spawn(async move { Self::connect_here(draft_addr.as_deref(), &target_addr, rt2).await })
+            .join()
+            .await
+    }
+
+    /// [`Orchestrator::connect`] on the current runtime, which must be `rt`'s.
+    async fn connect_here(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+        rt: Arc<ClientRuntime>,
+    ) -> Result<Self, OrchestratorError> {
+        let mut target = TargetServiceClient::new(channel("target", target_addr).await?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let tp = ping("target", target_addr, target.ping(PingRequest {})).await?;
+        let mut eos: Vec<u32> = tp.eos_token_ids.iter().map(|&t| t as u32).collect();
+        let draft = match draft_addr {
+            None => None,
+            Some(addr) => {
+                let mut d = DraftServiceClient::new(channel("draft", addr).await?)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                let dp = ping("draft", addr, d.ping(PingRequest {})).await?;
+                if dp.vocab_size != tp.vocab_size {
+                    return Err(OrchestratorError::Incompatible(format!(
+                        "the draft model '{}' has a vocabulary of {} tokens but the target model \
+                         '{}' has {}: speculative decoding needs the same tokenizer on both sides",
+                        dp.model_name, dp.vocab_size, tp.model_name, tp.vocab_size
+                    )));
+                }
+                for &t in &dp.eos_token_ids {
+                    if !eos.contains(&(t as u32)) {
+                        eos.push(t as u32);
+                    }
+                }
+                Some((d, WorkerLimits::of(&dp)))
+            }
+        };
+        let (draft, draft_limits) = match draft {
+            Some((d, l)) => (Some(d), Some(l)),
+            None => (None, None),
+        };
+        Ok(Self {
+            draft,
+            target,
+            target_addr: target_addr.to_string(),
+            eos,
+            vocab_size: tp.vocab_size.max(0) as usize,
+            target_limits: WorkerLimits::of(&tp),
+            draft_limits,
+            rt,
+        })
+    }
+
+    /// End-of-sequence ids reported by the workers.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Vocabulary size reported by the target.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Generates up to `cfg.max_tokens` tokens after `prompt`, calling `on_tokens` with each
+    /// round's emitted tokens as soon as they are known (in the caller's task, in order, all
+    /// before this returns; the round loop does not wait for it). Both workers' sessions are
+    /// ended on every exit path.
+    pub async fn generate(
+        &self,
+        prompt: &[u32],
+        cfg: &GenerateConfig,
+        on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, OrchestratorError> {
+        cfg.validate().map_err(OrchestratorError::Config)?;
+        if prompt.is_empty() {
+            return Err(OrchestratorError::Config(
+                "the prompt holds no tokens".into(),
+            ));
+        }
+        if cfg.mode == Mode::Spec && self.draft.is_none() {
+            return Err(OrchestratorError::Config(
+                "speculative mode needs a draft worker address".into(),
+            ));
+        }
+        let t = &self.target_limits;
+        if prompt.len() > known(t.max_context) || prompt.len() > known(t.max_prompt_len) {
+            return Err(OrchestratorError::Config(format!(
+                "the prompt has {} tokens but the target accepts at most {} (max_prompt_len) \
+                 and holds at most {} in a session (max_context)",
+                prompt.len(),
+                t.max_prompt_len,
+                t.max_context
+            )));
+        }
+        let session = format!("gen-{:032x}", rand::random::<u128>());
+        let secret = new_secret();
+        // The round loop runs on the client runtime's thread, where the channels' tasks run
+        // (see `ClientRuntime`), whatever polls the caller. The caller still calls `on_tokens`
+        // itself, with every round's tokens, in order, before the result.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u32>>();
+        let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
+        let body = async move {
+            run_and_end(&o, &session, &secret, &cfg, &prompt, move |t| {
+                // The receiver is gone only when the caller was dropped (and aborts us).
+                let _ = tx.send(t.to_vec());
+            })
+            .await
+        };
+        let task = self.rt.spawn(body);
+        let mut on_tokens = on_tokens;
+        // The channel closes when the round loop returns (the sender is dropped with it).
+        while let Some(t) = rx.recv().await {
+            on_tokens(&t);
+        }
+        task.join().await
+    }
+
+    /// Ends `session` on both workers at once, each within [`END_SESSION_TIMEOUT`] (best
+    /// effort: a dead worker holds none anyway, and an idle one drops it after its TTL).
+    async fn end_sessions(&self, session: &str, secret: &str) {
+        let end = EndSessionRequest {
+            session_id: session.to_string(),
+            session_secret: secret.to_string(),
+        };
+        let mut target = self.target.clone();
+        let on_target = tokio::time::timeout(END_SESSION_TIMEOUT, target.end_session(end.clone()));
+        let on_draft = async {
+            if let Some(d) = &self.draft {
+                let mut d = d.clone();
+                let _ = tokio::time::timeout(END_SESSION_TIMEOUT, d.end_session(end)).await;
+            }
+        };
+        let _ = tokio::join!(on_target, on_draft);
+    }
+}
+
+/// Runs a generation's round loop, then ends its sessions whatever happened.
+async fn run_and_end(
+    o: &Orchestrator,
+    session: &str,
+    secret: &str,
+    cfg: &GenerateConfig,
+    prompt: &[u32],
+    on_tokens: impl FnMut(&[u32]),
+) -> Result<Generation, OrchestratorError> {
+    let result = Run::new(o, session, secret, cfg)
+        .run(prompt, on_tokens)
+        .await;
+    o.end_sessions(session, secret).await;
+    result
+}
+
+/// A fresh session secret: 32 random hex digits (128 bits).
+fn new_secret() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_fresh_128_bit_hex_strings() {
+        let (a, b) = (new_secret(), new_secret());
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}

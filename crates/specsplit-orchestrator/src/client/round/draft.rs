@@ -1,0 +1,191 @@
+//! The drafting side of a round: whether and how wide the draft may be asked, draft requests
+//! (bounded by the draft deadline), pre-drafts on their own task, and draft failures.
+
+use std::time::{Duration, Instant};
+
+use specsplit_core::tree::{TokenTree, TreeLimits};
+use specsplit_proto::convert::TreeWire;
+use specsplit_proto::DraftRequest;
+use tonic::Code;
+
+use super::{DraftOutcome, Drafted, PreDraft, Run};
+use crate::client::error::{rpc, short};
+use crate::client::tree::{fit_tree_widths, tree_size};
+use crate::client::worker::{known, ServerTimes};
+use crate::client::{Orchestrator, OrchestratorError};
+use crate::GenerateConfig;
+
+impl Run<'_> {
+    /// Whether the draft accepts a request carrying `ctx_len` tokens and `widths`.
+    pub(super) fn draft_accepts(&self, ctx_len: usize, widths: &[usize]) -> bool {
+        let Some(d) = &self.o.draft_limits else {
+            return false;
+        };
+        ctx_len <= known(d.max_prompt_len)
+            && ctx_len.saturating_add(tree_size(widths)) <= known(d.max_context)
+            && tree_size(widths) <= known(d.max_tree_nodes)
+            && widths.len() <= known(d.max_tree_depth)
+    }
+
+    /// The widths of this round's tree: `widths` cut to fit the target's room after the
+    /// sequence and the draft's limits (empty when no tree fits).
+    pub(super) fn fit_widths(&mut self, widths: &[usize]) -> Vec<usize> {
+        let (room, levels) = self.target_room();
+        let mut w = fit_tree_widths(widths, room, levels);
+        if let Some(d) = &self.o.draft_limits {
+            if self.seq.len() > known(d.max_prompt_len) || self.seq.len() >= known(d.max_context) {
+                // The sequence only grows: the draft cannot serve this generation any more.
+                tracing::info!(
+                    tokens = self.seq.len(),
+                    "the sequence outgrew the draft worker's limits; target-only rounds from here"
+                );
+                self.draft_off = true;
+                return Vec::new();
+            }
+            let room = known(d.max_context) - self.seq.len();
+            w = fit_tree_widths(
+                &w,
+                room.min(known(d.max_tree_nodes)),
+                known(d.max_tree_depth),
+            );
+        }
+        w
+    }
+
+    /// Records a failed draft request of round `round`.
+    pub(super) fn draft_failed(&mut self, round: usize, what: &str) {
+        self.draft_failures += 1;
+        self.backoff.fail(round);
+        tracing::warn!(
+            round,
+            "draft worker failed ({what}); target-only rounds meanwhile"
+        );
+    }
+
+    /// Records a draft error of round `round`: a refusal as invalid (an older worker's limits)
+    /// turns the draft off for the rest of the generation, anything else backs off.
+    pub(super) fn draft_error(&mut self, round: usize, e: &OrchestratorError) {
+        match e {
+            OrchestratorError::Rpc { status, .. } if status.code() == Code::InvalidArgument => {
+                self.draft_failures += 1;
+                self.draft_off = true;
+                tracing::warn!(
+                    round,
+                    "draft worker refused a request ({}); target-only rounds for the rest",
+                    short(status.message())
+                );
+            }
+            e => self.draft_failed(round, &short(&e.to_string())),
+        }
+    }
+
+    /// Asks the draft for a tree after the sequence, within the draft deadline.
+    pub(super) async fn draft(&mut self, round: usize, widths: &[usize]) -> DraftOutcome {
+        let no = self.request_no;
+        self.request_no += 1;
+        let t0 = Instant::now();
+        let until = self.bounded(t0 + Duration::from_millis(self.cfg.draft_timeout_ms));
+        let limits = self.limits();
+        let call = draft_call(
+            self.o,
+            self.session,
+            self.secret,
+            self.cfg,
+            no,
+            &self.seq,
+            widths,
+            &limits,
+        );
+        let waited = || t0.elapsed().as_secs_f64() * 1e3;
+        match tokio::time::timeout_at(until.into(), call).await {
+            Ok(Ok(d)) => {
+                self.backoff.succeed();
+                DraftOutcome::Tree(Box::new(d))
+            }
+            Ok(Err(e)) => {
+                self.draft_error(round, &e);
+                DraftOutcome::Failed(waited())
+            }
+            Err(_) if self.past_deadline() => DraftOutcome::Deadline,
+            Err(_) => {
+                let ms = self.cfg.draft_timeout_ms;
+                self.draft_failed(round, &format!("no answer within {ms} ms"));
+                DraftOutcome::Failed(waited())
+            }
+        }
+    }
+
+    /// Starts a draft after `ctx` with `widths` on its own task, bounded by the draft deadline;
+    /// the task answers `Err(())` when that passed.
+    pub(super) fn spawn_predraft(&mut self, ctx: Vec<u32>, widths: Vec<usize>) -> PreDraft {
+        let o = self.o.clone();
+        let (sess, secret, cfg, no) = (
+            self.session.to_string(),
+            self.secret.to_string(),
+            self.cfg.clone(),
+            self.request_no,
+        );
+        self.request_no += 1;
+        let limits = self.limits();
+        let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
+        tokio::spawn(async move {
+            let call = draft_call(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits);
+            tokio::time::timeout_at(until.into(), call)
+                .await
+                .map_err(|_| ())
+        })
+    }
+}
+
+/// Asks the draft worker for a tree of `widths` after `seq`, as request `request_no` of the
+/// session, and checks the tree it sends against `limits`.
+#[allow(clippy::too_many_arguments)]
+async fn draft_call(
+    o: &Orchestrator,
+    session: &str,
+    secret: &str,
+    cfg: &GenerateConfig,
+    request_no: u64,
+    seq: &[u32],
+    widths: &[usize],
+    limits: &TreeLimits,
+) -> Result<Drafted, OrchestratorError> {
+    let Some(draft) = &o.draft else {
+        return Err(OrchestratorError::Config("no draft worker".into()));
+    };
+    let req = DraftRequest {
+        request_id: format!("{session}-{request_no}"),
+        prompt_token_ids: seq.iter().map(|&t| t as i32).collect(),
+        max_draft_len: widths.len() as i32,
+        num_beams: widths.first().copied().unwrap_or(1) as i32,
+        temperature: Some(cfg.temperature),
+        reset_cache: false,
+        session_id: session.to_string(),
+        tree_widths: widths.iter().map(|&w| w as i32).collect(),
+        sampling: Some(cfg.sampling()),
+        session_secret: secret.to_string(),
+    };
+    let t0 = Instant::now();
+    let mut d = draft.clone();
+    let r =
+        o.rt.in_flight(d.generate_drafts(req))
+            .await
+            .map_err(rpc("draft"))?
+            .into_inner();
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    o.rt.observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
+    let server = ServerTimes::of(r.telemetry.as_ref());
+    let tree = TokenTree::from_proto(
+        &r.draft_tree,
+        r.root_distribution.as_ref(),
+        r.siblings_without_replacement,
+        limits,
+    )
+    .map_err(|e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}")))?;
+    Ok(Drafted {
+        tree,
+        ms,
+        server_ms: server.wall_ms,
+        model_ms: server.model_ms,
+    })
+}

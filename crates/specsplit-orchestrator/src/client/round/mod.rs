@@ -1,0 +1,580 @@
+//! One generation's round loop. Each round chooses the depth of its tree, takes the tree
+//! pre-drafted beside the last verify or drafts one now, has the target verify it (beside the
+//! pre-draft of the next round's tree), emits the accepted tokens and the target's own cut at a
+//! stop, reconciles the pre-draft with what was accepted, and records its statistics.
+
+mod draft;
+mod verify;
+
+use std::time::{Duration, Instant};
+
+use specsplit_core::tree::{TokenTree, TreeLimits};
+
+use super::tree::{first_child_path, subtree};
+use super::worker::known;
+use super::{Orchestrator, OrchestratorError};
+use crate::adaptive::{resize_widths, DepthController, DraftBackoff, SpeedGovernor};
+use crate::stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
+use crate::{GenerateConfig, Generation, Mode, Pipeline, StopReason};
+use verify::{Verdict, Verified};
+
+/// A draft tree and how long drafting it took.
+struct Drafted {
+    tree: TokenTree,
+    ms: f64,
+    /// Wall time the draft worker reported for the request (0 for a pre-drafted tree).
+    server_ms: f64,
+    /// Of that, the time it reported in its model.
+    model_ms: f64,
+}
+
+impl Drafted {
+    /// No tree, after `ms` spent waiting for one.
+    fn none(ms: f64) -> Self {
+        Self {
+            tree: TokenTree::new(),
+            ms,
+            server_ms: 0.0,
+            model_ms: 0.0,
+        }
+    }
+}
+
+/// How a draft request of a round ended.
+enum DraftOutcome {
+    /// A tree.
+    Tree(Box<Drafted>),
+    /// The draft failed (recorded); the round goes on without a tree, after `ms` waiting.
+    Failed(f64),
+    /// The generation's deadline passed while waiting.
+    Deadline,
+}
+
+/// A pre-draft's task: `Err(())` when the draft deadline passed first.
+type PreDraft = tokio::task::JoinHandle<Result<Result<Drafted, OrchestratorError>, ()>>;
+
+/// A pre-draft running beside a verify call, on a guess of the path the target accepts.
+struct PreDraftInFlight {
+    task: PreDraft,
+    /// The nodes of the verified tree the pre-draft assumed accepted (its first-child path).
+    guess: Vec<usize>,
+}
+
+/// What a round's pre-draft cost it (all 0 without one).
+#[derive(Default)]
+struct PreDraftTimes {
+    /// Time the round waited for it after its verify call returned.
+    wait_ms: f64,
+    /// Wall time the draft worker reported for it.
+    server_ms: f64,
+    /// Of that, the time it reported in its model.
+    model_ms: f64,
+}
+
+/// One round as it goes through its steps.
+struct Round {
+    /// Its index in the generation.
+    no: usize,
+    start: Instant,
+    /// Tokens the generation may still emit.
+    remaining: usize,
+    /// The widths of the tree asked for (empty: none).
+    widths: Vec<usize>,
+    /// Why the round verifies no tree, where it verifies none.
+    no_draft: Option<NoDraft>,
+    /// Whether this first round drafts beside the target's prefill.
+    first: bool,
+    /// The tree to verify (empty: none).
+    drafted: Drafted,
+    /// Whether a pre-drafted tree was used (`None`: no pre-draft was waiting).
+    overlap_hit: Option<bool>,
+}
+
+impl Round {
+    /// Levels of the tree to verify (0 without one).
+    fn depth(&self) -> usize {
+        if self.drafted.tree.is_empty() {
+            0
+        } else {
+            self.drafted.tree.max_depth() + 1
+        }
+    }
+}
+
+/// State of one generation.
+pub(super) struct Run<'a> {
+    o: &'a Orchestrator,
+    session: &'a str,
+    /// Sent with every request of the session (the workers refuse the session's requests
+    /// without it).
+    secret: &'a str,
+    cfg: &'a GenerateConfig,
+    /// When the generation started.
+    start: Instant,
+    /// Prompt + emitted tokens.
+    seq: Vec<u32>,
+    /// Emitted tokens.
+    out: Vec<u32>,
+    /// One record per round so far.
+    rounds: Vec<RoundRecord>,
+    /// Time to the first emitted token.
+    ttft_ms: f64,
+    /// The tree pre-drafted for the next round (empty after a miss).
+    next_tree: Option<Drafted>,
+    /// Cached length the target reported, and the tokens it has not cached yet.
+    target_cached: Option<usize>,
+    pending: Vec<u32>,
+    depth: DepthController,
+    widths: Vec<usize>,
+    request_no: u64,
+    /// The generation's deadline, if any.
+    deadline: Option<Instant>,
+    /// Rounds to wait before trying a failing draft again.
+    backoff: DraftBackoff,
+    /// Whether speculation pays, from measured round times.
+    governor: SpeedGovernor,
+    /// The draft is not asked again in this generation (the sequence outgrew its limits, or
+    /// it refused a request as invalid).
+    draft_off: bool,
+    draft_failures: usize,
+    switches: Vec<SpeedSwitch>,
+}
+
+/// Milliseconds since `t`.
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+impl<'a> Run<'a> {
+    /// A generation of `session` on `o`'s workers.
+    pub(super) fn new(
+        o: &'a Orchestrator,
+        session: &'a str,
+        secret: &'a str,
+        cfg: &'a GenerateConfig,
+    ) -> Self {
+        Self {
+            o,
+            session,
+            secret,
+            cfg,
+            start: Instant::now(),
+            seq: Vec::new(),
+            out: Vec::new(),
+            rounds: Vec::new(),
+            ttft_ms: 0.0,
+            next_tree: None,
+            target_cached: None,
+            pending: Vec::new(),
+            depth: DepthController::new(cfg.min_depth, cfg.max_depth),
+            widths: cfg.widths.clone(),
+            request_no: 0,
+            deadline: None,
+            backoff: DraftBackoff::new(cfg.draft_retry_rounds, cfg.draft_retry_max_rounds),
+            governor: SpeedGovernor::new(cfg.spec_probe_rounds),
+            draft_off: false,
+            draft_failures: 0,
+            switches: Vec::new(),
+        }
+    }
+
+    /// Generates after `prompt`, round by round, calling `on_tokens` with each round's tokens.
+    pub(super) async fn run(
+        mut self,
+        prompt: &[u32],
+        mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, OrchestratorError> {
+        self.start = Instant::now();
+        self.deadline = (self.cfg.deadline_ms > 0)
+            .then(|| self.start + Duration::from_millis(self.cfg.deadline_ms));
+        self.seq = prompt.to_vec();
+        let stop = loop {
+            if let Some(stop) = self.stop_before_round() {
+                break stop;
+            }
+            let mut round = self.choose_depth();
+            if let Some(stop) = self.take_or_draft(&mut round).await {
+                break stop;
+            }
+            self.fit_to_target(&mut round);
+            let pre = self.predraft_beside_verify(&round);
+            let Some(verdict) = self
+                .verify_beside(&round.drafted.tree, pre.as_ref())
+                .await?
+            else {
+                break StopReason::Deadline;
+            };
+            self.adapt_depth(&round, &verdict);
+            let (emitted, stop_now) = self.cut_at_stop(&verdict.verified);
+            if self.out.is_empty() {
+                self.ttft_ms = ms_since(self.start);
+            }
+            // The tokens go out before the wait for a pre-draft running beside the verify.
+            on_tokens(&emitted);
+            let predraft = self.reconcile(round.no, pre, &verdict.verified).await?;
+            let prefill = self.advance(&emitted, &verdict.verified);
+            self.record(round, &verdict, predraft, emitted, prefill);
+            if let Some(stop) = stop_now {
+                break stop;
+            }
+        };
+        Ok(self.finish(stop))
+    }
+
+    /// Why the generation stops before another round, if it does.
+    fn stop_before_round(&self) -> Option<StopReason> {
+        if self.out.len() >= self.cfg.max_tokens {
+            Some(StopReason::MaxTokens)
+        } else if self.past_deadline() {
+            Some(StopReason::Deadline)
+        } else if self.seq.len() > known(self.o.target_limits.max_context) {
+            // Even a round without a tree needs the whole sequence in the target's context.
+            Some(StopReason::Context)
+        } else {
+            None
+        }
+    }
+
+    /// Starts the next round with the widths of the tree it asks for, never deeper than what
+    /// may still be emitted (accepted + 1 ≤ remaining), or with why it drafts none.
+    fn choose_depth(&mut self) -> Round {
+        let start = Instant::now();
+        let no = self.rounds.len();
+        let remaining = self.cfg.max_tokens - self.out.len();
+        let (widths, mut no_draft) = if self.cfg.mode == Mode::Ar {
+            (Vec::new(), Some(NoDraft::Mode))
+        } else {
+            let d = if self.cfg.adaptive_depth {
+                self.depth.depth(self.widths.len())
+            } else {
+                self.cfg.widths.len()
+            };
+            self.widths = resize_widths(&self.cfg.widths, d);
+            let wanted = resize_widths(&self.widths, d.min(remaining - 1));
+            if wanted.is_empty() {
+                (wanted, Some(NoDraft::LastToken))
+            } else if self.draft_off {
+                (Vec::new(), Some(NoDraft::Limit))
+            } else if !self.backoff.ready(no) {
+                (Vec::new(), Some(NoDraft::Backoff))
+            } else if !self.governor.speculate(no) {
+                (Vec::new(), Some(NoDraft::Slow))
+            } else {
+                let w = self.fit_widths(&wanted);
+                let why = w.is_empty().then_some(NoDraft::Limit);
+                (w, why)
+            }
+        };
+        // The first round drafts beside the target's prefill: the target's first token
+        // needs no draft, so the target decodes it as a plain step while the draft drafts
+        // after the prompt (as an overlapped pre-draft does), and the part of that tree
+        // below the root the target picked is verified next round.
+        let first = no == 0 && !widths.is_empty() && self.cfg.overlaps_first_round();
+        if first {
+            no_draft = Some(NoDraft::FirstRound);
+        }
+        Round {
+            no,
+            start,
+            remaining,
+            widths,
+            no_draft,
+            first,
+            drafted: Drafted::none(0.0),
+            overlap_hit: None,
+        }
+    }
+
+    /// Gives the round its tree: none where it drafts none (or drafts beside the prefill),
+    /// else the tree pre-drafted beside the last verify if one is waiting, else one drafted
+    /// now. `Some` when the generation's deadline passed while drafting.
+    async fn take_or_draft(&mut self, round: &mut Round) -> Option<StopReason> {
+        let pre_drafted = self.next_tree.take();
+        if round.widths.is_empty() || round.first {
+            return None;
+        }
+        match pre_drafted {
+            Some(pre) if !pre.tree.is_empty() => {
+                // Never deeper than what may still be emitted.
+                round.drafted.tree = subtree(&pre.tree, None, round.widths.len());
+                round.overlap_hit = Some(true);
+            }
+            pre => match self.draft(round.no, &round.widths).await {
+                DraftOutcome::Tree(d) => {
+                    round.drafted = *d;
+                    round.overlap_hit = pre.map(|_| false);
+                }
+                DraftOutcome::Failed(ms) => {
+                    round.no_draft = Some(NoDraft::DraftFailed);
+                    round.drafted = Drafted::none(ms);
+                }
+                DraftOutcome::Deadline => return Some(StopReason::Deadline),
+            },
+        }
+        None
+    }
+
+    /// Cuts the round's tree, whatever its source, to the target's room after the sequence.
+    fn fit_to_target(&self, round: &mut Round) {
+        let (room, levels) = self.target_room();
+        let tree = &round.drafted.tree;
+        if tree.is_empty() || (tree.len() <= room && tree.max_depth() < levels) {
+            return;
+        }
+        let mut l = levels.min(tree.max_depth() + 1);
+        let mut t = subtree(tree, None, l);
+        while l > 0 && t.len() > room {
+            l -= 1;
+            t = subtree(tree, None, l);
+        }
+        round.drafted.tree = t;
+        if round.drafted.tree.is_empty() {
+            round.no_draft = Some(NoDraft::Limit);
+        }
+    }
+
+    /// Starts drafting the next round's tree beside this round's verify, on the guess that
+    /// the tree's first-child path is accepted (after the prompt alone in a first round that
+    /// drafts beside the prefill): in the overlapped pipeline and in such a first round, where
+    /// tokens remain beyond the guess and the draft accepts the request.
+    fn predraft_beside_verify(&mut self, round: &Round) -> Option<PreDraftInFlight> {
+        let overlap =
+            (self.cfg.pipeline == Pipeline::Overlapped || round.first) && !round.widths.is_empty();
+        let tree = &round.drafted.tree;
+        let guess = first_child_path(tree);
+        if !(overlap && (round.first || round.depth() > 0) && round.remaining > guess.len() + 1) {
+            return None;
+        }
+        let mut ctx = self.seq.clone();
+        ctx.extend(guess.iter().map(|&i| tree.token(i)));
+        let mut widths = vec![1];
+        widths.extend_from_slice(&round.widths);
+        if !self.draft_accepts(ctx.len(), &widths) {
+            return None;
+        }
+        let task = self.spawn_predraft(ctx, widths);
+        Some(PreDraftInFlight { task, guess })
+    }
+
+    /// Verifies `tree` (see [`Run::verify`]); when that fails or the deadline passes first,
+    /// the pre-draft beside it is aborted: no request outlives the generation.
+    async fn verify_beside(
+        &mut self,
+        tree: &TokenTree,
+        pre: Option<&PreDraftInFlight>,
+    ) -> Result<Option<Verdict>, OrchestratorError> {
+        let verdict = self.verify(tree).await;
+        if !matches!(verdict, Ok(Some(_))) {
+            if let Some(p) = pre {
+                p.task.abort();
+            }
+        }
+        verdict
+    }
+
+    /// Feeds the adaptive depth controller a speculative round's acceptance and timings.
+    fn adapt_depth(&mut self, round: &Round, verdict: &Verdict) {
+        if self.cfg.adaptive_depth && !round.drafted.tree.is_empty() {
+            self.depth.observe(
+                round.depth(),
+                verdict.verified.accepted.len(),
+                round.drafted.ms,
+                verdict.ms,
+            );
+        }
+    }
+
+    /// The round's tokens (the accepted ones and the target's next) cut after the first stop
+    /// token and at `max_tokens`, and why the generation stops with them, if it does.
+    fn cut_at_stop(&self, v: &Verified) -> (Vec<u32>, Option<StopReason>) {
+        let mut emitted = v.accepted.clone();
+        emitted.push(v.next);
+        let mut stop = None;
+        if let Some(k) = emitted
+            .iter()
+            .position(|t| self.o.eos.contains(t) || self.cfg.stop_token_ids.contains(t))
+        {
+            emitted.truncate(k + 1);
+            stop = Some(StopReason::Eos);
+        }
+        if self.out.len() + emitted.len() >= self.cfg.max_tokens {
+            emitted.truncate(self.cfg.max_tokens - self.out.len());
+            stop.get_or_insert(StopReason::MaxTokens);
+        }
+        (emitted, stop)
+    }
+
+    /// Waits for the pre-draft beside the verify and keeps its tree for the next round when
+    /// the guess held (the target accepted the guessed path and its next token is the
+    /// pre-drafted root), an empty tree (a miss) otherwise; a failed pre-draft counts as a
+    /// failed draft of round `round`.
+    async fn reconcile(
+        &mut self,
+        round: usize,
+        pre: Option<PreDraftInFlight>,
+        v: &Verified,
+    ) -> Result<PreDraftTimes, OrchestratorError> {
+        let mut times = PreDraftTimes::default();
+        let Some(pre) = pre else {
+            return Ok(times);
+        };
+        let waited = Instant::now();
+        let answer = pre
+            .task
+            .await
+            .map_err(|e| OrchestratorError::Runtime(e.to_string()))?;
+        times.wait_ms = ms_since(waited);
+        match answer {
+            Ok(Ok(d)) => {
+                self.backoff.succeed();
+                (times.server_ms, times.model_ms) = (d.server_ms, d.model_ms);
+                let hit = v.accepted_nodes == pre.guess
+                    && d.tree.roots().next().map(|r| d.tree.token(r)) == Some(v.next);
+                let tree = if hit {
+                    subtree(&d.tree, Some(0), usize::MAX)
+                } else {
+                    TokenTree::new()
+                };
+                self.next_tree = Some(Drafted {
+                    tree,
+                    ..Drafted::none(0.0)
+                });
+            }
+            Ok(Err(e)) => self.draft_error(round, &e),
+            // The generation's deadline: the next round stops.
+            Err(()) if self.past_deadline() => {}
+            Err(()) => {
+                let ms = self.cfg.draft_timeout_ms;
+                self.draft_failed(round, &format!("no answer within {ms} ms"));
+            }
+        }
+        Ok(times)
+    }
+
+    /// Appends the round's tokens to the output and the sequence, and notes what the target
+    /// caches of it: all but its own next token, which the next verify sends. True when the
+    /// round sent the whole sequence (a prefill).
+    fn advance(&mut self, emitted: &[u32], v: &Verified) -> bool {
+        let prefill = self.target_cached.is_none();
+        self.out.extend_from_slice(emitted);
+        self.seq.extend_from_slice(emitted);
+        self.pending = vec![v.next];
+        self.target_cached = Some(v.cached_len);
+        prefill
+    }
+
+    /// Records the round: its pace for the speed governor (except a prefill's) and its
+    /// [`RoundRecord`].
+    fn record(
+        &mut self,
+        round: Round,
+        verdict: &Verdict,
+        predraft: PreDraftTimes,
+        emitted: Vec<u32>,
+        prefill: bool,
+    ) {
+        let round_ms = ms_since(round.start);
+        // A round that sent the whole sequence (a prefill) says nothing about the pace.
+        if self.cfg.mode == Mode::Spec && !prefill {
+            let target_only = round.drafted.tree.is_empty();
+            self.observe_pace(round.no, target_only, emitted.len(), round_ms, verdict.ms);
+        }
+        let tree = &round.drafted.tree;
+        self.rounds.push(RoundRecord {
+            drafted: round.depth(),
+            tree_nodes: tree.len(),
+            accepted: verdict.verified.accepted.len(),
+            emitted,
+            draft_ms: round.drafted.ms,
+            draft_server_ms: round.drafted.server_ms,
+            verify_ms: verdict.ms,
+            verify_server_ms: verdict.server.wall_ms,
+            draft_model_ms: round.drafted.model_ms,
+            verify_model_ms: verdict.server.model_ms,
+            round_ms,
+            overlap_hit: round.overlap_hit,
+            predraft_wait_ms: predraft.wait_ms,
+            predraft_server_ms: predraft.server_ms,
+            predraft_model_ms: predraft.model_ms,
+            no_draft: if tree.is_empty() {
+                round.no_draft.or(Some(NoDraft::Limit))
+            } else {
+                None
+            },
+        });
+    }
+
+    /// Feeds the speed governor one round's pace; it may pause speculation or probe it again
+    /// from the next round.
+    fn observe_pace(
+        &mut self,
+        round: usize,
+        target_only: bool,
+        tokens: usize,
+        round_ms: f64,
+        verify_ms: f64,
+    ) {
+        if target_only {
+            self.governor.observe_target_only(tokens, round_ms);
+        } else {
+            self.governor.observe_spec(tokens, round_ms, verify_ms);
+        }
+        if let Some(s) = self.governor.review(round) {
+            tracing::info!(
+                spec_tokens_per_s = s.spec_tokens_per_s,
+                target_only_tokens_per_s = s.target_only_tokens_per_s,
+                "{}",
+                if s.speculate {
+                    "probing speculation again"
+                } else {
+                    "speculation measured slower than target-only decoding; pausing it"
+                }
+            );
+            self.switches.push(s);
+        }
+    }
+
+    /// The generation's result, stopped for `stop`.
+    fn finish(self, stop: StopReason) -> Generation {
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let mut stats = GenerationStats::from_rounds(&self.rounds, elapsed, self.ttft_ms);
+        stats.draft_failures = self.draft_failures;
+        stats.speed_switches = self.switches;
+        Generation {
+            stats,
+            token_ids: self.out,
+            stop_reason: stop,
+            rounds: self.rounds,
+        }
+    }
+
+    /// Limits of the trees accepted from the draft worker.
+    fn limits(&self) -> TreeLimits {
+        TreeLimits {
+            max_nodes: 1 << 16,
+            max_depth: 1 << 10,
+            vocab_size: self.o.vocab_size,
+        }
+    }
+
+    /// `at`, or the generation's deadline if that comes first.
+    fn bounded(&self, at: Instant) -> Instant {
+        self.deadline.map_or(at, |d| d.min(at))
+    }
+
+    /// Whether the generation's deadline has passed.
+    fn past_deadline(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The most tree nodes and levels the target accepts after the current sequence.
+    fn target_room(&self) -> (usize, usize) {
+        let t = &self.o.target_limits;
+        let mut nodes =
+            known(t.max_tree_nodes).min(known(t.max_context).saturating_sub(self.seq.len()));
+        if t.max_context == 0 {
+            nodes = known(t.max_tree_nodes);
+        }
+        (nodes, known(t.max_tree_depth))
+    }
+}

@@ -1,0 +1,119 @@
+//! Connections to the workers: gRPC channels, pings, and what the workers report.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
+
+use super::error::short;
+use super::OrchestratorError;
+
+/// Largest gRPC message sent or accepted (dense draft distributions are large).
+pub(super) const MAX_MESSAGE_BYTES: usize = 512 << 20;
+/// How long connecting to a worker and its first ping may take, each.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The request limits a worker reported in its ping (0 where it did not say).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct WorkerLimits {
+    pub(super) max_context: usize,
+    pub(super) max_prompt_len: usize,
+    pub(super) max_tree_nodes: usize,
+    pub(super) max_tree_depth: usize,
+}
+
+impl WorkerLimits {
+    pub(super) fn of(p: &specsplit_proto::PingResponse) -> Self {
+        let n = |v: i32| v.max(0) as usize;
+        Self {
+            max_context: n(p.max_context),
+            max_prompt_len: n(p.max_prompt_len),
+            max_tree_nodes: n(p.max_tree_nodes),
+            max_tree_depth: n(p.max_tree_depth),
+        }
+    }
+}
+
+/// Pings a worker within [`CONNECT_TIMEOUT`].
+pub(super) async fn ping<F, T>(
+    worker: &'static str,
+    addr: &str,
+    call: F,
+) -> Result<T, OrchestratorError>
+where
+    F: Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    let unreachable = |reason: String| OrchestratorError::Unreachable {
+        worker,
+        addr: addr.to_string(),
+        reason,
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(unreachable(short(s.message()))),
+        Err(_) => Err(unreachable(format!(
+            "no answer to a ping within {} s",
+            CONNECT_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+pub(super) async fn channel(
+    worker: &'static str,
+    addr: &str,
+) -> Result<Channel, OrchestratorError> {
+    let unreachable = |reason: String| OrchestratorError::Unreachable {
+        worker,
+        addr: addr.to_string(),
+        reason,
+    };
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let endpoint = Endpoint::from_shared(uri)
+        .map_err(|e| unreachable(format!("bad address: {e}")))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true);
+    tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
+        .await
+        .map_err(|_| unreachable("no connection within 5 s".into()))?
+        .map_err(|e| unreachable(format!("{e} (is the worker running and listening there?)")))
+}
+
+/// A limit a worker reported, `usize::MAX` where it did not say (0).
+pub(super) fn known(limit: usize) -> usize {
+    if limit == 0 {
+        usize::MAX
+    } else {
+        limit
+    }
+}
+
+/// The times a worker reported for one request (0 where it sent no telemetry).
+pub(super) struct ServerTimes {
+    pub(super) wall_ms: f64,
+    pub(super) model_ms: f64,
+}
+
+impl ServerTimes {
+    pub(super) fn of(t: Option<&specsplit_proto::TelemetryMetadata>) -> Self {
+        Self {
+            wall_ms: t.map_or(0.0, |t| t.wall_time_ms),
+            model_ms: t.map_or(0.0, |t| t.model_time_ms),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreported_limits_are_unbounded() {
+        assert_eq!(known(0), usize::MAX);
+        assert_eq!(known(64), 64);
+    }
+}
