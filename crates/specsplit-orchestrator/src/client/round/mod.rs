@@ -21,6 +21,7 @@ use verify::{Verdict, Verified};
 /// A draft tree and how long drafting it took.
 struct Drafted {
     tree: TokenTree,
+    /// Time the round waited for it.
     ms: f64,
     /// Wall time the draft worker reported for the request (0 for a pre-drafted tree).
     server_ms: f64,
@@ -75,6 +76,7 @@ struct PreDraftTimes {
 struct Round {
     /// Its index in the generation.
     no: usize,
+    /// When it started.
     start: Instant,
     /// Tokens the generation may still emit.
     remaining: usize,
