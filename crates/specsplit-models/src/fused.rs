@@ -9,118 +9,108 @@
 //! ops round; results agree with them within bf16 rounding, not bit for bit.
 //!
 //! Off CUDA, or for tensors that are not bf16, [`applies`] is false and the callers keep the
-//! unfused path. Where the model uses them is set by `SPECSPLIT_FUSED_KERNELS` (read once):
-//!
-//! - unset or `step` (default): the fixed-shape greedy step ([`enabled`]), which only drafts
-//!   (its tokens are proposals the target verifies), so it cannot change any output, and the
-//!   passes that run the batch-invariant kernels below (whose fused kernels compute each row
-//!   from that row alone, so they stay batch-invariant);
-//! - `all`: also every one-row dense projection ([`rows_enabled`]) that the batch-invariant
-//!   kernels below do not take: the target's plain decode steps then run the GEMV while verify
-//!   passes keep cuBLAS, so bf16 near-ties can break differently between target-only decoding
-//!   and speculation (on random weights, where near-ties are common, no generation stayed
-//!   identical to target-only over 64 tokens: H100, 2026-11-23, `specsplit-bench e2e`,
-//!   synthetic β = 0.8);
-//! - `0`: nowhere.
+//! unfused path. Where a model uses them is its [`KernelOptions`]: with `fused` on (the
+//! default) the fixed-shape greedy step, which only drafts (its tokens are proposals the target
+//! verifies), so it cannot change any output, and the passes that run the batch-invariant
+//! kernels below (whose fused kernels compute each row from that row alone, so they stay
+//! batch-invariant).
 //!
 //! The same PTX holds the batch-invariant kernels ([`bi_matmul`], [`rows_attention`]) that every
-//! dense bf16 pass of at most [`BI_MAX_ROWS`] rows runs while [`batch_invariant`] is on (the
-//! default; `SPECSPLIT_BATCH_INVARIANT=0` turns it off): a token's logits are then bit-identical
-//! whether it is decoded alone or verified among tree nodes, so greedy speculation emits exactly
-//! the target-only output.
+//! dense bf16 pass of at most [`BI_MAX_ROWS`] rows runs while the model's `batch_invariant`
+//! option is on (the default): a token's logits are then bit-identical whether it is decoded
+//! alone or verified among tree nodes, so greedy speculation emits exactly the target-only
+//! output. Every kernel wrapper takes a [`Launch`]: how its kernels are launched.
 
 use candle_core::{DType, Result, Tensor};
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 
-/// 0: not decided yet, else 1 + the [`Scope`] index.
-static SCOPE: AtomicU8 = AtomicU8::new(0);
-
-/// Where the model uses the fused kernels.
+/// Which fused-kernel paths a model runs (held by
+/// [`crate::transformer::Transformer`]; tests and benchmarks turn parts off to compare). All on
+/// by default with the `cuda` feature, all off without it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
-    /// Nowhere.
-    Off,
-    /// The fixed-shape greedy (draft) step only.
-    Step,
-    /// The step and every one-row dense projection.
-    All,
+pub struct KernelOptions {
+    /// The fused greedy (draft) step and the fused layer stack of the batch-invariant and wide
+    /// passes; off: candle's ops.
+    pub fused: bool,
+    /// Programmatic dependent launch (see [`Launch::pdl`]).
+    pub pdl: bool,
+    /// Dense bf16 passes of at most [`BI_MAX_ROWS`] rows on CUDA run the batch-invariant
+    /// kernels, so that a token decoded alone and the same token verified among tree nodes get
+    /// bit-identical logits (greedy speculation then emits exactly what the target alone
+    /// emits); off: cuBLAS and candle's attention.
+    pub batch_invariant: bool,
+    /// Dense bf16 passes of more than [`BI_MAX_ROWS`] and at most [`WIDE_MAX_ROWS`] rows on
+    /// CUDA run as one wide fused pass. Such passes are prompt prefills, which a target runs
+    /// the same way whether it decodes alone or verifies drafts, so this changes no output's
+    /// exactness.
+    pub wide_rows: bool,
 }
 
-impl Scope {
-    const ALL: [Scope; 3] = [Scope::Off, Scope::Step, Scope::All];
-
-    /// The scope `SPECSPLIT_FUSED_KERNELS` asks for (`0`, `step` or `1`, `all`; unset: step).
-    fn from_env() -> Self {
-        match std::env::var("SPECSPLIT_FUSED_KERNELS")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("0") | Ok("off") => Scope::Off,
-            Ok("all") => Scope::All,
-            _ => Scope::Step,
+impl Default for KernelOptions {
+    fn default() -> Self {
+        let on = cfg!(feature = "cuda");
+        Self {
+            fused: on,
+            pdl: on,
+            batch_invariant: on,
+            wide_rows: on,
         }
     }
 }
 
-/// The scope in force: [`set_scope`]'s, else the environment's; always off without `cuda`.
-pub fn scope() -> Scope {
-    if !cfg!(feature = "cuda") {
-        return Scope::Off;
-    }
-    match SCOPE.load(Ordering::Relaxed) {
-        0 => {
-            let s = Scope::from_env();
-            set_scope(s);
-            s
+impl KernelOptions {
+    /// These options with everything the `cuda` feature lacks turned off.
+    pub fn available(self) -> Self {
+        let on = cfg!(feature = "cuda");
+        Self {
+            fused: self.fused && on,
+            pdl: self.pdl && on,
+            batch_invariant: self.batch_invariant && on,
+            wide_rows: self.wide_rows && on,
         }
-        v => Scope::ALL[(v - 1) as usize],
     }
-}
 
-/// Sets where the model uses the fused kernels from here on (overrides the environment).
-pub fn set_scope(s: Scope) {
-    let i = Scope::ALL.iter().position(|&x| x == s).unwrap_or(0);
-    SCOPE.store(i as u8 + 1, Ordering::Relaxed);
-}
-
-/// Whether the fixed-shape greedy step, and the batch-invariant passes, use the fused kernels.
-pub fn enabled() -> bool {
-    scope() != Scope::Off
-}
-
-/// Whether one-row dense projections use the fused GEMV.
-pub fn rows_enabled() -> bool {
-    scope() == Scope::All
-}
-
-/// Whether the fused kernels launch with programmatic dependent launch: each kernel may then
-/// be scheduled while the one before it still runs and waits on the device for its results
-/// (kernels.cu, `pdl_wait`), which hides most of the gap between the small kernels of a step.
-/// Needs PTX built for sm_90 or later (`CUDA_COMPUTE_CAP` ≥ 90); `SPECSPLIT_PDL=0` turns it
-/// off (read once; [`set_pdl`] overrides it).
-pub fn pdl() -> bool {
-    match PDL.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("SPECSPLIT_PDL").map_or(true, |v| v.trim() != "0");
-            set_pdl(on);
-            pdl()
+    /// How the model launches its kernels: [`KernelOptions::pdl`] and the built-in
+    /// [`bi_matmul`] launch shapes.
+    pub fn launch(&self) -> Launch {
+        Launch {
+            pdl: self.pdl,
+            bi_tuning: BiTuning::default(),
         }
-        v => v == 2,
     }
 }
 
-/// 0: not decided yet, 1: off, 2: on.
-static PDL: AtomicU8 = AtomicU8::new(0);
+/// Whether the PTX was built for sm_90 or later (`CUDA_COMPUTE_CAP` ≥ 90), where every kernel
+/// waits on the device for the one before it, so [`Launch::pdl`] can take effect.
+pub const PDL_AVAILABLE: bool = cfg!(specsplit_pdl);
 
-/// Turns programmatic dependent launch on or off from here on (on only where the PTX has it;
-/// see [`pdl`]). Kernels launched either way may follow each other in a stream.
-pub fn set_pdl(on: bool) {
-    // Only PTX built for sm_90 or later (the build script's `specsplit_pdl`) waits in every
-    // kernel for the one before it.
-    PDL.store(
-        if on && cfg!(specsplit_pdl) { 2 } else { 1 },
-        Ordering::Relaxed,
-    );
+/// How a kernel wrapper launches its kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// Programmatic dependent launch: each kernel may be scheduled while the one before it
+    /// still runs and waits on the device for its results (kernels.cu, `pdl_wait`), which hides
+    /// most of the gap between the small kernels of a step. Takes effect only where
+    /// [`PDL_AVAILABLE`]; kernels launched either way may follow each other in a stream.
+    pub pdl: bool,
+    /// Overrides of [`bi_matmul`]'s launch shape (all `None`: the built-in choice).
+    pub bi_tuning: BiTuning,
+}
+
+impl Launch {
+    /// Programmatic dependent launch on, the built-in launch shapes.
+    pub const DEFAULT: Launch = Launch {
+        pdl: true,
+        bi_tuning: BiTuning {
+            depth: None,
+            splits: None,
+            col_tiles: None,
+        },
+    };
+}
+
+impl Default for Launch {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 /// Device memory the fused kernels' outputs are carved from while a step is captured into a
@@ -277,20 +267,11 @@ pub fn gemv_fits(x: &Tensor, w: &Tensor) -> bool {
 
 /// `x W^T (+ b)` for one row: `x` `(1, k)`, `w` `(n, k)`, `b` `(n,)` → `(1, n)` bf16.
 /// Fails unless [`gemv_fits`].
-pub fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+pub fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, launch: Launch) -> Result<Tensor> {
     if !gemv_fits(x, w) {
         return Err(unfit("gemv", &[x, w]));
     }
-    imp::gemv(x, w, b)
-}
-
-/// Whether a draft's multi-token feed ([`crate::transformer::Transformer::static_rows_step`])
-/// of up to [`GEMV_MAX_ROWS`] rows runs the one-token step's kernels over its rows (default:
-/// [`gemv_rows`], [`qkv_rope_cache`], [`decode_attention`]) instead of the batch-invariant
-/// rows pass; `SPECSPLIT_STEP_ROWS=0` turns it off. Read once.
-pub fn step_rows_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECSPLIT_STEP_ROWS").map_or(true, |v| v.trim() != "0"))
+    imp::gemv(x, w, b, launch)
 }
 
 /// The most rows of `x` one [`gemv_rows`] takes.
@@ -306,11 +287,11 @@ pub fn gemv_rows_fits(x: &Tensor, w: &Tensor) -> bool {
 /// `x W^T (+ b)` for a few rows: `x` `(r, k)`, `w` `(n, k)`, `b` `(n,)` → `(r, n)` bf16, each
 /// weight read once for all rows. Row `j` of the result is [`gemv`] of row `j` alone, bit for
 /// bit. Fails unless [`gemv_rows_fits`].
-pub fn gemv_rows(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+pub fn gemv_rows(x: &Tensor, w: &Tensor, b: Option<&Tensor>, launch: Launch) -> Result<Tensor> {
     if !gemv_rows_fits(x, w) {
         return Err(unfit("gemv_rows", &[x, w]));
     }
-    imp::gemv(x, w, b)
+    imp::gemv(x, w, b, launch)
 }
 
 /// Residual add and RMSNorm of `rows` rows: `s = x + delta` (`s = x` without `delta`), returns
@@ -320,11 +301,12 @@ pub fn add_rmsnorm(
     delta: Option<&Tensor>,
     weight: &Tensor,
     eps: f32,
+    launch: Launch,
 ) -> Result<(Tensor, Tensor)> {
     if !applies(x) {
         return Err(unfit("add_rmsnorm", &[x]));
     }
-    imp::add_rmsnorm(x, delta, weight, eps)
+    imp::add_rmsnorm(x, delta, weight, eps, launch)
 }
 
 /// Shapes of one attention layer: query heads, KV heads, head size and cache capacity.
@@ -355,11 +337,22 @@ pub fn qkv_rope_cache(
     v_cache: &Tensor,
     shape: AttnShape,
     interleaved: bool,
+    launch: Launch,
 ) -> Result<Tensor> {
     if !applies(qkv) {
         return Err(unfit("qkv_rope_cache", &[qkv]));
     }
-    imp::qkv_rope_cache(qkv, cos, sin, pos, k_cache, v_cache, shape, interleaved)
+    imp::qkv_rope_cache(
+        qkv,
+        cos,
+        sin,
+        pos,
+        k_cache,
+        v_cache,
+        shape,
+        interleaved,
+        launch,
+    )
 }
 
 /// [`qkv_rope_cache`] for the `n` rows of one pass: the fused Q|K|V rows `(n, (heads + 2 kv) *
@@ -379,6 +372,7 @@ pub fn qkv_rope_rows(
     past: Option<usize>,
     shape: AttnShape,
     interleaved: bool,
+    launch: Launch,
 ) -> Result<Tensor> {
     if !applies(qkv) {
         return Err(unfit("qkv_rope_rows", &[qkv]));
@@ -393,6 +387,7 @@ pub fn qkv_rope_rows(
         past,
         shape,
         interleaved,
+        launch,
     )
 }
 
@@ -408,32 +403,26 @@ pub fn decode_attention(
     pos: &Tensor,
     shape: AttnShape,
     scale: f32,
+    launch: Launch,
 ) -> Result<Tensor> {
     if !applies(q) || !matches!(shape.head_dim, 64 | 128) {
         return Err(unfit("decode_attention", &[q]));
     }
-    imp::decode_attention(q, k_cache, v_cache, pos, shape, scale)
+    imp::decode_attention(q, k_cache, v_cache, pos, shape, scale, launch)
 }
 
 /// Blocks a head of [`decode_attention`] splits the slots of caches of `capacity` over: one per
-/// 64 slots, at most 16 (`SPECSPLIT_ATTN_SPLITS=n` fixes it; read once).
+/// 64 slots, at most 16.
 pub fn decode_attention_splits(capacity: usize) -> usize {
-    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let fixed = *FIXED.get_or_init(|| {
-        std::env::var("SPECSPLIT_ATTN_SPLITS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0)
-    });
-    fixed.unwrap_or(capacity.div_ceil(64).clamp(1, 16))
+    capacity.div_ceil(64).clamp(1, 16)
 }
 
 /// SwiGLU gate of `(rows, 2 n)` = `[gate | up]`: `silu(gate) * up`, `(rows, n)` bf16.
-pub fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
+pub fn silu_mul(gate_up: &Tensor, launch: Launch) -> Result<Tensor> {
     if !applies(gate_up) {
         return Err(unfit("silu_mul", &[gate_up]));
     }
-    imp::silu_mul(gate_up)
+    imp::silu_mul(gate_up, launch)
 }
 
 /// The greedy head of one token, all on the device: writes `argmax(logits)` (lowest index among
@@ -445,52 +434,17 @@ pub fn greedy_head(
     logprob: &Tensor,
     token: &Tensor,
     pos: &Tensor,
+    launch: Launch,
 ) -> Result<()> {
     if !applies(logits) {
         return Err(unfit("greedy_head", &[logits]));
     }
-    imp::greedy_head(logits, next, logprob, token, pos)
+    imp::greedy_head(logits, next, logprob, token, pos, launch)
 }
-
-/// 0: not decided yet, 1: off, 2: on.
-static BATCH_INVARIANT: AtomicU8 = AtomicU8::new(0);
 
 /// The most rows a pass may have for the model to run it with the batch-invariant kernels
 /// ([`bi_matmul`], [`rows_attention`]); longer passes (prompt prefills) keep cuBLAS.
 pub const BI_MAX_ROWS: usize = 64;
-
-/// Whether dense bf16 passes of at most [`BI_MAX_ROWS`] rows on CUDA run the batch-invariant
-/// kernels, so that a token decoded alone and the same token verified among tree nodes get
-/// bit-identical logits (greedy speculation then emits exactly what the target alone emits).
-/// `SPECSPLIT_BATCH_INVARIANT=0` (or `off`) turns it off; always false without `cuda`.
-pub fn batch_invariant() -> bool {
-    cuda_switch(&BATCH_INVARIANT, "SPECSPLIT_BATCH_INVARIANT")
-}
-
-/// An on/off switch kept in `state` (0: not read yet, 1: off, 2: on), read from the environment
-/// variable `var` the first time (`0` or `off` = off, anything else or unset = on); always false
-/// without `cuda`.
-fn cuda_switch(state: &AtomicU8, var: &str) -> bool {
-    if !cfg!(feature = "cuda") {
-        return false;
-    }
-    match state.load(Ordering::Relaxed) {
-        0 => {
-            let on = !matches!(
-                std::env::var(var).as_deref().map(str::trim),
-                Ok("0") | Ok("off")
-            );
-            state.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
-        }
-        v => v == 2,
-    }
-}
-
-/// Turns the batch-invariant kernels on or off from here on (overrides the environment).
-pub fn set_batch_invariant(on: bool) {
-    BATCH_INVARIANT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-}
 
 /// The most rows a pass may have for the model to run it as one *wide* fused pass: passes of
 /// more than [`BI_MAX_ROWS`] rows (prompt prefills) run the fused layer stack with cuBLAS
@@ -498,21 +452,6 @@ pub fn set_batch_invariant(on: bool) {
 /// of the twenty-odd of candle's batched ops. Longer passes keep the batched ops, whose
 /// attention scores take less memory than [`rows_attention`]'s partial sums.
 pub const WIDE_MAX_ROWS: usize = 256;
-
-static WIDE_ROWS: AtomicU8 = AtomicU8::new(0);
-
-/// Whether dense bf16 passes of more than [`BI_MAX_ROWS`] and at most [`WIDE_MAX_ROWS`] rows on
-/// CUDA run as one wide fused pass. Such passes are prompt prefills, which a target runs the
-/// same way whether it decodes alone or verifies drafts, so this changes no output's
-/// exactness. `SPECSPLIT_WIDE_ROWS=0` (or `off`) turns it off; always false without `cuda`.
-pub fn wide_rows() -> bool {
-    cuda_switch(&WIDE_ROWS, "SPECSPLIT_WIDE_ROWS")
-}
-
-/// Turns the wide fused passes on or off from here on (overrides the environment).
-pub fn set_wide_rows(on: bool) {
-    WIDE_ROWS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-}
 
 /// `x W^T (+ b)` through candle's matmul (cuBLAS on CUDA): `x` `(m, k)`, `w` `(n, k)`, `b`
 /// `(n,)` → `(m, n)`. The product of the wide fused passes, where tensor-core GEMMs over many
@@ -540,28 +479,6 @@ pub struct BiTuning {
     pub col_tiles: Option<usize>,
 }
 
-/// The current [`BiTuning`], packed: depth | splits << 8 | col_tiles << 16 (0 = built-in).
-static BI_TUNING: AtomicU32 = AtomicU32::new(0);
-
-/// Sets the [`BiTuning`] from here on (process-wide; the default is all `None`).
-pub fn set_bi_matmul_tuning(t: BiTuning) {
-    let depth = t.depth.map_or(0, |d| u32::from(d.clamp(1, 2)));
-    let splits = t.splits.map_or(0, |s| s.clamp(1, 8) as u32);
-    let tiles = t.col_tiles.map_or(0, |c| if c >= 4 { 4 } else { 2 });
-    BI_TUNING.store(depth | splits << 8 | tiles << 16, Ordering::Relaxed);
-}
-
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn bi_tuning() -> BiTuning {
-    let v = BI_TUNING.load(Ordering::Relaxed);
-    let field = |shift: u32| (v >> shift) & 0xff;
-    BiTuning {
-        depth: (field(0) > 0).then(|| field(0) as u8),
-        splits: (field(8) > 0).then(|| field(8) as usize),
-        col_tiles: (field(16) > 0).then(|| field(16) as usize),
-    }
-}
-
 /// Warps sharing each output's k in `bi_matmul` for a `(n, k)` weight: a function of the
 /// shape only, so that no row's rounding depends on the pass. The larger of: the most (a
 /// power of two) that still leaves each warp 48 chunks of 32, and the fewest that give
@@ -587,14 +504,10 @@ fn bi_splits(n: usize, k: usize) -> usize {
 /// ways (the speed only, never the bits): 4 where that still leaves about 560 warps, else 2;
 /// but 2 for passes of more than one row tile over a weight split two ways (the 7B gate|up and
 /// head: 10% and 2% faster at 32 rows on the H100, `specsplit-bench kernels`; the 1.5B gate|up,
-/// split one way, is 8% slower with 2). `SPECSPLIT_BI_NARROW=0` keeps the one-row-tile rule
-/// for every pass.
+/// split one way, is 8% slower with 2).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn bi_col_tiles(m: usize, n: usize, splits: usize) -> usize {
-    static NARROW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let narrow = *NARROW
-        .get_or_init(|| std::env::var("SPECSPLIT_BI_NARROW").map_or(true, |v| v.trim() != "0"));
-    if (narrow && m > 16 && splits == 2) || n.div_ceil(32) * splits < 560 {
+    if (m > 16 && splits == 2) || n.div_ceil(32) * splits < 560 {
         2
     } else {
         4
@@ -610,11 +523,11 @@ pub fn bi_matmul_fits(x: &Tensor, w: &Tensor) -> bool {
 
 /// `x W^T (+ b)` on tensor cores with each row's result independent of the other rows: `x`
 /// `(m, k)`, `w` `(n, k)`, `b` `(n,)` → `(m, n)` bf16. Fails unless [`bi_matmul_fits`].
-pub fn bi_matmul(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+pub fn bi_matmul(x: &Tensor, w: &Tensor, b: Option<&Tensor>, launch: Launch) -> Result<Tensor> {
     if !bi_matmul_fits(x, w) {
         return Err(unfit("bi_matmul", &[x, w]));
     }
-    imp::bi_matmul(x, w, b)
+    imp::bi_matmul(x, w, b, launch)
 }
 
 /// The most query heads one KV head may serve in [`rows_attention`].
@@ -730,16 +643,8 @@ pub fn write_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
 
 /// Rows of a pass one block of [`rows_attention`] takes together, sharing one staged copy of
 /// the prefix keys (each row keeps the arithmetic it gets alone, so any value gives the same
-/// bits): `SPECSPLIT_RA_STAGE`, default 4, at most 8; 0 or 1 turns staging off (a block a row).
-pub fn rows_stage() -> usize {
-    static STAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *STAGE.get_or_init(|| {
-        std::env::var("SPECSPLIT_RA_STAGE")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .map_or(4, |g| g.min(8))
-    })
-}
+/// bits; at most 8, below 2 a block a row).
+pub const RA_STAGE: usize = 4;
 
 /// Batch-invariant attention of the `n` rows of one pass: `q` `(1, heads, n, head_dim)`
 /// (rotated, contiguous) over the caches `(1, kv, capacity, head_dim)`, row `r` over the slots
@@ -754,11 +659,12 @@ pub fn rows_attention(
     keys: &PassKeys,
     shape: AttnShape,
     scale: f32,
+    launch: Launch,
 ) -> Result<Tensor> {
     if !applies(q) || !matches!(shape.head_dim, 64 | 128) {
         return Err(unfit("rows_attention", &[q]));
     }
-    imp::rows_attention(q, k_cache, v_cache, keys, shape, scale)
+    imp::rows_attention(q, k_cache, v_cache, keys, shape, scale, launch)
 }
 
 fn unfit(kernel: &str, ts: &[&Tensor]) -> candle_core::Error {
@@ -851,12 +757,20 @@ mod imp {
     }
 
     /// Launches `name` on `dev`'s stream with `grid` × `block` threads and `args` in order.
-    fn launch(dev: &CudaDevice, name: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
-        launch_2d(dev, name, (grid, 1), block, 0, args)
+    fn launch(
+        pdl: bool,
+        dev: &CudaDevice,
+        name: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        launch_2d(pdl, dev, name, (grid, 1), block, 0, args)
     }
 
     /// [`launch`] over a `(x, y)` grid with `smem` bytes of dynamic shared memory a block.
     fn launch_2d(
+        pdl: bool,
         dev: &CudaDevice,
         name: &str,
         grid: (u32, u32),
@@ -864,18 +778,19 @@ mod imp {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        launch_cfg(dev, name, (grid.0, grid.1, 1), block, smem, args)
+        launch_cfg(pdl, dev, name, (grid.0, grid.1, 1), block, smem, args)
     }
 
     /// [`launch`] over a `(x, y, z)` grid.
     fn launch_3d(
+        pdl: bool,
         dev: &CudaDevice,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        launch_cfg(dev, name, grid, block, 0, args)
+        launch_cfg(pdl, dev, name, grid, block, 0, args)
     }
 
     /// Lets `name` take `smem` bytes of dynamic shared memory a block (past the default 48 KiB).
@@ -895,11 +810,12 @@ mod imp {
     const MAX_ARGS: usize = 20;
 
     /// Launches `name` on `dev`'s stream over a `(x, y, z)` grid of `block`-thread blocks with
-    /// `smem` bytes of dynamic shared memory and `args` in order. Under [`super::pdl`] with the
-    /// programmatic-stream-serialization attribute: the kernel may be scheduled before the
+    /// `smem` bytes of dynamic shared memory and `args` in order. With `pdl` (where
+    /// [`super::PDL_AVAILABLE`]) under the programmatic-stream-serialization attribute: the kernel may be scheduled before the
     /// previous kernel in the stream finishes, and waits for it on the device (every kernel of
     /// kernels.cu starts with `pdl_enter`).
     fn launch_cfg(
+        pdl: bool,
         dev: &CudaDevice,
         name: &str,
         grid: (u32, u32, u32),
@@ -941,7 +857,7 @@ mod imp {
             sharedMemBytes: smem,
             hStream: stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(super::pdl()),
+            numAttrs: u32::from(pdl && super::PDL_AVAILABLE),
         };
         // SAFETY: every kernel of kernels.cu takes exactly the arguments its caller below
         // passes, in order, with addresses of live allocations of the sizes it indexes;
@@ -974,7 +890,12 @@ mod imp {
         }
     }
 
-    pub(super) fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    pub(super) fn gemv(
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        l: super::Launch,
+    ) -> Result<Tensor> {
         let (n, k) = w.dims2()?;
         if let Some(b) = b {
             check(b.dims() == [n] && b.dtype() == DType::BF16, || {
@@ -1002,7 +923,7 @@ mod imp {
         ];
         let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
         let block = (ROWS_PER_BLOCK * 32) as u32;
-        launch(cuda(x)?, name, grid, block, &args)?;
+        launch(l.pdl, cuda(x)?, name, grid, block, &args)?;
         Ok(y)
     }
 
@@ -1011,6 +932,7 @@ mod imp {
         delta: Option<&Tensor>,
         weight: &Tensor,
         eps: f32,
+        l: super::Launch,
     ) -> Result<(Tensor, Tensor)> {
         let (rows, d) = x.dims2()?;
         check(
@@ -1036,6 +958,7 @@ mod imp {
         ];
         let block = (d.div_ceil(32) * 32).clamp(32, 1024) as u32;
         launch(
+            l.pdl,
             cuda(x)?,
             "specsplit_add_rmsnorm_bf16",
             rows as u32,
@@ -1078,6 +1001,7 @@ mod imp {
         v_cache: &Tensor,
         s: AttnShape,
         interleaved: bool,
+        l: super::Launch,
     ) -> Result<Tensor> {
         let hd = s.head_dim;
         let rows = qkv.dim(0)?;
@@ -1102,6 +1026,7 @@ mod imp {
         args.extend([s.heads, s.kv, hd, s.capacity, interleaved as usize].map(|v| I(v as i32)));
         let grid = ((s.heads + 2 * s.kv) as u32, rows as u32);
         launch_2d(
+            l.pdl,
             cuda(qkv)?,
             "specsplit_qkv_rope_cache_bf16",
             grid,
@@ -1123,6 +1048,7 @@ mod imp {
         past: Option<usize>,
         s: AttnShape,
         interleaved: bool,
+        l: super::Launch,
     ) -> Result<Tensor> {
         let hd = s.head_dim;
         let (n, width) = qkv.dims2()?;
@@ -1154,6 +1080,7 @@ mod imp {
         args.extend([I(past as i32), I(interleaved as i32)]);
         let grid = ((s.heads + 2 * s.kv) as u32, n as u32);
         launch_2d(
+            l.pdl,
             cuda(qkv)?,
             "specsplit_qkv_rope_rows_bf16",
             grid,
@@ -1171,6 +1098,7 @@ mod imp {
         pos: &Tensor,
         s: AttnShape,
         scale: f32,
+        l: super::Launch,
     ) -> Result<Tensor> {
         let rows = q.dim(0)?;
         check(
@@ -1196,11 +1124,12 @@ mod imp {
         };
         let dev = cuda(q)?;
         let grid = (s.heads as u32, splits as u32, rows as u32);
-        launch_3d(dev, name, grid, 256, &args)?;
+        launch_3d(l.pdl, dev, name, grid, 256, &args)?;
         let y = empty(&[rows, s.heads * hd], DType::BF16, q)?;
         let mut args = pointers(&[&part, &y])?;
         args.extend([splits, hd].map(|v| I(v as i32)));
         launch(
+            l.pdl,
             dev,
             "specsplit_decode_attention_merge_bf16",
             (rows * s.heads) as u32,
@@ -1210,7 +1139,12 @@ mod imp {
         Ok(y)
     }
 
-    pub(super) fn bi_matmul(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    pub(super) fn bi_matmul(
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        l: super::Launch,
+    ) -> Result<Tensor> {
         // BI_ROWS of kernels.cu.
         const ROWS: usize = 64;
         let (n, k) = w.dims2()?;
@@ -1222,7 +1156,7 @@ mod imp {
         }
         let y = empty(&[m, n], DType::BF16, x)?;
         let pb = b.map(ptr).transpose()?.unwrap_or(0);
-        let tune = super::bi_tuning();
+        let tune = l.bi_tuning;
         let splits = tune
             .splits
             .unwrap_or_else(|| super::bi_splits(n, k))
@@ -1253,6 +1187,7 @@ mod imp {
         ];
         let grid = (n.div_ceil(8 * nt) as u32, m.div_ceil(ROWS) as u32);
         launch_2d(
+            l.pdl,
             cuda(x)?,
             "specsplit_bi_matmul_bf16",
             grid,
@@ -1270,6 +1205,7 @@ mod imp {
         keys: &super::PassKeys,
         s: AttnShape,
         scale: f32,
+        l: super::Launch,
     ) -> Result<Tensor> {
         let n = keys.rows;
         check(
@@ -1301,7 +1237,7 @@ mod imp {
         args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra, chunks].map(|v| I(v as i32)));
         args.push(F(scale));
         let dev = cuda(q)?;
-        let group = super::rows_stage().min(n);
+        let group = super::RA_STAGE.min(n);
         if group >= 2 {
             // Staged K and V rows of a chunk (K padded by RA_KPAD), then per row group its
             // RowScratch: RA_MAX_REP x hd query floats, RA_MAX_REP x CHUNK probabilities,
@@ -1318,7 +1254,7 @@ mod imp {
             allow_smem(dev, name, smem)?;
             args.push(I(group as i32));
             let grid = (s.kv as u32, n.div_ceil(group) as u32, chunks as u32);
-            launch_cfg(dev, name, grid, (group * CHUNK) as u32, smem, &args)?;
+            launch_cfg(l.pdl, dev, name, grid, (group * CHUNK) as u32, smem, &args)?;
         } else {
             let name = if hd == 64 {
                 "specsplit_rows_attention_part_bf16_hd64"
@@ -1326,6 +1262,7 @@ mod imp {
                 "specsplit_rows_attention_part_bf16_hd128"
             };
             launch_3d(
+                l.pdl,
                 dev,
                 name,
                 (s.kv as u32, n as u32, chunks as u32),
@@ -1337,6 +1274,7 @@ mod imp {
         let mut args = pointers(&[&part, &keys.meta, &y])?;
         args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
         launch_2d(
+            l.pdl,
             dev,
             "specsplit_rows_attention_merge_bf16",
             (s.heads as u32, n as u32),
@@ -1347,7 +1285,7 @@ mod imp {
         Ok(y)
     }
 
-    pub(super) fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
+    pub(super) fn silu_mul(gate_up: &Tensor, l: super::Launch) -> Result<Tensor> {
         let (rows, two_n) = gate_up.dims2()?;
         check(two_n.is_multiple_of(2), || {
             format!("gate|up width {two_n} is odd")
@@ -1356,7 +1294,14 @@ mod imp {
         let out = empty(&[rows, n], DType::BF16, gate_up)?;
         let args = [P(ptr(gate_up)?), P(ptr(&out)?), I(rows as i32), I(n as i32)];
         let grid = (rows * n).div_ceil(256) as u32;
-        launch(cuda(gate_up)?, "specsplit_silu_mul_bf16", grid, 256, &args)?;
+        launch(
+            l.pdl,
+            cuda(gate_up)?,
+            "specsplit_silu_mul_bf16",
+            grid,
+            256,
+            &args,
+        )?;
         Ok(out)
     }
 
@@ -1366,6 +1311,7 @@ mod imp {
         logprob: &Tensor,
         token: &Tensor,
         pos: &Tensor,
+        l: super::Launch,
     ) -> Result<()> {
         let (one, vocab) = logits.dims2()?;
         check(one == 1, || format!("greedy head over {one} rows"))?;
@@ -1392,6 +1338,7 @@ mod imp {
             P(ptr(&part)?),
         ];
         launch(
+            l.pdl,
             dev,
             "specsplit_greedy_head_part_bf16",
             blocks as u32,
@@ -1401,7 +1348,7 @@ mod imp {
         let mut args = pointers(&[&part])?;
         args.push(I(blocks as i32));
         args.extend(pointers(&[next, logprob, token, pos])?);
-        launch(dev, "specsplit_greedy_head_finish", 1, 32, &args)
+        launch(l.pdl, dev, "specsplit_greedy_head_finish", 1, 32, &args)
     }
 }
 
@@ -1421,7 +1368,12 @@ mod imp {
     pub(super) fn write_u32(_: &Tensor, _: &[u32]) -> Result<()> {
         Err(off())
     }
-    pub(super) fn gemv(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
+    pub(super) fn gemv(
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: super::Launch,
+    ) -> Result<Tensor> {
         Err(off())
     }
     pub(super) fn add_rmsnorm(
@@ -1429,6 +1381,7 @@ mod imp {
         _: Option<&Tensor>,
         _: &Tensor,
         _: f32,
+        _: super::Launch,
     ) -> Result<(Tensor, Tensor)> {
         Err(off())
     }
@@ -1442,6 +1395,7 @@ mod imp {
         _: &Tensor,
         _: AttnShape,
         _: bool,
+        _: super::Launch,
     ) -> Result<Tensor> {
         Err(off())
     }
@@ -1456,6 +1410,7 @@ mod imp {
         _: Option<usize>,
         _: AttnShape,
         _: bool,
+        _: super::Launch,
     ) -> Result<Tensor> {
         Err(off())
     }
@@ -1466,10 +1421,16 @@ mod imp {
         _: &Tensor,
         _: AttnShape,
         _: f32,
+        _: super::Launch,
     ) -> Result<Tensor> {
         Err(off())
     }
-    pub(super) fn bi_matmul(_: &Tensor, _: &Tensor, _: Option<&Tensor>) -> Result<Tensor> {
+    pub(super) fn bi_matmul(
+        _: &Tensor,
+        _: &Tensor,
+        _: Option<&Tensor>,
+        _: super::Launch,
+    ) -> Result<Tensor> {
         Err(off())
     }
     pub(super) fn rows_attention(
@@ -1479,10 +1440,11 @@ mod imp {
         _: &super::PassKeys,
         _: AttnShape,
         _: f32,
+        _: super::Launch,
     ) -> Result<Tensor> {
         Err(off())
     }
-    pub(super) fn silu_mul(_: &Tensor) -> Result<Tensor> {
+    pub(super) fn silu_mul(_: &Tensor, _: super::Launch) -> Result<Tensor> {
         Err(off())
     }
     pub(super) fn greedy_head(
@@ -1491,6 +1453,7 @@ mod imp {
         _: &Tensor,
         _: &Tensor,
         _: &Tensor,
+        _: super::Launch,
     ) -> Result<()> {
         Err(off())
     }
@@ -1550,17 +1513,19 @@ mod tests {
         let w = Tensor::zeros((4, 16), DType::BF16, &Device::Cpu).unwrap();
         assert!(!applies(&x));
         assert!(!gemv_fits(&x, &w));
-        let e = gemv(&x, &w, None).unwrap_err().to_string();
+        let e = gemv(&x, &w, None, Launch::DEFAULT).unwrap_err().to_string();
         assert!(e.contains("needs bf16 on CUDA"), "{e}");
         let rows = Tensor::zeros((2, 16), DType::BF16, &Device::Cpu).unwrap();
         assert!(!gemv_rows_fits(&rows, &w));
-        let e = gemv_rows(&rows, &w, None).unwrap_err().to_string();
+        let e = gemv_rows(&rows, &w, None, Launch::DEFAULT)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("gemv_rows") && e.contains("needs bf16 on CUDA"),
             "{e}"
         );
-        assert!(silu_mul(&x).is_err());
-        assert!(add_rmsnorm(&x, None, &w.get(0).unwrap(), 1e-6).is_err());
+        assert!(silu_mul(&x, Launch::DEFAULT).is_err());
+        assert!(add_rmsnorm(&x, None, &w.get(0).unwrap(), 1e-6, Launch::DEFAULT).is_err());
     }
 
     #[test]
@@ -1582,24 +1547,24 @@ mod tests {
     }
 
     #[test]
-    fn batch_invariance_needs_the_cuda_feature() {
-        set_batch_invariant(true);
-        assert_eq!(batch_invariant(), cfg!(feature = "cuda"));
+    fn kernel_options_need_the_cuda_feature() {
+        let on = cfg!(feature = "cuda");
+        let all = KernelOptions {
+            fused: true,
+            pdl: true,
+            batch_invariant: true,
+            wide_rows: true,
+        };
+        assert_eq!(KernelOptions::default(), all.available());
+        let got = all.available();
+        assert_eq!(
+            (got.fused, got.pdl, got.batch_invariant, got.wide_rows),
+            (on, on, on, on)
+        );
+        assert_eq!(all.launch(), Launch::DEFAULT);
         let x = Tensor::zeros((2, 64), DType::BF16, &Device::Cpu).unwrap();
         let w = Tensor::zeros((16, 64), DType::BF16, &Device::Cpu).unwrap();
         assert!(!bi_matmul_fits(&x, &w));
-        assert!(bi_matmul(&x, &w, None).is_err());
-    }
-
-    #[test]
-    fn the_scope_needs_the_cuda_feature() {
-        set_scope(Scope::All);
-        assert_eq!(rows_enabled(), cfg!(feature = "cuda"));
-        assert_eq!(enabled(), cfg!(feature = "cuda"));
-        set_scope(Scope::Step);
-        assert!(!rows_enabled());
-        assert_eq!(enabled(), cfg!(feature = "cuda"));
-        set_scope(Scope::Off);
-        assert!(!enabled() && !rows_enabled());
+        assert!(bi_matmul(&x, &w, None, Launch::DEFAULT).is_err());
     }
 }

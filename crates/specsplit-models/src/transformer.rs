@@ -10,6 +10,7 @@
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::cpu_attention::{RowKeys, TreeRows, Visibility};
+use crate::fused::KernelOptions;
 use crate::weights::{gguf_config, hf_names, random_tensors, read_gguf};
 use crate::ModelError;
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
@@ -40,19 +41,13 @@ enum Linear {
 }
 
 impl Linear {
-    /// `x`: `(n, in)` → `(n, out)`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `x`: `(n, in)` → `(n, out)`, with the kernels `k` allows.
+    fn forward(&self, x: &Tensor, k: &KernelOptions) -> candle_core::Result<Tensor> {
         let (y, b) = match self {
             // A pass of a few rows on CUDA in bf16: the batch-invariant product, so a row's
             // result does not depend on how many rows share the pass.
-            Self::Dense { w, b } if bi_wanted(x, w) => {
-                return crate::fused::bi_matmul(&x.contiguous()?, w, b.as_ref())
-            }
-            // One row on CUDA in bf16 (fused scope `all`): the GEMV kernel, bias included.
-            Self::Dense { w, b }
-                if crate::fused::rows_enabled() && crate::fused::gemv_fits(x, w) =>
-            {
-                return crate::fused::gemv(x, w, b.as_ref())
+            Self::Dense { w, b } if k.batch_invariant && bi_wanted(x, w) => {
+                return crate::fused::bi_matmul(&x.contiguous()?, w, b.as_ref(), k.launch())
             }
             // Several rows on the CPU: one product per row (see `dense_rows_cpu`).
             Self::Dense { w, b } if x.device().is_cpu() && x.dim(0)? > 1 => {
@@ -91,11 +86,11 @@ impl Linear {
     }
 }
 
-/// Whether `x W^T` runs [`crate::fused::bi_matmul`]: batch invariance on, a bf16 CUDA pass of
-/// at most [`crate::fused::BI_MAX_ROWS`] rows, and a weight whose width is a multiple of 32.
+/// Whether `x W^T` can run [`crate::fused::bi_matmul`] (with batch invariance on): a bf16 CUDA
+/// pass of at most [`crate::fused::BI_MAX_ROWS`] rows, and a weight whose width is a multiple
+/// of 32.
 fn bi_wanted(x: &Tensor, w: &Tensor) -> bool {
-    crate::fused::batch_invariant()
-        && crate::fused::applies(x)
+    crate::fused::applies(x)
         && matches!((x.dims(), w.dims()), ([m, k], [_, kw]) if *m <= crate::fused::BI_MAX_ROWS && k == kw && k.is_multiple_of(32))
         && crate::fused::weight_fits(w)
 }
@@ -147,11 +142,11 @@ impl Proj {
 
     /// `x`: `(n, in)` → one `(n, out_i)` output per part (column views of one product when
     /// fused).
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+    fn forward(&self, x: &Tensor, k: &KernelOptions) -> candle_core::Result<Vec<Tensor>> {
         match self {
-            Self::Split(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            Self::Split(parts) => parts.iter().map(|l| l.forward(x, k)).collect(),
             Self::Fused { lin, sizes } => {
-                let y = lin.forward(x)?;
+                let y = lin.forward(x, k)?;
                 let mut out = Vec::with_capacity(sizes.len());
                 let mut at = 0;
                 for &s in sizes {
@@ -332,6 +327,9 @@ impl ExactRows {
     }
 }
 
+/// The dense product `x W^T (+ b)` of a fused layer stack.
+type Product<'a> = &'a dyn Fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>;
+
 /// How one pass computes attention.
 enum AttnPath<'a> {
     /// Batched matmuls under an optional additive mask (cuBLAS or candle's CPU gemm).
@@ -354,11 +352,11 @@ struct FusedLayer<'a> {
 impl Layer {
     /// The SwiGLU block of the layer on the residual stream `x` (its output, before the
     /// residual add).
-    fn mlp(&self, x: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    fn mlp(&self, x: &Tensor, eps: f32, k: &KernelOptions) -> candle_core::Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &self.mlp_norm, eps)?;
-        let gu = self.gate_up.forward(&h)?;
+        let gu = self.gate_up.forward(&h, k)?;
         self.down
-            .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?)
+            .forward(&(candle_nn::ops::silu(&gu[0])? * &gu[1])?, k)
     }
 }
 
@@ -379,6 +377,8 @@ pub struct Transformer {
     rope_interleaved: bool,
     /// Causal `(n, n)` triangles (0 / -inf) by `n`, built once per size.
     causal: Mutex<HashMap<usize, Tensor>>,
+    /// Which fused-kernel paths the passes run.
+    kernels: KernelOptions,
 }
 
 impl std::fmt::Debug for Transformer {
@@ -662,6 +662,7 @@ impl Transformer {
             sin,
             rope_interleaved: false,
             causal: Mutex::new(HashMap::new()),
+            kernels: KernelOptions::default(),
             config,
         })
     }
@@ -847,6 +848,7 @@ impl Transformer {
             sin,
             rope_interleaved: config.architecture == "llama",
             causal: Mutex::new(HashMap::new()),
+            kernels: KernelOptions::default(),
             config,
         })
     }
@@ -854,6 +856,17 @@ impl Transformer {
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Which fused-kernel paths the passes run ([`KernelOptions::default`] at load).
+    pub fn kernel_options(&self) -> KernelOptions {
+        self.kernels
+    }
+
+    /// Sets which fused-kernel paths the passes run from here on; those the build lacks stay
+    /// off ([`KernelOptions::available`]).
+    pub fn set_kernel_options(&mut self, options: KernelOptions) {
+        self.kernels = options.available();
     }
 
     /// The device the weights live on.
@@ -912,21 +925,15 @@ impl Transformer {
 
     /// Appends `tokens` to the end of `cache` (causal, positions following the cached ones),
     /// computing no logits a caller needs: a draft's prefill. Where the model runs wide fused
-    /// passes (bf16 on CUDA, [`crate::fused::wide_rows`]), the tokens go through in passes of
+    /// passes (bf16 on CUDA, [`KernelOptions::wide_rows`]), the tokens go through in passes of
     /// up to [`crate::fused::WIDE_MAX_ROWS`] rows; else, where it runs the batch-invariant rows
     /// kernels, in passes of [`crate::fused::BI_MAX_ROWS`] rows, about ten launches a layer
     /// each, instead of one pass of candle's batched ops (several times the launches): faster
     /// for a small, launch-bound model (0.5B shape, 127 tokens: 9.8–10.6 → 7.2 ms with the
-    /// draft's first chain). `SPECSPLIT_PREFILL_CHUNKS=0` keeps one pass.
+    /// draft's first chain).
     pub fn prefill(&self, tokens: &[u32], cache: &mut SessionCache) -> Result<(), ModelError> {
-        static CHUNKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let chunks = *CHUNKS.get_or_init(|| {
-            std::env::var("SPECSPLIT_PREFILL_CHUNKS").map_or(true, |v| v.trim() != "0")
-        });
         let (wide, rows) = (crate::fused::WIDE_MAX_ROWS, crate::fused::BI_MAX_ROWS);
-        let size = if !chunks {
-            tokens.len().max(1)
-        } else if self.gpu_wide(tokens.len().min(wide)) {
+        let size = if self.gpu_wide(tokens.len().min(wide)) {
             wide
         } else if self.exact_rows_fit(cache.capacity(), rows) {
             rows
@@ -1083,10 +1090,14 @@ impl Transformer {
         if let Some(keys) = &pass_keys {
             if let Some(layers) = self.fused_layers() {
                 // A wide pass (a prompt's prefill) needs no batch invariance: cuBLAS products.
-                let product = if gpu_exact {
-                    crate::fused::bi_matmul
+                let launch = self.kernels.launch();
+                let bi = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
+                    crate::fused::bi_matmul(x, w, b, launch)
+                };
+                let product: Product<'_> = if gpu_exact {
+                    &bi
                 } else {
-                    crate::fused::cublas_product
+                    &crate::fused::cublas_product
                 };
                 return self
                     .forward_fused_rows(&layers, product, tokens, positions, keys, cache, rows);
@@ -1104,12 +1115,15 @@ impl Transformer {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let a = self.attention(i, layer, &h, (&cos, &sin), &path, cache)?;
             x = (x + a)?;
-            x = (&x + layer.mlp(&x, eps)?)?;
+            x = (&x + layer.mlp(&x, eps, &self.kernels)?)?;
         }
         cache.advance(n)?;
         let x = x.index_select(rows, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        Ok(self
+            .lm_head
+            .forward(&x, &self.kernels)?
+            .to_dtype(DType::F32)?)
     }
 
     /// [`Transformer::forward`] of a pass with the fused kernels ([`Transformer::fused_stack`]
@@ -1121,7 +1135,7 @@ impl Transformer {
     fn forward_fused_rows(
         &self,
         layers: &[FusedLayer<'_>],
-        product: fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
+        product: Product<'_>,
         tokens: &Tensor,
         positions: &Tensor,
         keys: &crate::fused::PassKeys,
@@ -1132,6 +1146,7 @@ impl Transformer {
         let past = cache.len();
         let (shape, scale) = self.fused_attn_shape(cache.capacity());
         let store: &SessionCache = cache;
+        let launch = self.kernels.launch();
         let (h, head) = self.fused_stack(layers, tokens, product, |i, qkv| {
             let (kb, vb) = store.buffers(i)?;
             let q = fused::qkv_rope_rows(
@@ -1144,8 +1159,11 @@ impl Transformer {
                 Some(past),
                 shape,
                 self.rope_interleaved,
+                launch,
             )?;
-            Ok(fused::rows_attention(&q, kb, vb, keys, shape, scale)?)
+            Ok(fused::rows_attention(
+                &q, kb, vb, keys, shape, scale, launch,
+            )?)
         })?;
         cache.advance(tokens.dim(0)?)?;
         let h = h.index_select(rows, 0)?;
@@ -1174,7 +1192,7 @@ impl Transformer {
         &'a self,
         layers: &[FusedLayer<'_>],
         tokens: &Tensor,
-        product: fn(&Tensor, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>,
+        product: Product<'_>,
         mut attend: impl FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
     ) -> Result<(Tensor, &'a Tensor), ModelError> {
         use crate::fused;
@@ -1184,18 +1202,19 @@ impl Transformer {
             ));
         };
         let eps = self.config.rms_norm_eps as f32;
+        let launch = self.kernels.launch();
         let x = self.embed.forward(tokens, self.dtype)?;
         let first_norm = layers.first().map_or(&self.norm, |l| &l.layer.attn_norm);
-        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps)?;
+        let (mut x, mut h) = fused::add_rmsnorm(&x, None, first_norm, eps, launch)?;
         for (i, l) in layers.iter().enumerate() {
             let qkv = product(&h, &l.qkv.0, l.qkv.1.as_ref())?;
             let y = attend(i, &qkv)?;
             let a = product(&y, &l.o.0, l.o.1.as_ref())?;
-            (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps)?;
+            (x, h) = fused::add_rmsnorm(&x, Some(&a), &l.layer.mlp_norm, eps, launch)?;
             let gu = product(&h, &l.gate_up.0, l.gate_up.1.as_ref())?;
-            let m = product(&fused::silu_mul(&gu)?, &l.down.0, l.down.1.as_ref())?;
+            let m = product(&fused::silu_mul(&gu, launch)?, &l.down.0, l.down.1.as_ref())?;
             let next_norm = layers.get(i + 1).map_or(&self.norm, |n| &n.layer.attn_norm);
-            (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps)?;
+            (x, h) = fused::add_rmsnorm(&x, Some(&m), next_norm, eps, launch)?;
         }
         Ok((h, head))
     }
@@ -1259,7 +1278,7 @@ impl Transformer {
     /// increments `b.position`. Nothing is copied to or from the host, and the cache's length
     /// is left alone (the caller owns that bookkeeping).
     ///
-    /// In bf16 on CUDA with [`crate::fused::enabled`] (the default) the step runs the fused
+    /// In bf16 on CUDA with [`KernelOptions::fused`] on (the default) the step runs the fused
     /// kernels (about 8 launches a layer, attention over the valid slots only); otherwise
     /// candle's ops.
     pub fn static_step(&self, b: &StaticStep, cache: &SessionCache) -> Result<(), ModelError> {
@@ -1299,7 +1318,7 @@ impl Transformer {
         let mut x = self.embed.forward(&b.token, self.dtype)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let qkv = layer.qkv.forward(&h)?;
+            let qkv = layer.qkv.forward(&h, &self.kernels)?;
             let q = qkv[0].reshape((1, heads, 1, hd))?.contiguous()?;
             let k = qkv[1].reshape((1, kv, 1, hd))?.contiguous()?;
             let v = qkv[2].reshape((1, kv, 1, hd))?.contiguous()?;
@@ -1311,11 +1330,14 @@ impl Transformer {
             let att = ((q.matmul(&kb.t()?)? * scale)? + &mask)?;
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             let y = att.matmul(vb)?.reshape((1, heads * hd))?;
-            x = (x + layer.o.forward(&y)?)?;
-            x = (&x + layer.mlp(&x, eps)?)?;
+            x = (x + layer.o.forward(&y, &self.kernels)?)?;
+            x = (&x + layer.mlp(&x, eps, &self.kernels)?)?;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        let logits = self
+            .lm_head
+            .forward(&x, &self.kernels)?
+            .to_dtype(DType::F32)?;
         let next = logits.argmax_keepdim(1)?.reshape(1)?;
         let lp = (logits.max_keepdim(1)? - logits.log_sum_exp(1)?.unsqueeze(1)?)?.reshape(1)?;
         b.next.slice_set(&next, 0, 0)?;
@@ -1390,7 +1412,8 @@ impl Transformer {
     /// [`Transformer::exact_rows_fit`] holds.
     pub fn exact_rows(&self, b: &ExactRows, cache: &SessionCache) -> Result<(), ModelError> {
         let (h, head) = self.exact_rows_stack(b, cache)?;
-        let logits = crate::fused::bi_matmul(&h, head, None)?.to_dtype(DType::F32)?;
+        let logits =
+            crate::fused::bi_matmul(&h, head, None, self.kernels.launch())?.to_dtype(DType::F32)?;
         b.logits.slice_set(&logits, 0, 0)?;
         Ok(())
     }
@@ -1400,8 +1423,7 @@ impl Transformer {
     /// written to `step.next` / `step.next_logprob`, the token into `step.token`, and
     /// `step.position` is incremented, so the caller sets it to the last row's position first
     /// and [`Transformer::static_step`] continues from there. `b.logits` is left alone. Up to
-    /// [`crate::fused::GEMV_MAX_ROWS`] rows (and [`crate::fused::step_rows_enabled`]), the rows
-    /// go through [`Transformer::static_step`]'s kernels instead, each over every row at once
+    /// [`crate::fused::GEMV_MAX_ROWS`] rows, the rows go through [`Transformer::static_step`]'s kernels instead, each over every row at once
     /// (each weight read once), so that every row comes out bit for bit as one step a token
     /// would give it: a draft needs no batch invariance, and those kernels are the shorter
     /// pass (0.5B shape, H100: the draft's rounds 0.14 ms shorter).
@@ -1414,7 +1436,6 @@ impl Transformer {
         let (h, head) = match self.fused_layers() {
             Some(layers)
                 if b.rows <= crate::fused::GEMV_MAX_ROWS
-                    && crate::fused::step_rows_enabled()
                     && self.exact_rows_fit(b.capacity, b.rows) =>
             {
                 // The step kernels read the first row's position; the rows follow it.
@@ -1424,13 +1445,15 @@ impl Transformer {
             _ => self.exact_rows_stack(b, cache)?,
         };
         let last = h.narrow(0, b.rows - 1, 1)?;
-        let logits = crate::fused::gemv(&last, head, None)?;
+        let launch = self.kernels.launch();
+        let logits = crate::fused::gemv(&last, head, None, launch)?;
         crate::fused::greedy_head(
             &logits,
             &step.next,
             &step.next_logprob,
             &step.token,
             &step.position,
+            launch,
         )?;
         Ok(())
     }
@@ -1460,7 +1483,10 @@ impl Transformer {
             }
         };
         let (shape, scale) = self.fused_attn_shape(cap);
-        self.fused_stack(&layers, &b.tokens, fused::bi_matmul, |i, qkv| {
+        let launch = self.kernels.launch();
+        let product =
+            |x: &Tensor, w: &Tensor, b: Option<&Tensor>| fused::bi_matmul(x, w, b, launch);
+        self.fused_stack(&layers, &b.tokens, &product, |i, qkv| {
             let (kb, vb) = cache.buffers(i)?;
             // The rows kernel of a pass, with the slots read from the positions.
             let q = fused::qkv_rope_rows(
@@ -1473,8 +1499,11 @@ impl Transformer {
                 None,
                 shape,
                 self.rope_interleaved,
+                launch,
             )?;
-            Ok(fused::rows_attention(&q, kb, vb, &b.keys, shape, scale)?)
+            Ok(fused::rows_attention(
+                &q, kb, vb, &b.keys, shape, scale, launch,
+            )?)
         })
     }
 
@@ -1483,7 +1512,7 @@ impl Transformer {
     /// are multiples of 8), else `None`.
     fn fused_layers(&self) -> Option<Vec<FusedLayer<'_>>> {
         let c = &self.config;
-        let fits = crate::fused::enabled()
+        let fits = self.kernels.fused
             && crate::fused::applies(&self.norm)
             && matches!(c.head_dim, 64 | 128)
             && c.hidden_size.is_multiple_of(8)
@@ -1531,8 +1560,16 @@ impl Transformer {
     ) -> Result<(), ModelError> {
         use crate::fused;
         let (h, head) = self.step_stack(layers, &b.token, &b.position, b.capacity, cache)?;
-        let logits = fused::gemv(&h, head, None)?;
-        fused::greedy_head(&logits, &b.next, &b.next_logprob, &b.token, &b.position)?;
+        let launch = self.kernels.launch();
+        let logits = fused::gemv(&h, head, None, launch)?;
+        fused::greedy_head(
+            &logits,
+            &b.next,
+            &b.next_logprob,
+            &b.token,
+            &b.position,
+            launch,
+        )?;
         Ok(())
     }
 
@@ -1550,7 +1587,10 @@ impl Transformer {
     ) -> Result<(Tensor, &'a Tensor), ModelError> {
         use crate::fused;
         let (shape, scale) = self.fused_attn_shape(capacity);
-        self.fused_stack(layers, tokens, fused::gemv_rows, |i, qkv| {
+        let launch = self.kernels.launch();
+        let product =
+            |x: &Tensor, w: &Tensor, b: Option<&Tensor>| fused::gemv_rows(x, w, b, launch);
+        self.fused_stack(layers, tokens, &product, |i, qkv| {
             let (kb, vb) = cache.buffers(i)?;
             let q = fused::qkv_rope_cache(
                 qkv,
@@ -1561,8 +1601,11 @@ impl Transformer {
                 vb,
                 shape,
                 self.rope_interleaved,
+                launch,
             )?;
-            Ok(fused::decode_attention(&q, kb, vb, position, shape, scale)?)
+            Ok(fused::decode_attention(
+                &q, kb, vb, position, shape, scale, launch,
+            )?)
         })
     }
 
@@ -1574,21 +1617,21 @@ impl Transformer {
     }
 
     /// Whether a CUDA pass of `n` rows runs the batch-invariant kernels end to end (products
-    /// and attention): [`crate::fused::batch_invariant`] on, a dense bf16 model whose widths
+    /// and attention): [`KernelOptions::batch_invariant`] on, a dense bf16 model whose widths
     /// the kernels take, and `n` at most [`crate::fused::BI_MAX_ROWS`].
     fn gpu_batch_invariant(&self, n: usize) -> bool {
         n <= crate::fused::BI_MAX_ROWS
-            && crate::fused::batch_invariant()
+            && self.kernels.batch_invariant
             && self.gpu_rows_kernels_fit()
     }
 
     /// Whether a CUDA pass of `n` rows runs as one wide fused pass (see
     /// [`crate::fused::WIDE_MAX_ROWS`]): more rows than the batch-invariant passes take, at most
-    /// the wide limit, [`crate::fused::wide_rows`] on, and a model the rows kernels take.
+    /// the wide limit, [`KernelOptions::wide_rows`] on, and a model the rows kernels take.
     fn gpu_wide(&self, n: usize) -> bool {
         n > crate::fused::BI_MAX_ROWS
             && n <= crate::fused::WIDE_MAX_ROWS
-            && crate::fused::wide_rows()
+            && self.kernels.wide_rows
             && self.gpu_rows_kernels_fit()
     }
 
@@ -1620,7 +1663,7 @@ impl Transformer {
         let n = h.dim(0)?;
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rep = heads / kv;
-        let qkv = layer.qkv.forward(h)?;
+        let qkv = layer.qkv.forward(h, &self.kernels)?;
         let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
         let q = q
             .reshape((1, n, heads, hd))?
@@ -1648,8 +1691,9 @@ impl Transformer {
                     keys,
                     shape,
                     scale as f32,
+                    self.kernels.launch(),
                 )?;
-                return Ok(layer.o.forward(&y)?);
+                return Ok(layer.o.forward(&y, &self.kernels)?);
             }
             AttnPath::PerRow(keys) => (None, Some(*keys)),
             AttnPath::Batched(mask) => (*mask, None),
@@ -1676,7 +1720,7 @@ impl Transformer {
             .reshape((1, heads, n, hd))?
             .transpose(1, 2)?
             .reshape((n, heads * hd))?;
-        Ok(layer.o.forward(&y)?)
+        Ok(layer.o.forward(&y, &self.kernels)?)
     }
 }
 
