@@ -454,7 +454,7 @@ pub(super) fn bi_matmul(
     b: Option<&Tensor>,
     l: super::Launch,
 ) -> Result<Tensor> {
-    // BI_ROWS of kernels.cu.
+    // BI_ROWS of bi_matmul.cu.
     const ROWS: usize = 64;
     let (n, k) = w.dims2()?;
     let m = x.dim(0)?;
@@ -537,7 +537,7 @@ pub(super) fn rows_attention(
             super::RA_MAX_REP
         )
     })?;
-    // Keys a chunk: RA_CHUNK of kernels.cu.
+    // Keys a chunk: RA_CHUNK of rows_attention.cu.
     const CHUNK: usize = 64;
     let chunks = keys.max_len.div_ceil(CHUNK);
     let hd = s.head_dim;
@@ -550,7 +550,7 @@ pub(super) fn rows_attention(
     if group >= 2 {
         // Staged K and V rows of a chunk (K padded by RA_KPAD), then per row group its
         // RowScratch: RA_MAX_REP x hd query floats, RA_MAX_REP x CHUNK probabilities,
-        // CHUNK slots, 2 x RA_MAX_REP warp results (kernels.cu).
+        // CHUNK slots, 2 x RA_MAX_REP warp results (rows_attention.cu).
         let rep = super::RA_MAX_REP;
         let staged = 2 * CHUNK * (hd + 8) + 2 * CHUNK * hd;
         let scratch = 4 * (rep * hd + rep * CHUNK + CHUNK + 2 * rep);

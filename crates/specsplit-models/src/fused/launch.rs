@@ -10,7 +10,7 @@ pub const PDL_AVAILABLE: bool = cfg!(specsplit_pdl);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
     /// Programmatic dependent launch: each kernel may be scheduled while the one before it
-    /// still runs and waits on the device for its results (kernels.cu, `pdl_wait`), which hides
+    /// still runs and waits on the device for its results (common.cuh, `pdl_wait`), which hides
     /// most of the gap between the small kernels of a step. Takes effect only where
     /// [`PDL_AVAILABLE`]; kernels launched either way may follow each other in a stream.
     pub pdl: bool,
