@@ -123,9 +123,9 @@ fn allow_smem(dev: &CudaDevice, name: &str, smem: u32) -> Result<()> {
 /// Most arguments a kernel of kernels.cu takes.
 const MAX_ARGS: usize = 20;
 
-/// Launches `name` on `dev`'s stream over a `(x, y, z)` grid of `block`-thread blocks with
-/// `smem` bytes of dynamic shared memory and `args` in order. With `pdl` (where
-/// [`super::PDL_AVAILABLE`]) under the programmatic-stream-serialization attribute: the kernel may be scheduled before the
+/// Launches `name` on `dev`'s stream over a `(x, y, z)` grid of `block`-thread blocks with `smem`
+/// bytes of dynamic shared memory and `args` in order. With `pdl` (where [`super::PDL_AVAILABLE`])
+/// under the programmatic-stream-serialization attribute: the kernel may be scheduled before the
 /// previous kernel in the stream finishes, and waits for it on the device (every kernel of
 /// kernels.cu starts with `pdl_enter`).
 fn launch_cfg(

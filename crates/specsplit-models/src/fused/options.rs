@@ -17,9 +17,9 @@ pub struct KernelOptions {
     /// bit-identical logits (greedy speculation then emits exactly what the target alone
     /// emits); off: cuBLAS and candle's attention.
     pub batch_invariant: bool,
-    /// Dense bf16 passes of more than [`super::BI_MAX_ROWS`] and at most [`super::WIDE_MAX_ROWS`] rows on
-    /// CUDA run as one wide fused pass. Such passes are prompt prefills, which a target runs
-    /// the same way whether it decodes alone or verifies drafts, so this changes no output's
+    /// Dense bf16 passes of more than [`super::BI_MAX_ROWS`] and at most [`super::WIDE_MAX_ROWS`]
+    /// rows on CUDA run as one wide fused pass. Such passes are prompt prefills, which a target
+    /// runs the same way whether it decodes alone or verifies drafts, so this changes no output's
     /// exactness.
     pub wide_rows: bool,
 }

@@ -4,7 +4,7 @@
 
 use super::linear::Linear;
 use super::stack::FusedLayer;
-use super::Transformer;
+use super::{ForwardPath, Pass, Transformer};
 use crate::ModelError;
 use candle_core::{DType, Tensor};
 use specsplit_core::cache::SessionCache;
@@ -138,11 +138,8 @@ impl Transformer {
                 cache.spec()
             )));
         }
-        // The fused step indexes the rotary tables by slot: they must cover the capacity.
-        if self.cos.dim(0)? >= cap {
-            if let Some(layers) = self.fused_layers() {
-                return self.static_step_fused(&layers, b, cache);
-            }
+        if self.plan(Pass::Step { capacity: cap }) == ForwardPath::FusedStep {
+            return self.static_step_fused(&self.fused_layers()?, b, cache);
         }
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rep = heads / kv;
@@ -200,7 +197,7 @@ impl Transformer {
     /// takes the fused batch-invariant path (bf16 on CUDA, dense weights the kernels take, the
     /// fused kernels and batch invariance on), and the rotary tables cover the capacity.
     pub fn exact_step_fits(&self, capacity: usize) -> bool {
-        self.exact_shape_fits(capacity) && self.fused_layers().is_some()
+        self.exact_shape_fits(capacity) && self.fused_enabled()
     }
 
     /// [`Transformer::exact_step_fits`] but for the fused layer stack.
@@ -271,24 +268,26 @@ impl Transformer {
     /// written to `step.next` / `step.next_logprob`, the token into `step.token`, and
     /// `step.position` is incremented, so the caller sets it to the last row's position first
     /// and [`Transformer::static_step`] continues from there. `b.logits` is left alone. Up to
-    /// [`crate::fused::GEMV_MAX_ROWS`] rows, the rows go through [`Transformer::static_step`]'s kernels instead, each over every row at once
-    /// (each weight read once), so that every row comes out bit for bit as one step a token
-    /// would give it: a draft needs no batch invariance, and those kernels are the shorter
-    /// pass (0.5B shape, H100: the draft's rounds 0.14 ms shorter).
+    /// [`crate::fused::GEMV_MAX_ROWS`] rows, the rows go through [`Transformer::static_step`]'s
+    /// kernels instead, each over every row at once (each weight read once), so that every row
+    /// comes out bit for bit as one step a token would give it: a draft needs no batch invariance,
+    /// and those kernels are the shorter pass (0.5B shape, H100: the draft's rounds 0.14 ms
+    /// shorter).
     pub fn static_rows_step(
         &self,
         b: &ExactRows,
         step: &StaticStep,
         cache: &SessionCache,
     ) -> Result<(), ModelError> {
-        let (h, head) = match self.fused_layers() {
-            Some(layers)
-                if b.rows <= crate::fused::GEMV_MAX_ROWS
-                    && self.exact_rows_fit(b.capacity, b.rows) =>
-            {
+        let feed = Pass::Feed {
+            rows: b.rows,
+            capacity: b.capacity,
+        };
+        let (h, head) = match self.plan(feed) {
+            ForwardPath::StepRows => {
                 // The step kernels read the first row's position; the rows follow it.
                 let first = b.positions.narrow(0, 0, 1)?;
-                self.step_stack(&layers, &b.tokens, &first, b.capacity, cache)?
+                self.step_stack(&self.fused_layers()?, &b.tokens, &first, b.capacity, cache)?
             }
             _ => self.exact_rows_stack(b, cache)?,
         };
@@ -321,7 +320,7 @@ impl Transformer {
             )));
         }
         let layers = match self.fused_layers() {
-            Some(l) if self.exact_rows_fit(cap, b.rows) => l,
+            Ok(l) if self.exact_rows_fit(cap, b.rows) => l,
             _ => {
                 return Err(ModelError::Unsupported(format!(
                     "no exact {}-row pass for this model (needs bf16 on CUDA with the fused \

@@ -11,7 +11,8 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::AtomicU16;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Inverse rotary frequencies (`head_dim / 2` of them), computed in f32 like the reference
 /// implementations, with optional Llama 3.1 scaling and per-frequency divisors (GGUF
@@ -284,6 +285,8 @@ impl Transformer {
             rope_interleaved: false,
             causal: Mutex::new(HashMap::new()),
             kernels: KernelOptions::default(),
+            fused_fit: OnceLock::new(),
+            logged_paths: AtomicU16::new(0),
             config,
         })
     }
@@ -470,6 +473,8 @@ impl Transformer {
             rope_interleaved: config.architecture == "llama",
             causal: Mutex::new(HashMap::new()),
             kernels: KernelOptions::default(),
+            fused_fit: OnceLock::new(),
+            logged_paths: AtomicU16::new(0),
             config,
         })
     }

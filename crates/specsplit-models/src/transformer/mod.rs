@@ -15,6 +15,7 @@ mod plan;
 mod stack;
 
 pub use graph::{ExactRows, StaticStep};
+pub use plan::{ForwardPath, Pass};
 
 use crate::config::ModelConfig;
 use crate::cpu_attention::{RowKeys, TreeRows, Visibility};
@@ -24,7 +25,8 @@ use candle_core::{DType, Device, Tensor};
 use linear::{Embedding, Linear, Proj};
 use specsplit_core::cache::{CacheSpec, SessionCache};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::AtomicU16;
+use std::sync::{Mutex, OnceLock};
 
 #[derive(Debug, Clone)]
 /// One decoder layer's weights.
@@ -82,6 +84,10 @@ pub struct Transformer {
     causal: Mutex<HashMap<usize, Tensor>>,
     /// Which fused-kernel paths the passes run.
     kernels: KernelOptions,
+    /// Whether the fused layer stack takes these weights (see [`Transformer::fused_enabled`]).
+    fused_fit: OnceLock<bool>,
+    /// The [`ForwardPath`]s logged so far, a bit each.
+    logged_paths: AtomicU16,
 }
 
 impl std::fmt::Debug for Transformer {
@@ -176,12 +182,13 @@ impl Transformer {
     /// draft's first chain).
     pub fn prefill(&self, tokens: &[u32], cache: &mut SessionCache) -> Result<(), ModelError> {
         let (wide, rows) = (crate::fused::WIDE_MAX_ROWS, crate::fused::BI_MAX_ROWS);
-        let size = if self.gpu_wide(tokens.len().min(wide)) {
-            wide
-        } else if self.exact_rows_fit(cache.capacity(), rows) {
-            rows
-        } else {
-            tokens.len().max(1)
+        let first = Pass::Forward {
+            rows: tokens.len().min(wide),
+        };
+        let size = match self.plan(first) {
+            ForwardPath::FusedWide | ForwardPath::WideUnfused => wide,
+            _ if self.exact_rows_fit(cache.capacity(), rows) => rows,
+            _ => tokens.len().max(1),
         };
         for part in tokens.chunks(size) {
             let at = cache.len() as u32;
@@ -289,9 +296,7 @@ impl Transformer {
         }
         let past = cache.len();
         let total = past + n;
-        let gpu_exact = self.gpu_batch_invariant(n);
-        // Never both: a wide pass has more rows than a batch-invariant one may.
-        let gpu_wide = self.gpu_wide(n);
+        let plan = self.plan(Pass::Forward { rows: n });
         if total > cache.capacity() {
             return Err(specsplit_core::cache::CacheError::CapacityExceeded {
                 needed: total,
@@ -309,7 +314,14 @@ impl Transformer {
         }
         // The batch-invariant paths need each row's visible keys (computed once per pass) and
         // no device mask; the batched path needs the mask.
-        let per_row = self.exact_attention() || gpu_exact || gpu_wide;
+        let per_row = plan != ForwardPath::Batched;
+        let rows_kernels = matches!(
+            plan,
+            ForwardPath::FusedExact
+                | ForwardPath::ExactUnfused
+                | ForwardPath::FusedWide
+                | ForwardPath::WideUnfused
+        );
         let mask = match vis {
             _ if per_row => None,
             Visibility::Mask(m) => Some(m.to_dtype(self.dtype)?),
@@ -324,27 +336,25 @@ impl Transformer {
             None
         };
         let pass_keys = match &row_keys {
-            Some(keys) if gpu_exact || gpu_wide => Some(crate::fused::PassKeys::new(
+            Some(keys) if rows_kernels => Some(crate::fused::PassKeys::new(
                 &keys.split_rows(),
                 &self.device,
             )?),
             _ => None,
         };
-        if let Some(keys) = &pass_keys {
-            if let Some(layers) = self.fused_layers() {
-                // A wide pass (a prompt's prefill) needs no batch invariance: cuBLAS products.
-                let launch = self.kernels.launch();
-                let bi = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
-                    crate::fused::bi_matmul(x, w, b, launch)
-                };
-                let product: Product<'_> = if gpu_exact {
-                    &bi
-                } else {
-                    &crate::fused::cublas_product
-                };
-                return self
-                    .forward_fused_rows(&layers, product, tokens, positions, keys, cache, rows);
-            }
+        if let (Some(keys), ForwardPath::FusedExact | ForwardPath::FusedWide) = (&pass_keys, plan) {
+            let layers = self.fused_layers()?;
+            // A wide pass (a prompt's prefill) needs no batch invariance: cuBLAS products.
+            let launch = self.kernels.launch();
+            let bi = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
+                crate::fused::bi_matmul(x, w, b, launch)
+            };
+            let product: Product<'_> = if plan == ForwardPath::FusedExact {
+                &bi
+            } else {
+                &crate::fused::cublas_product
+            };
+            return self.forward_fused_rows(&layers, product, tokens, positions, keys, cache, rows);
         }
         let cos = self.cos.index_select(positions, 0)?;
         let sin = self.sin.index_select(positions, 0)?;

@@ -111,13 +111,23 @@ impl Transformer {
         Ok((h, head))
     }
 
-    /// The dense weights of every layer when the fused one-token kernels are enabled and apply
-    /// to this model (bf16 on CUDA, fused Q|K|V and gate|up projections, head size 64 or 128, widths that
-    /// are multiples of 8), else `None`.
-    pub(super) fn fused_layers(&self) -> Option<Vec<FusedLayer<'_>>> {
+    /// The fused layer stack's weights, where [`Transformer::fused_enabled`]: the path
+    /// [`Transformer::plan`] names `Fused…` or `StepRows` for.
+    pub(super) fn fused_layers(&self) -> Result<Vec<FusedLayer<'_>>, ModelError> {
+        match self.fused_enabled().then(|| self.fused_weights()).flatten() {
+            Some(layers) => Ok(layers),
+            None => Err(ModelError::Unsupported(
+                "the fused layer stack does not take this model".into(),
+            )),
+        }
+    }
+
+    /// The dense weights of every layer where the fused kernels apply to this model (bf16 on
+    /// CUDA, fused Q|K|V and gate|up projections, head size 64 or 128, widths that are multiples
+    /// of 8), else `None`.
+    pub(super) fn fused_weights(&self) -> Option<Vec<FusedLayer<'_>>> {
         let c = &self.config;
-        let fits = self.kernels.fused
-            && crate::fused::applies(&self.norm)
+        let fits = crate::fused::applies(&self.norm)
             && matches!(c.head_dim, 64 | 128)
             && c.hidden_size.is_multiple_of(8)
             && c.intermediate_size.is_multiple_of(8)
