@@ -21,7 +21,7 @@ pub struct AttnShape {
 /// Attention of the queries `(r, heads * head_dim)` of `r` consecutive tokens
 /// (`1 <= r <= GEMV_MAX_ROWS`), row `i` over cache slots `0..=pos + i` of the caches
 /// `(1, kv, capacity, head_dim)`, scaled by `scale`: `(r, heads * head_dim)` bf16. `head_dim`
-/// must be 64 or 128. The slots are split over [`decode_attention_splits`] blocks a head and
+/// must be 64 or 128. The slots are split over [`decode_attention_splits`](super::decode_attention_splits) blocks a head and
 /// row, merged by a second kernel; a row's result does not depend on the other rows.
 pub fn decode_attention(
     q: &Tensor,
@@ -151,6 +151,7 @@ pub fn rows_attention(
     }
     imp::rows_attention(q, k_cache, v_cache, keys, shape, scale, launch)
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

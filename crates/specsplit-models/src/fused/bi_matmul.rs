@@ -5,14 +5,14 @@ use super::{imp, operands_fit, unfit, Launch};
 use candle_core::{Result, Tensor};
 
 /// The most rows a pass may have for the model to run it with the batch-invariant kernels
-/// ([`bi_matmul`], [`rows_attention`]); longer passes (prompt prefills) keep cuBLAS.
+/// ([`bi_matmul`], [`rows_attention`](super::rows_attention)); longer passes (prompt prefills) keep cuBLAS.
 pub const BI_MAX_ROWS: usize = 64;
 
 /// The most rows a pass may have for the model to run it as one *wide* fused pass: passes of
 /// more than [`BI_MAX_ROWS`] rows (prompt prefills) run the fused layer stack with cuBLAS
-/// products ([`cublas_product`]) and [`rows_attention`], about eleven launches a layer instead
+/// products ([`cublas_product`]) and [`rows_attention`](super::rows_attention), about eleven launches a layer instead
 /// of the twenty-odd of candle's batched ops. Longer passes keep the batched ops, whose
-/// attention scores take less memory than [`rows_attention`]'s partial sums.
+/// attention scores take less memory than [`rows_attention`](super::rows_attention)'s partial sums.
 pub const WIDE_MAX_ROWS: usize = 256;
 
 /// `x W^T (+ b)` through candle's matmul (cuBLAS on CUDA): `x` `(m, k)`, `w` `(n, k)`, `b`
@@ -26,7 +26,7 @@ pub fn cublas_product(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tens
     }
 }
 
-/// Whether `bi_matmul(x, w, _)` can run: `w` [`weight_fits`] with a width that is a multiple
+/// Whether `bi_matmul(x, w, _)` can run: `w` [`weight_fits`](super::weight_fits) with a width that is a multiple
 /// of 32, and `x` a contiguous, 16-byte aligned bf16 `(m, k)` matrix on CUDA with `m >= 1`.
 pub fn bi_matmul_fits(x: &Tensor, w: &Tensor) -> bool {
     matches!((x.dims(), w.dims()), ([m, k], [_, kw]) if *m >= 1 && k == kw && k.is_multiple_of(32))

@@ -4,7 +4,7 @@
 use super::{imp, operands_fit, unfit, Launch};
 use candle_core::{Result, Tensor};
 
-/// Whether `gemv(x, w, _)` can run: `w` [`weight_fits`] and `x` a contiguous, 16-byte aligned
+/// Whether `gemv(x, w, _)` can run: `w` [`weight_fits`](super::weight_fits) and `x` a contiguous, 16-byte aligned
 /// bf16 `(1, k)` row on CUDA of the same width.
 pub fn gemv_fits(x: &Tensor, w: &Tensor) -> bool {
     matches!((x.dims(), w.dims()), ([1, k], [_, kw]) if k == kw) && operands_fit(x, w)
@@ -22,7 +22,7 @@ pub fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, launch: Launch) -> Resul
 /// The most rows of `x` one [`gemv_rows`] takes.
 pub const GEMV_MAX_ROWS: usize = 4;
 
-/// Whether `gemv_rows(x, w, _)` can run: `w` [`weight_fits`] and `x` a contiguous, 16-byte
+/// Whether `gemv_rows(x, w, _)` can run: `w` [`weight_fits`](super::weight_fits) and `x` a contiguous, 16-byte
 /// aligned bf16 `(r, k)` matrix on CUDA of the same width with `1 <= r <= GEMV_MAX_ROWS`.
 pub fn gemv_rows_fits(x: &Tensor, w: &Tensor) -> bool {
     matches!((x.dims(), w.dims()), ([r, k], [_, kw]) if k == kw && (1..=GEMV_MAX_ROWS).contains(r))

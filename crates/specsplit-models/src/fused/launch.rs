@@ -14,7 +14,7 @@ pub struct Launch {
     /// most of the gap between the small kernels of a step. Takes effect only where
     /// [`PDL_AVAILABLE`]; kernels launched either way may follow each other in a stream.
     pub pdl: bool,
-    /// Overrides of [`bi_matmul`]'s launch shape (all `None`: the built-in choice).
+    /// Overrides of [`bi_matmul`](super::bi_matmul)'s launch shape (all `None`: the built-in choice).
     pub bi_tuning: BiTuning,
 }
 
@@ -36,7 +36,7 @@ impl Default for Launch {
     }
 }
 
-/// Overrides of [`bi_matmul`]'s launch shape, for side-by-side tuning; `None` keeps the
+/// Overrides of [`bi_matmul`](super::bi_matmul)'s launch shape, for side-by-side tuning; `None` keeps the
 /// built-in choice. `depth` (1 or 2: the weight chunks each lane keeps in flight, base or twice)
 /// and `col_tiles` (2 or 4 column tiles of 8 a warp) change the speed only. `splits` (warps
 /// sharing k) changes the rounding: with it set, a row's result is still the same at every pass
@@ -51,7 +51,7 @@ pub struct BiTuning {
     pub col_tiles: Option<usize>,
 }
 
-/// Blocks a head of [`decode_attention`] splits the slots of caches of `capacity` over: one per
+/// Blocks a head of [`decode_attention`](super::decode_attention) splits the slots of caches of `capacity` over: one per
 /// 64 slots, at most 16.
 pub fn decode_attention_splits(capacity: usize) -> usize {
     capacity.div_ceil(64).clamp(1, 16)
@@ -92,7 +92,7 @@ pub(super) fn bi_col_tiles(m: usize, n: usize, splits: usize) -> usize {
     }
 }
 
-/// Rows of a pass one block of [`rows_attention`] takes together, sharing one staged copy of
+/// Rows of a pass one block of [`rows_attention`](super::rows_attention) takes together, sharing one staged copy of
 /// the prefix keys (each row keeps the arithmetic it gets alone, so any value gives the same
 /// bits; at most 8, below 2 a block a row).
 pub const RA_STAGE: usize = 4;

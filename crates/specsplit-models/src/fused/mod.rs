@@ -116,6 +116,7 @@ fn unfit(kernel: &str, ts: &[&Tensor]) -> candle_core::Error {
         what.join(", ")
     ))
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

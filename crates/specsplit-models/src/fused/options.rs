@@ -49,7 +49,7 @@ impl KernelOptions {
     }
 
     /// How the model launches its kernels: [`KernelOptions::pdl`] and the built-in
-    /// [`bi_matmul`] launch shapes.
+    /// [`bi_matmul`](super::bi_matmul) launch shapes.
     pub fn launch(&self) -> Launch {
         Launch {
             pdl: self.pdl,
@@ -57,6 +57,7 @@ impl KernelOptions {
         }
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

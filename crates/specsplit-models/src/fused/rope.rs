@@ -41,7 +41,7 @@ pub fn qkv_rope_cache(
 /// written into the caches at slots `past..past + n`, or with `past` `None` at the slots the
 /// positions name (read on the device, so a captured graph serves any cache length; the
 /// caller keeps them below the capacity); returns the rotated Q as `(1, heads, n, head_dim)`,
-/// the layout [`rows_attention`] reads.
+/// the layout [`rows_attention`](super::rows_attention) reads.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_rows(
     qkv: &Tensor,

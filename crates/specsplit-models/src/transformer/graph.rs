@@ -126,7 +126,7 @@ impl Transformer {
     /// increments `b.position`. Nothing is copied to or from the host, and the cache's length
     /// is left alone (the caller owns that bookkeeping).
     ///
-    /// In bf16 on CUDA with [`KernelOptions::fused`] on (the default) the step runs the fused
+    /// In bf16 on CUDA with [`crate::fused::KernelOptions::fused`] on (the default) the step runs the fused
     /// kernels (about 8 launches a layer, attention over the valid slots only); otherwise
     /// candle's ops.
     pub fn static_step(&self, b: &StaticStep, cache: &SessionCache) -> Result<(), ModelError> {
