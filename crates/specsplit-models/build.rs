@@ -1,6 +1,7 @@
-//! Compiles the fused decode kernels (`src/cuda/kernels.cu`) to PTX when the `cuda` feature is
-//! on. The PTX targets `compute_$CUDA_COMPUTE_CAP` (default 80), which the driver JIT-compiles
-//! for the GPU it runs on; nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH.
+//! Compiles the fused decode kernels (`src/cuda/kernels.cu`, which includes one file per kernel
+//! family from the same directory) to PTX when the `cuda` feature is on. The PTX targets
+//! `compute_$CUDA_COMPUTE_CAP` (default 80), which the driver JIT-compiles for the GPU it runs
+//! on; nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH.
 
 use std::env;
 use std::path::PathBuf;
@@ -8,11 +9,12 @@ use std::process::Command;
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
-    println!("cargo::rerun-if-changed=src/cuda/kernels.cu");
+    // Every .cu and .cuh file of the directory (cargo watches a directory's whole contents).
+    println!("cargo::rerun-if-changed=src/cuda");
     for var in ["CUDA_COMPUTE_CAP", "NVCC", "CUDA_HOME"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
-    // Set when the PTX is built for sm_90 or later: src/fused.rs launches with programmatic
+    // Set when the PTX is built for sm_90 or later: src/fused/cuda.rs launches with programmatic
     // dependent launch only then.
     println!("cargo::rustc-check-cfg=cfg(specsplit_pdl)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -741,6 +741,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     }
     t_server.stop().await;
 
+    let kernels = specsplit_models::fused::KernelOptions::default();
     let doc = json!({
         "meta": {
             "kind": "e2e",
@@ -755,11 +756,12 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,
-            "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
-            "batch_invariant": specsplit_models::fused::batch_invariant(),
+            // The workers load their models with the default kernel options.
+            "fused_kernels": kernels.fused,
+            "batch_invariant": kernels.batch_invariant,
+            "wide_rows": kernels.wide_rows,
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
-            "pdl": specsplit_models::fused::pdl(),
-            "graph_scratch": specsplit_models::step::graph_scratch_enabled(),
+            "pdl": kernels.pdl && specsplit_models::fused::PDL_AVAILABLE,
             "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device_target)).to_lowercase(),
             "target_only_tok_per_s": ar_tps,
         },

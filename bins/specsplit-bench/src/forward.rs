@@ -40,6 +40,8 @@ pub struct ForwardSettings {
     pub warmup: usize,
     /// Size of the bandwidth-test buffer, MiB.
     pub bw_mib: usize,
+    /// The kernel paths the model runs.
+    pub kernels: specsplit_models::fused::KernelOptions,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -165,16 +167,10 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         device: device.clone(),
         dtype: parse_dtype(&s.dtype)?,
     };
-    eprintln!(
-        "loading {} on {} (fused one-token kernels: {:?}; programmatic dependent launch: {}; \
-         graph scratch: {}) ...",
-        s.model,
-        s.device,
-        specsplit_models::fused::scope(),
-        specsplit_models::fused::pdl(),
-        specsplit_models::step::graph_scratch_enabled()
-    );
-    let loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
+    eprintln!("loading {} on {} ({:?}) ...", s.model, s.device, s.kernels);
+    let mut loaded = load_model(&s.model, &opts).with_context(|| format!("loading {}", s.model))?;
+    loaded.model.set_kernel_options(s.kernels);
+    let kernels = loaded.model.kernel_options();
     let model_name = loaded.name.clone();
     let model = std::sync::Arc::new(loaded.model);
     let m = &*model;
@@ -496,11 +492,11 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "spec": s.model,
             "device": s.device,
             "dtype": format!("{:?}", m.dtype()).to_lowercase(),
-            "fused_kernels": format!("{:?}", specsplit_models::fused::scope()).to_lowercase(),
-            "batch_invariant": specsplit_models::fused::batch_invariant(),
+            "fused_kernels": kernels.fused,
+            "batch_invariant": kernels.batch_invariant,
+            "wide_rows": kernels.wide_rows,
             "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
-            "pdl": specsplit_models::fused::pdl(),
-            "graph_scratch": specsplit_models::step::graph_scratch_enabled(),
+            "pdl": kernels.pdl && specsplit_models::fused::PDL_AVAILABLE,
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                 "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,

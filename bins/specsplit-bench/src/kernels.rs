@@ -175,9 +175,12 @@ pub fn main(a: KernelArgs) -> Result<()> {
             let mut best: Option<(f64, fused::BiTuning)> = None;
             let mut builtin = None;
             for t in combos.iter().copied() {
-                fused::set_bi_matmul_tuning(t);
+                let launch = fused::Launch {
+                    bi_tuning: t,
+                    ..fused::Launch::DEFAULT
+                };
                 let bi = per_launch_ms(&dev, a.iters, a.batch, || {
-                    fused::bi_matmul(&x, &w, None)?;
+                    fused::bi_matmul(&x, &w, None, launch)?;
                     Ok(())
                 })?;
                 let label = tuning_label(t);
@@ -204,7 +207,6 @@ pub fn main(a: KernelArgs) -> Result<()> {
                 r.insert("bi_ms".into(), json!(bi));
                 rows_out.push(r);
             }
-            fused::set_bi_matmul_tuning(fused::BiTuning::default());
             if combos.len() > 4 {
                 if let Some((b, t)) = best {
                     let gbs = (n * k * 2) as f64 / (b / 1e3) / 1e9;
@@ -233,7 +235,7 @@ pub fn main(a: KernelArgs) -> Result<()> {
             let keys = PassKeys::new(&leads, &dev)?;
             let scale = 1.0 / (hd as f32).sqrt();
             let ms = per_launch_ms(&dev, a.iters, a.batch, || {
-                fused::rows_attention(&q, &kc, &vc, &keys, shape, scale)?;
+                fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, fused::Launch::DEFAULT)?;
                 Ok(())
             })?;
             println!("  attention ctx {ctx:5} rows {m:3}: bi {ms:.4}");
@@ -324,7 +326,7 @@ fn step_kernels(
             "add_rmsnorm",
             ctx,
             time(&mut || {
-                fused::add_rmsnorm(&x, Some(&x), &norm, eps)?;
+                fused::add_rmsnorm(&x, Some(&x), &norm, eps, fused::Launch::DEFAULT)?;
                 Ok(())
             })?,
             2 * layers + 1,
@@ -340,7 +342,7 @@ fn step_kernels(
             let b = if bias { Some(bf(&[n], 0.1)?) } else { None };
             let xi = bf(&[1, k], 1.0)?;
             let ms = time(&mut || {
-                fused::gemv(&xi, &w, b.as_ref())?;
+                fused::gemv(&xi, &w, b.as_ref(), fused::Launch::DEFAULT)?;
                 Ok(())
             })?;
             total += row(name, ctx, ms, per);
@@ -362,7 +364,17 @@ fn step_kernels(
             "qkv_rope_cache",
             ctx,
             time(&mut || {
-                fused::qkv_rope_cache(&qkv, &cos, &sin, &pos, &kc, &vc, shape, false)?;
+                fused::qkv_rope_cache(
+                    &qkv,
+                    &cos,
+                    &sin,
+                    &pos,
+                    &kc,
+                    &vc,
+                    shape,
+                    false,
+                    fused::Launch::DEFAULT,
+                )?;
                 Ok(())
             })?,
             layers,
@@ -373,7 +385,7 @@ fn step_kernels(
             "attention",
             ctx,
             time(&mut || {
-                fused::decode_attention(&q, &kc, &vc, &pos, shape, scale)?;
+                fused::decode_attention(&q, &kc, &vc, &pos, shape, scale, fused::Launch::DEFAULT)?;
                 Ok(())
             })?,
             layers,
@@ -383,7 +395,7 @@ fn step_kernels(
             "silu_mul",
             ctx,
             time(&mut || {
-                fused::silu_mul(&gu)?;
+                fused::silu_mul(&gu, fused::Launch::DEFAULT)?;
                 Ok(())
             })?,
             layers,
@@ -399,7 +411,14 @@ fn step_kernels(
             "greedy_head",
             ctx,
             time(&mut || {
-                fused::greedy_head(&logits, &next, &lp, &token, &position)?;
+                fused::greedy_head(
+                    &logits,
+                    &next,
+                    &lp,
+                    &token,
+                    &position,
+                    fused::Launch::DEFAULT,
+                )?;
                 Ok(())
             })?,
             1,

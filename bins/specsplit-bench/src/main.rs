@@ -78,12 +78,32 @@ struct ForwardArgs {
     /// Small preset that finishes quickly.
     #[arg(long)]
     quick: bool,
+    /// The fused CUDA kernels (draft step and fused layer stacks) or candle's ops.
+    #[arg(long, value_enum, default_value = "fused")]
+    kernels: KernelsArg,
+    /// Batch-invariant kernels for passes of up to 64 rows (off: cuBLAS and candle's attention).
+    #[arg(long, value_enum, default_value = "on")]
+    batch_invariant: OnOff,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
     /// Base name of the output files.
     #[arg(long, default_value = "forward")]
     name: String,
+}
+
+/// Which kernels the benchmarked model runs.
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum KernelsArg {
+    Fused,
+    Unfused,
+}
+
+/// A side-by-side switch of a benchmark.
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum)]
@@ -207,6 +227,11 @@ fn forward(a: ForwardArgs) -> Result<()> {
         model: a.model,
         device: a.device,
         dtype: a.dtype,
+        kernels: specsplit_models::fused::KernelOptions {
+            fused: matches!(a.kernels, KernelsArg::Fused),
+            batch_invariant: matches!(a.batch_invariant, OnOff::On),
+            ..Default::default()
+        },
         out: a.out,
         name: a.name,
     };

@@ -75,29 +75,11 @@ impl std::fmt::Display for GraphNodes {
     }
 }
 
-/// The largest scratch a captured graph gets, in bytes: `SPECSPLIT_GRAPH_SCRATCH_MAX_MIB`
-/// (default 64) MiB. The scratch holds every intermediate output of a step at once (a graph's
-/// own allocations reuse memory as they are freed), so it grows with the rows, the layers and
-/// the capacity (the rows attention's per-chunk partials); a larger step is captured with its
-/// allocations inside the graph, as without a scratch. Read once.
-pub fn graph_scratch_max() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        let mib = std::env::var("SPECSPLIT_GRAPH_SCRATCH_MAX_MIB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(64);
-        mib * 1024 * 1024
-    })
-}
-
-/// Whether captured steps carve their intermediate outputs from a scratch buffer instead of
-/// allocating them inside the graph ([`crate::fused::Scratch`]); `SPECSPLIT_GRAPH_SCRATCH=0`
-/// turns it off. Read once.
-pub fn graph_scratch_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECSPLIT_GRAPH_SCRATCH").map_or(true, |v| v.trim() != "0"))
-}
+/// The largest scratch a captured graph gets, in bytes (64 MiB). The scratch holds every
+/// intermediate output of a step at once (a graph's own allocations reuse memory as they are
+/// freed), so it grows with the rows, the layers and the capacity (the rows attention's
+/// per-chunk partials); a larger step is captured with its allocations inside the graph.
+pub const GRAPH_SCRATCH_MAX: usize = 64 * 1024 * 1024;
 
 impl Replay {
     /// The captured graph's nodes by kind, once captured.
@@ -138,9 +120,7 @@ impl Replay {
             if self.eager_steps >= 1 && !self.capture_failed {
                 let scratch = match self.need {
                     // Without room for it the graph allocates its outputs itself, as before.
-                    Some(need)
-                        if graph_scratch_enabled() && need.bytes() <= graph_scratch_max() =>
-                    {
+                    Some(need) if need.bytes() <= GRAPH_SCRATCH_MAX => {
                         crate::fused::Scratch::new(need, model.device())
                             .inspect_err(|e| {
                                 tracing::warn!("no graph scratch ({} bytes): {e}", need.bytes())
@@ -341,14 +321,6 @@ fn rows_replay<'t>(
     }
 }
 
-/// Whether steppers feed several tokens in one pass where the model can
-/// ([`DecodeStepper::feed`], [`ExactStepper::step_chain`]); `SPECSPLIT_ROWS_GRAPH=0` turns
-/// it off (one graph step a token for the draft, an eager pass for the target's chains).
-pub fn rows_graphs_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECSPLIT_ROWS_GRAPH").map_or(true, |v| v.trim() != "0"))
-}
-
 /// Fixed-shape greedy decode steps over one session cache (see the module docs).
 pub struct DecodeStepper {
     bufs: StaticStep,
@@ -380,10 +352,10 @@ impl DecodeStepper {
     /// stepper is used with), leaving in the buffers what `start` and one step a token would:
     /// the greedy token after the last one in `next` / `next_logprob` / `token`, and the
     /// position past them. Where the model runs [`Transformer::static_rows_step`] (bf16 on
-    /// CUDA with the fused kernels; see [`rows_graphs_enabled`]) several tokens go through
+    /// CUDA with the fused kernels) several tokens go through
     /// in one pass, replayed from a graph per row count: up to [`crate::fused::GEMV_MAX_ROWS`]
     /// tokens through the step's own kernels, bit for bit what one step a token gives; past
-    /// that (or with `SPECSPLIT_STEP_ROWS=0`) through the batch-invariant rows pass, whose
+    /// that through the batch-invariant rows pass, whose
     /// greedy pick may break a near-tie differently. Elsewhere one step a token. Returns the
     /// passes run.
     pub fn feed(
@@ -395,7 +367,7 @@ impl DecodeStepper {
     ) -> Result<usize, ModelError> {
         let n = tokens.len();
         let cap = self.bufs.capacity();
-        if n >= 2 && rows_graphs_enabled() && model.exact_rows_fit(cap, n) {
+        if n >= 2 && model.exact_rows_fit(cap, n) {
             let RowsReplay { bufs, replay } = rows_replay(&mut self.rows, model, cap, n)?;
             bufs.start(tokens, position)?;
             // The head adds one to the position: it ends past the last token.
@@ -498,9 +470,9 @@ impl ExactStepper {
     }
 
     /// Whether [`ExactStepper::step_chain`] takes chains of `rows` tokens for `model`: one
-    /// token always, longer chains where [`rows_graphs_enabled`] and the model runs them.
+    /// token always, longer chains where the model runs them.
     pub fn chain_fits(&self, model: &Transformer, rows: usize) -> bool {
-        rows == 1 || (rows_graphs_enabled() && model.exact_rows_fit(self.capacity, rows))
+        rows == 1 || model.exact_rows_fit(self.capacity, rows)
     }
 
     /// Row counts whose passes replay a captured graph.

@@ -1,13 +1,14 @@
 //! The fused bf16 CUDA kernels (`specsplit_models::fused`) against f32 references computed on
 //! the host from the same bf16 inputs, and the fused one-token step against the ordinary
 //! forward pass. Needs the `cuda` feature and a GPU; without a GPU every test says so and
-//! returns. The kernels run whatever scope the model uses them in (`fused::scope`).
+//! returns. Tests that compare kernel paths build one model per [`fused::KernelOptions`] from
+//! the same seed, so the tests share no state and may run in parallel.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use specsplit_core::cache::SessionCache;
 use specsplit_models::config::ModelConfig;
-use specsplit_models::fused::{self, AttnShape};
+use specsplit_models::fused::{self, AttnShape, KernelOptions};
 use specsplit_models::step::{DecodeStepper, ExactStepper};
 use specsplit_models::transformer::Transformer;
 
@@ -85,7 +86,7 @@ fn gemv_matches_an_f32_product_with_and_without_bias() {
             .map(|r| (0..k).map(|c| xs[c] * ws[r * k + c]).sum())
             .collect();
         let scale = max_abs(&exact).max(1e-3);
-        let got = host(&fused::gemv(&x, &w, None).unwrap());
+        let got = host(&fused::gemv(&x, &w, None, L).unwrap());
         // One bf16 rounding of the output (2^-8 relative) plus f32 summation-order noise.
         assert_close(&format!("gemv {n}x{k}"), &got, &exact, scale, 1.0 / 128.0);
         let with_bias: Vec<f32> = exact
@@ -93,7 +94,7 @@ fn gemv_matches_an_f32_product_with_and_without_bias() {
             .zip(&bs)
             .map(|(y, b)| bf16_round(*y) + b)
             .collect();
-        let got = host(&fused::gemv(&x, &w, Some(&b)).unwrap());
+        let got = host(&fused::gemv(&x, &w, Some(&b), L).unwrap());
         let scale = max_abs(&with_bias).max(1e-3);
         assert_close(
             &format!("gemv+bias {n}x{k}"),
@@ -115,10 +116,11 @@ fn gemv_rows_give_each_row_its_one_row_product_bit_for_bit() {
             let x = randn(&dev, &[r, k], 1.0);
             assert!(fused::gemv_rows_fits(&x, &w));
             for bias in [None, Some(&b)] {
-                let got = host(&fused::gemv_rows(&x, &w, bias).unwrap());
+                let got = host(&fused::gemv_rows(&x, &w, bias, L).unwrap());
                 assert_eq!(got.len(), r * n);
                 for j in 0..r {
-                    let alone = host(&fused::gemv(&x.narrow(0, j, 1).unwrap(), &w, bias).unwrap());
+                    let alone =
+                        host(&fused::gemv(&x.narrow(0, j, 1).unwrap(), &w, bias, L).unwrap());
                     let row = &got[j * n..(j + 1) * n];
                     let same = row
                         .iter()
@@ -137,7 +139,9 @@ fn gemv_rows_give_each_row_its_one_row_product_bit_for_bit() {
     let w = randn(&dev, &[16, 64], 1.0);
     let five = randn(&dev, &[fused::GEMV_MAX_ROWS + 1, 64], 1.0);
     assert!(!fused::gemv_rows_fits(&five, &w));
-    let e = fused::gemv_rows(&five, &w, None).unwrap_err().to_string();
+    let e = fused::gemv_rows(&five, &w, None, L)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("gemv_rows"), "{e}");
     assert!(!fused::gemv_rows_fits(&randn(&dev, &[2, 72], 1.0), &w));
 }
@@ -157,7 +161,7 @@ fn gemv_refuses_what_it_cannot_run() {
     assert!(!fused::gemv_fits(&wide.narrow(1, 1, 64).unwrap(), &w));
     let f = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
     assert!(!fused::gemv_fits(&f, &w));
-    let e = fused::gemv(&f, &w, None).unwrap_err().to_string();
+    let e = fused::gemv(&f, &w, None, L).unwrap_err().to_string();
     assert!(e.contains("does not apply"), "{e}");
 }
 
@@ -171,7 +175,7 @@ fn add_rmsnorm_matches_the_f32_formula() {
         let eps = 1e-6f32;
         let (xs, ds, ws) = (host(&x), host(&delta), host(&w));
         for with_delta in [false, true] {
-            let (s, n) = fused::add_rmsnorm(&x, with_delta.then_some(&delta), &w, eps).unwrap();
+            let (s, n) = fused::add_rmsnorm(&x, with_delta.then_some(&delta), &w, eps, L).unwrap();
             assert_eq!(s.dims(), [rows, d]);
             assert_eq!(n.dims(), [rows, d]);
             let (gs, gn) = (host(&s), host(&n));
@@ -208,7 +212,7 @@ fn silu_mul_matches_the_f32_formula() {
     let (rows, n) = (2, 4864);
     let gu = randn(&dev, &[rows, 2 * n], 2.0);
     let g = host(&gu);
-    let got = host(&fused::silu_mul(&gu).unwrap());
+    let got = host(&fused::silu_mul(&gu, L).unwrap());
     let want: Vec<f32> = (0..rows * n)
         .map(|i| {
             let (r, c) = (i / n, i % n);
@@ -267,7 +271,7 @@ fn qkv_rope_cache_rotates_q_and_k_and_writes_only_slot_pos() {
         let p = 23usize;
         let pos = Tensor::new(&[p as u32], &dev).unwrap();
         let q =
-            fused::qkv_rope_cache(&qkv, &cos, &sin, &pos, &kc, &vc, shape, interleaved).unwrap();
+            fused::qkv_rope_cache(&qkv, &cos, &sin, &pos, &kc, &vc, shape, interleaved, L).unwrap();
         let src = host(&qkv);
         let rotate = |head: &[f32]| -> Vec<f32> {
             let mut out = head.to_vec();
@@ -345,7 +349,7 @@ fn decode_attention_matches_naive_softmax_attention() {
         // Across one tile, several tiles of 2048 scores and a tile boundary (2049).
         for len in [1usize, 7, 300, 2048, 2049, 4100] {
             let pos = Tensor::new(&[len as u32 - 1], &dev).unwrap();
-            let got = host(&fused::decode_attention(&q, &kc, &vc, &pos, shape, scale).unwrap());
+            let got = host(&fused::decode_attention(&q, &kc, &vc, &pos, shape, scale, L).unwrap());
             for head in 0..h {
                 let j = head / (h / kv);
                 let qh = &qs[head * hd..(head + 1) * hd];
@@ -384,7 +388,7 @@ fn greedy_head_picks_the_lowest_argmax_and_advances_the_position() {
     let logprob = Tensor::zeros(1, DType::F32, &dev).unwrap();
     let token = Tensor::zeros(1, DType::U32, &dev).unwrap();
     let pos = Tensor::new(&[41u32], &dev).unwrap();
-    fused::greedy_head(&l, &next, &logprob, &token, &pos).unwrap();
+    fused::greedy_head(&l, &next, &logprob, &token, &pos, L).unwrap();
     assert_eq!(next.to_vec1::<u32>().unwrap(), [12_345]);
     assert_eq!(token.to_vec1::<u32>().unwrap(), [12_345]);
     assert_eq!(pos.to_vec1::<u32>().unwrap(), [42]);
@@ -407,7 +411,7 @@ fn greedy_head_picks_the_lowest_argmax_and_advances_the_position() {
             .to_dtype(DType::BF16)
             .unwrap();
         let lb = host(&l);
-        fused::greedy_head(&l, &next, &logprob, &token, &pos).unwrap();
+        fused::greedy_head(&l, &next, &logprob, &token, &pos, L).unwrap();
         assert_eq!(
             next.to_vec1::<u32>().unwrap(),
             [v as u32 - 1],
@@ -448,6 +452,16 @@ fn small_model(preset: &str, seed: u64, dev: &Device) -> Transformer {
     Transformer::random(cfg, seed, DType::BF16, dev).unwrap()
 }
 
+/// [`small_model`] running the kernel paths `options` allows.
+fn small_model_with(preset: &str, seed: u64, dev: &Device, options: KernelOptions) -> Transformer {
+    let mut m = small_model(preset, seed, dev);
+    m.set_kernel_options(options);
+    m
+}
+
+/// How the kernel tests launch: the default.
+const L: fused::Launch = fused::Launch::DEFAULT;
+
 /// The ordinary forward of `tokens` at `start..` on `cache`: f32 logits of the last one.
 fn forward_last(m: &Transformer, cache: &mut SessionCache, tokens: &[u32]) -> Vec<f32> {
     let dev = m.device();
@@ -468,27 +482,29 @@ fn fused_static_step_decodes_like_the_forward_pass() {
     let Some(dev) = gpu() else { return };
     for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
         let m = small_model(preset, 11, &dev);
+        let unfused = KernelOptions {
+            fused: false,
+            ..KernelOptions::default()
+        };
+        let r = small_model_with(preset, 11, &dev, unfused);
         let prompt: Vec<u32> = (0..300).map(|i| (i * 97 + 13) % 8192).collect();
         let (cap, steps) = (512, 24);
 
         // The stepper decodes greedily with the fused kernels on its own cache; a reference
-        // cache follows the stepper's tokens with candle's ops (the fused switch is off for
-        // it), so every step is compared on the same sequence even after a near-tie went the
-        // other way. This is the only test of the file that uses the switch.
-        fused::set_scope(fused::Scope::Off);
-        let mut reference = m.new_cache(cap).unwrap();
-        let mut row = forward_last(&m, &mut reference, &prompt);
+        // cache follows the stepper's tokens with candle's ops (the same weights with the
+        // fused kernels off), so every step is compared on the same sequence even after a
+        // near-tie went the other way.
+        let mut reference = r.new_cache(cap).unwrap();
+        let mut row = forward_last(&r, &mut reference, &prompt);
         let mut cache = m.new_cache(cap).unwrap();
-        forward_last(&m, &mut cache, &prompt);
+        forward_last(&r, &mut cache, &prompt);
         let mut stepper = DecodeStepper::new(&m, cap).unwrap();
         let mut token = argmax(&row);
         stepper.start(token, prompt.len()).unwrap();
         let mut same = 0;
         for j in 1..=steps {
-            fused::set_scope(fused::Scope::Step);
             stepper.step(&m, &cache).unwrap();
-            fused::set_scope(fused::Scope::Off);
-            row = forward_last(&m, &mut reference, &[token]);
+            row = forward_last(&r, &mut reference, &[token]);
             let b = stepper.buffers();
             let got = b.next.to_vec1::<u32>().unwrap()[0];
             let lp = b.next_logprob.to_vec1::<f32>().unwrap()[0];
@@ -661,7 +677,7 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
         let x = randn(&dev, &[m, k], 1.0);
         let w = randn(&dev, &[n, k], 0.05);
         let b = bias.then(|| randn(&dev, &[n], 0.5));
-        let full = fused::bi_matmul(&x, &w, b.as_ref()).unwrap();
+        let full = fused::bi_matmul(&x, &w, b.as_ref(), L).unwrap();
         assert_eq!(full.dims(), [m, n]);
         let fh = host(&full);
         let (xs, ws) = (host(&x), host(&w));
@@ -683,7 +699,7 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
         // The leading m rows of the pass, and any row alone, give the same bits.
         for rows in [1usize, 2, 15, 16, 17, 33, 64, 65] {
             let part =
-                host(&fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref()).unwrap());
+                host(&fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref(), L).unwrap());
             assert_eq!(
                 part[..],
                 fh[..rows * n],
@@ -692,7 +708,7 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
         }
         for r in [0usize, 5, 16, 47, 64, 99] {
             let alone =
-                host(&fused::bi_matmul(&x.narrow(0, r, 1).unwrap(), &w, b.as_ref()).unwrap());
+                host(&fused::bi_matmul(&x.narrow(0, r, 1).unwrap(), &w, b.as_ref(), L).unwrap());
             assert_eq!(
                 alone[..],
                 fh[r * n..(r + 1) * n],
@@ -702,14 +718,18 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
         // Every load depth and column tiling gives the same bits, alone or in the pass (one to
         // four row tiles).
         for (depth, tiles) in [(1u8, 4usize), (2, 2), (1, 2), (2, 4)] {
-            fused::set_bi_matmul_tuning(fused::BiTuning {
-                depth: Some(depth),
-                col_tiles: Some(tiles),
-                splits: None,
-            });
+            let tuned = fused::Launch {
+                bi_tuning: fused::BiTuning {
+                    depth: Some(depth),
+                    col_tiles: Some(tiles),
+                    splits: None,
+                },
+                ..L
+            };
             for rows in [1usize, 17, 33, 49, 100] {
                 let part = host(
-                    &fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref()).unwrap(),
+                    &fused::bi_matmul(&x.narrow(0, 0, rows).unwrap(), &w, b.as_ref(), tuned)
+                        .unwrap(),
                 );
                 assert_eq!(
                     part[..],
@@ -718,7 +738,6 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
                 );
             }
         }
-        fused::set_bi_matmul_tuning(fused::BiTuning::default());
     }
 }
 
@@ -729,7 +748,7 @@ fn bi_matmul_refuses_what_it_cannot_run() {
     let x = randn(&dev, &[3, 48], 1.0);
     // 48 is not a multiple of 32.
     assert!(!fused::bi_matmul_fits(&x, &w));
-    let e = fused::bi_matmul(&x, &w, None).unwrap_err().to_string();
+    let e = fused::bi_matmul(&x, &w, None, L).unwrap_err().to_string();
     assert!(e.contains("bi_matmul"), "{e}");
     let w = randn(&dev, &[64, 64], 1.0);
     assert!(!fused::bi_matmul_fits(&randn(&dev, &[3, 32], 1.0), &w));
@@ -789,7 +808,7 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
         let keys = fused::PassKeys::new(&rows, &dev).unwrap();
         let q = randn(&dev, &[1, h, n, hd], 1.0);
         let qs = host(&q);
-        let got = host(&fused::rows_attention(&q, &kc, &vc, &keys, shape, scale).unwrap());
+        let got = host(&fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, L).unwrap());
         for (r, (lead, ex)) in rows.iter().enumerate() {
             let slots: Vec<usize> = (0..*lead).chain(ex.iter().map(|&e| e as usize)).collect();
             // The same keys laid out contiguously from slot 0, as when the row's token is
@@ -812,8 +831,9 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
             let (kc1, vc1) = (lay(&kc), lay(&vc));
             let q1 = q.narrow(2, r, 1).unwrap().contiguous().unwrap();
             let alone_keys = fused::PassKeys::new(&[(slots.len(), &[][..])], &dev).unwrap();
-            let alone =
-                host(&fused::rows_attention(&q1, &kc1, &vc1, &alone_keys, shape, scale).unwrap());
+            let alone = host(
+                &fused::rows_attention(&q1, &kc1, &vc1, &alone_keys, shape, scale, L).unwrap(),
+            );
             assert_eq!(
                 alone[..],
                 got[r * h * hd..(r + 1) * h * hd],
@@ -857,20 +877,20 @@ fn rows_of(t: &Tensor) -> Vec<Vec<f32>> {
 fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
     let Some(dev) = gpu() else { return };
     assert!(
-        fused::batch_invariant(),
+        KernelOptions::default().batch_invariant,
         "batch invariance is on by default"
     );
     // With the fused kernels (the default scope: about 10 launches a layer) and without them
     // (candle's ops around the batch-invariant products and attention); both must be exact,
     // and they agree within bf16 rounding.
     let mut first_decoded: Vec<Vec<Vec<f32>>> = Vec::new();
-    for (si, scope) in [fused::Scope::Step, fused::Scope::Off]
-        .into_iter()
-        .enumerate()
-    {
-        fused::set_scope(scope);
+    for (si, fused_on) in [true, false].into_iter().enumerate() {
+        let options = KernelOptions {
+            fused: fused_on,
+            ..KernelOptions::default()
+        };
         for (pi, preset) in ["qwen2.5-0.5b", "qwen2.5-7b"].into_iter().enumerate() {
-            let m = small_model(preset, 5, &dev);
+            let m = small_model_with(preset, 5, &dev, options);
             let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
             // A prompt longer than the batch-invariant limit (prefilled with cuBLAS, the same way
             // in both runs) and five tokens after it.
@@ -948,7 +968,9 @@ fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
             for t in 0..4 {
                 assert!(rows[t] == decoded[t], "{preset}: chain row {t} differs");
             }
-            eprintln!("{preset} ({scope:?}): tree, chain and compacted rows equal decoding alone");
+            eprintln!(
+                "{preset} (fused {fused_on}): tree, chain and compacted rows equal decoding alone"
+            );
             if si == 0 {
                 first_decoded.push(decoded);
             } else {
@@ -964,7 +986,6 @@ fn a_token_decoded_alone_and_verified_in_a_tree_get_identical_logits() {
             }
         }
     }
-    fused::set_scope(fused::Scope::Step);
 }
 
 /// The causal forward of `tokens` after `cache`'s sequence: every row's f32 logits.
@@ -1113,10 +1134,6 @@ fn a_decode_stepper_feeds_several_tokens_in_one_pass_like_one_step_each() {
 #[test]
 fn a_feed_of_a_few_tokens_is_bit_identical_to_one_step_each() {
     let Some(dev) = gpu() else { return };
-    if !fused::step_rows_enabled() {
-        eprintln!("SPECSPLIT_STEP_ROWS=0: the feed runs the batch-invariant pass, skipping");
-        return;
-    }
     for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
         let m = small_model(preset, 7, &dev);
         let cap = 300;
@@ -1183,10 +1200,7 @@ type Rounds = (Vec<Vec<Vec<f32>>>, Vec<(u32, u32)>, String);
 #[test]
 fn programmatic_launch_and_graph_scratch_change_no_bit() {
     let Some(dev) = gpu() else { return };
-    let was = fused::pdl();
-    fused::set_scope(fused::Scope::Step);
     for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
-        let m = small_model(preset, 37, &dev);
         let cap = 512;
         let prompt: Vec<u32> = (0..280).map(|i| (i * 61 + 7) % 8192).collect();
         let lengths = [1usize, 4, 4, 2, 1, 4, 3, 4, 1, 1];
@@ -1194,7 +1208,11 @@ fn programmatic_launch_and_graph_scratch_change_no_bit() {
         // launch, each on its own cache and steppers: target chains (exact rows graphs) and
         // the draft's greedy steps must give the same bits.
         let run = |pdl: bool| -> Rounds {
-            fused::set_pdl(pdl);
+            let options = KernelOptions {
+                pdl,
+                ..KernelOptions::default()
+            };
+            let m = small_model_with(preset, 37, &dev, options);
             let mut cache = m.new_cache(cap).unwrap();
             forward_last(&m, &mut cache, &prompt);
             let mut draft_cache = m.new_cache(cap).unwrap();
@@ -1228,11 +1246,9 @@ fn programmatic_launch_and_graph_scratch_change_no_bit() {
                 stepper.graph_nodes(4).unwrap(),
                 drafter.graph_nodes().unwrap(),
             );
-            if specsplit_models::step::graph_scratch_enabled() {
-                // Only candle's own ops (embedding, casts) allocate inside the graphs.
-                for g in [chain, step] {
-                    assert!(g.kernels > 20 && g.memory * 8 < g.kernels, "{preset}: {g}");
-                }
+            // Only candle's own ops (embedding, casts) allocate inside the graphs.
+            for g in [chain, step] {
+                assert!(g.kernels > 20 && g.memory * 8 < g.kernels, "{preset}: {g}");
             }
             let nodes = format!("chain-4 graph: {chain}; step graph: {step}");
             (logits, picks, nodes)
@@ -1247,10 +1263,13 @@ fn programmatic_launch_and_graph_scratch_change_no_bit() {
         eprintln!(
             "{preset}: {} rounds identical with programmatic launch {} ({nodes})",
             lengths.len(),
-            if fused::pdl() { "on" } else { "unavailable" }
+            if fused::PDL_AVAILABLE {
+                "on"
+            } else {
+                "unavailable"
+            }
         );
     }
-    fused::set_pdl(was);
 }
 
 /// Every layer's K and V cache entries of slots `0..n`, as f32.
@@ -1266,9 +1285,17 @@ fn cache_entries(m: &Transformer, cache: &SessionCache, n: usize) -> Vec<Vec<f32
 #[test]
 fn a_wide_pass_computes_what_the_batched_pass_computes() {
     let Some(dev) = gpu() else { return };
-    assert!(fused::wide_rows(), "wide passes are on by default");
+    assert!(
+        KernelOptions::default().wide_rows,
+        "wide passes are on by default"
+    );
     for preset in ["qwen2.5-0.5b", "qwen2.5-7b"] {
         let m = small_model(preset, 37, &dev);
+        let narrow = KernelOptions {
+            wide_rows: false,
+            ..KernelOptions::default()
+        };
+        let flat = small_model_with(preset, 37, &dev, narrow);
         let cap = 512;
         // A prompt of more rows than the batch-invariant passes take: one wide pass, against
         // candle's batched ops (wide passes off) over the same rows; then 30 tokens after a
@@ -1278,9 +1305,7 @@ fn a_wide_pass_computes_what_the_batched_pass_computes() {
         let mut wide = m.new_cache(cap).unwrap();
         let mut batched = m.new_cache(cap).unwrap();
         let got = forward_rows(&m, &mut wide, head);
-        fused::set_wide_rows(false);
-        let want = forward_rows(&m, &mut batched, head);
-        fused::set_wide_rows(true);
+        let want = forward_rows(&flat, &mut batched, head);
         let scale = want.iter().map(|r| max_abs(r)).fold(0f32, f32::max);
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_close(&format!("{preset} row {r}"), g, w, scale, 1.0 / 16.0);
@@ -1309,11 +1334,9 @@ fn a_wide_pass_computes_what_the_batched_pass_computes() {
         // 70 more rows after the 130 cached ones: a wide pass over a cached prefix.
         let (mut wide2, mut batched2) = (m.new_cache(cap).unwrap(), m.new_cache(cap).unwrap());
         forward_last(&m, &mut wide2, head);
-        forward_last(&m, &mut batched2, head);
+        forward_last(&flat, &mut batched2, head);
         let got = forward_rows(&m, &mut wide2, tail);
-        fused::set_wide_rows(false);
-        let want = forward_rows(&m, &mut batched2, tail);
-        fused::set_wide_rows(true);
+        let want = forward_rows(&flat, &mut batched2, tail);
         assert_eq!(wide2.len(), prompt.len());
         let scale = want.iter().map(|r| max_abs(r)).fold(0f32, f32::max);
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {

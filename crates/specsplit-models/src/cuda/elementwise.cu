@@ -1,0 +1,103 @@
+// The SwiGLU gate and the greedy head.
+#pragma once
+#include "common.cuh"
+
+// SwiGLU gate: gu is (rows, 2 * n) = [gate | up]; out (rows, n) = silu(gate) * up, rounded to
+// bf16 after the silu and after the product like the unfused ops.
+extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
+                                                   bf16* __restrict__ out, int rows, int n) {
+    pdl_enter();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * n) return;
+    const size_t r = i / n, c = i % n;
+    const float g = __bfloat162float(gu[r * 2 * n + c]);
+    const float u = __bfloat162float(gu[r * 2 * n + n + c]);
+    const float s = round_bf16(g / (1.f + __expf(-g)));
+    out[i] = __float2bfloat16(s * u);
+}
+
+// Greedy head of one token, in two kernels: next = argmax(logits) (the lowest index among
+// equal maxima), logprob = logits[next] - logsumexp(logits); then token = next and *pos += 1,
+// so the next replay of a captured step decodes the following token. Split over blocks (one
+// block took ~52 us over a 150k vocabulary on an H100): block b takes logits
+// [b * chunk, (b + 1) * chunk) and writes part[3 b ..] = its maximum, the lowest index holding
+// it (as int bits) and the sum of exp(x - its maximum). Block of 256.
+extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restrict__ logits, int v,
+                                                           int chunk, float* __restrict__ part) {
+    pdl_enter();
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int lo = blockIdx.x * chunk, hi = min(v, lo + chunk);
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float x = __bfloat162float(logits[i]);
+        if (x > bv) {
+            bv = x;
+            bi = i;
+        }
+    }
+    warp_argmax(bv, bi);
+    if (lane == 0) {
+        best_v[warp] = bv;
+        best_i[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < (int)(blockDim.x / WARP) ? best_v[lane] : -INFINITY;
+        bi = lane < (int)(blockDim.x / WARP) ? best_i[lane] : 0x7fffffff;
+        warp_argmax(bv, bi);
+        if (lane == 0) {
+            best_v[0] = bv;
+            best_i[0] = bi;
+        }
+    }
+    __syncthreads();
+    const float m = best_v[0];
+    const int arg = best_i[0];
+    float s = 0.f;
+    if (m > -INFINITY)
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)
+            s += __expf(__bfloat162float(logits[i]) - m);
+    s = block_sum(s);
+    if (threadIdx.x == 0) {
+        part[3 * blockIdx.x] = m;
+        part[3 * blockIdx.x + 1] = __int_as_float(arg);
+        part[3 * blockIdx.x + 2] = s;
+    }
+}
+
+// Combines the `blocks` parts of specsplit_greedy_head_part_bf16 (one warp): next = token = the
+// lowest index holding the maximum, logprob = -log(sum of exp(x - maximum)), *pos += 1.
+extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict__ part, int blocks,
+                                                        uint32_t* __restrict__ next,
+                                                        float* __restrict__ logprob,
+                                                        uint32_t* __restrict__ token,
+                                                        uint32_t* __restrict__ pos) {
+    pdl_enter();
+    const int lane = threadIdx.x;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int b = lane; b < blocks; b += WARP) {
+        const float m = part[3 * b];
+        const int i = __float_as_int(part[3 * b + 1]);
+        if (m > bv || (m == bv && i < bi)) {
+            bv = m;
+            bi = i;
+        }
+    }
+    warp_argmax(bv, bi);
+    float s = 0.f;
+    for (int b = lane; b < blocks; b += WARP) {
+        const float m = part[3 * b];
+        if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
+    }
+    s = warp_sum(s);
+    if (lane == 0) {
+        *next = (uint32_t)bi;
+        *logprob = -logf(s);
+        *token = (uint32_t)bi;
+        *pos = *pos + 1;
+    }
+}

@@ -1,0 +1,76 @@
+// Rotary embedding of the fused Q|K|V rows with the K/V cache write.
+#pragma once
+#include "common.cuh"
+
+// The fused Q|K|V rows (heads + 2 * kv heads of hd values each) of consecutive tokens, row r
+// at position *pos + r → rotary on Q and K at that position, Q written to row r of q_out
+// (rows, heads * hd), K and V written into the caches (kv, cap, hd) at slot *pos + r. cos / sin
+// are (positions, hd / 2) tables. `interleaved` selects the (2i, 2i + 1) pair layout instead
+// of (i, i + hd / 2). Grid (heads + 2 * kv, rows), hd / 2 threads.
+extern "C" __global__ void specsplit_qkv_rope_cache_bf16(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
+    const uint32_t* __restrict__ pos, bf16* __restrict__ kc, bf16* __restrict__ vc,
+    bf16* __restrict__ q_out, int heads, int kv, int hd, int cap, int interleaved) {
+    pdl_enter();
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int half = hd / 2;
+    const int i = threadIdx.x;
+    if (i >= half) return;
+    const uint32_t p = *pos + r;
+    if (p >= (uint32_t)cap) return;  // the host keeps positions below capacity; never write past it
+    q_out += (size_t)r * heads * hd;
+    const bf16* src = qkv + ((size_t)r * (heads + 2 * kv) + h) * hd;
+    if (h >= heads + kv) {
+        bf16* dst = vc + ((size_t)(h - heads - kv) * cap + p) * hd;
+        dst[i] = src[i];
+        dst[i + half] = src[i + half];
+        return;
+    }
+    const float c = __bfloat162float(cos_t[(size_t)p * half + i]);
+    const float s = __bfloat162float(sin_t[(size_t)p * half + i]);
+    const int a = interleaved ? 2 * i : i;
+    const int b = interleaved ? 2 * i + 1 : i + half;
+    const float x1 = __bfloat162float(src[a]);
+    const float x2 = __bfloat162float(src[b]);
+    bf16* dst = h < heads ? q_out + (size_t)h * hd : kc + ((size_t)(h - heads) * cap + p) * hd;
+    dst[a] = __float2bfloat16(x1 * c - x2 * s);
+    dst[b] = __float2bfloat16(x1 * s + x2 * c);
+}
+
+// The n rows of one pass: row r's fused Q|K|V (heads + 2 * kv heads of hd values, rows
+// contiguous) → rotary on Q and K at positions[r], Q written to q_out (heads, n, hd), K and V
+// written into the caches (kv, cap, hd) at slot past + r, or at slot positions[r] when past is
+// negative (a chain after the cached sequence, its slots read on the device so that a captured
+// graph serves every round). Grid (heads + 2 * kv, n), hd / 2 threads. Each value is computed
+// from its own row alone.
+extern "C" __global__ void specsplit_qkv_rope_rows_bf16(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
+    const uint32_t* __restrict__ positions, bf16* __restrict__ kc, bf16* __restrict__ vc,
+    bf16* __restrict__ q_out, int heads, int kv, int hd, int cap, int n, int past,
+    int interleaved) {
+    pdl_enter();
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int half = hd / 2;
+    const int i = threadIdx.x;
+    if (i >= half) return;
+    const int slot = past >= 0 ? past + r : (int)positions[r];
+    if (slot < 0 || slot >= cap) return;  // the host checks capacity; never write past it
+    const bf16* src = qkv + ((size_t)r * (heads + 2 * kv) + h) * hd;
+    if (h >= heads + kv) {
+        bf16* dst = vc + ((size_t)(h - heads - kv) * cap + slot) * hd;
+        dst[i] = src[i];
+        dst[i + half] = src[i + half];
+        return;
+    }
+    const uint32_t p = positions[r];
+    const float c = __bfloat162float(cos_t[(size_t)p * half + i]);
+    const float s = __bfloat162float(sin_t[(size_t)p * half + i]);
+    const int a = interleaved ? 2 * i : i;
+    const int b = interleaved ? 2 * i + 1 : i + half;
+    const float x1 = __bfloat162float(src[a]);
+    const float x2 = __bfloat162float(src[b]);
+    bf16* dst = h < heads ? q_out + ((size_t)h * n + r) * hd
+                          : kc + ((size_t)(h - heads) * cap + slot) * hd;
+    dst[a] = __float2bfloat16(x1 * c - x2 * s);
+    dst[b] = __float2bfloat16(x1 * s + x2 * c);
+}

@@ -1,0 +1,661 @@
+//! The CUDA side of the kernel wrappers: loads the PTX the build script compiles from
+//! `src/cuda/kernels.cu`, checks operands and launches the kernels.
+
+use super::AttnShape;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Error, Result, Storage, Tensor};
+use Arg::{F, I, P};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/specsplit_kernels.ptx"));
+const MODULE: &str = "specsplit_fused";
+
+fn cuda(t: &Tensor) -> Result<&CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d),
+        d => Err(Error::Msg(format!("fused kernel on {:?}", d.location()))),
+    }
+}
+
+/// Device address of `t`'s first element; `t` must be contiguous and on CUDA.
+fn ptr(t: &Tensor) -> Result<u64> {
+    if !t.is_contiguous() {
+        return Err(Error::Msg(format!(
+            "fused kernel operand {:?} is not contiguous",
+            t.dims()
+        )));
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        return Err(Error::Msg("fused kernel operand is not on CUDA".into()));
+    };
+    let stream = s.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        d => return Err(Error::Msg(format!("fused kernel operand of dtype {d:?}"))),
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn pointers(ts: &[&Tensor]) -> Result<Vec<Arg>> {
+    ts.iter().map(|t| ptr(t).map(P)).collect()
+}
+
+pub(super) fn aligned16(t: &Tensor) -> bool {
+    ptr(t).is_ok_and(|p| p % 16 == 0)
+}
+
+pub(super) fn write_u32(dst: &Tensor, values: &[u32]) -> Result<()> {
+    let p = ptr(dst)?;
+    let stream = cuda(dst)?.cuda_stream();
+    // SAFETY: `p` addresses `values.len()` u32 of `dst`'s live, contiguous storage. A copy
+    // from pageable host memory returns once `values` is staged, so it may be dropped then.
+    unsafe {
+        candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(
+            p,
+            values,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(|e| Error::Msg(format!("host-to-device copy: {e:?}")))
+}
+
+/// One kernel argument: a device address, an int or a float.
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+}
+
+/// Launches `name` on `dev`'s stream with `grid` × `block` threads and `args` in order.
+fn launch(
+    pdl: bool,
+    dev: &CudaDevice,
+    name: &str,
+    grid: u32,
+    block: u32,
+    args: &[Arg],
+) -> Result<()> {
+    launch_2d(pdl, dev, name, (grid, 1), block, 0, args)
+}
+
+/// [`launch`] over a `(x, y)` grid with `smem` bytes of dynamic shared memory a block.
+fn launch_2d(
+    pdl: bool,
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+) -> Result<()> {
+    launch_cfg(pdl, dev, name, (grid.0, grid.1, 1), block, smem, args)
+}
+
+/// [`launch`] over a `(x, y, z)` grid.
+fn launch_3d(
+    pdl: bool,
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    args: &[Arg],
+) -> Result<()> {
+    launch_cfg(pdl, dev, name, grid, block, 0, args)
+}
+
+/// Lets `name` take `smem` bytes of dynamic shared memory a block (past the default 48 KiB).
+fn allow_smem(dev: &CudaDevice, name: &str, smem: u32) -> Result<()> {
+    if smem <= 48 * 1024 {
+        return Ok(());
+    }
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| Error::Msg(format!("{name}: {smem} bytes of shared memory: {e:?}")))
+}
+
+/// Most arguments a kernel of kernels.cu takes.
+const MAX_ARGS: usize = 20;
+
+/// Launches `name` on `dev`'s stream over a `(x, y, z)` grid of `block`-thread blocks with `smem`
+/// bytes of dynamic shared memory and `args` in order. With `pdl` (where [`super::PDL_AVAILABLE`])
+/// under the programmatic-stream-serialization attribute: the kernel may be scheduled before the
+/// previous kernel in the stream finishes, and waits for it on the device (every kernel of
+/// kernels.cu starts with `pdl_enter`).
+fn launch_cfg(
+    pdl: bool,
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: &[Arg],
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use std::ffi::c_void;
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    check(args.len() <= MAX_ARGS, || {
+        format!("{name}: {} kernel arguments", args.len())
+    })?;
+    let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+    for (p, a) in params.iter_mut().zip(args) {
+        *p = match a {
+            Arg::P(v) => v as *const u64 as *mut c_void,
+            Arg::I(v) => v as *const i32 as *mut c_void,
+            Arg::F(v) => v as *const f32 as *mut c_void,
+        };
+    }
+    let stream = dev.cuda_stream();
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| Error::Msg(format!("launching {name}: {e:?}")))?;
+    // SAFETY: an all-zero launch attribute is a valid value of the C struct; its id and
+    // value are set next.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(pdl && super::PDL_AVAILABLE),
+    };
+    // SAFETY: every kernel of kernels.cu takes exactly the arguments its caller below
+    // passes, in order, with addresses of live allocations of the sizes it indexes;
+    // `params` points at them for the duration of the call, which copies them.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| Error::Msg(format!("launching {name}: {e:?}")))
+}
+
+fn empty(shape: &[usize], dtype: DType, like: &Tensor) -> Result<Tensor> {
+    if let Some(t) = super::scratch_output(shape, dtype)? {
+        return Ok(t);
+    }
+    // SAFETY: every element is written by the kernel that fills it before any read.
+    unsafe { Tensor::empty(shape, dtype, like.device()) }
+}
+
+fn check(ok: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Msg(what()))
+    }
+}
+
+pub(super) fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, l: super::Launch) -> Result<Tensor> {
+    let (n, k) = w.dims2()?;
+    if let Some(b) = b {
+        check(b.dims() == [n] && b.dtype() == DType::BF16, || {
+            format!("gemv bias {:?} {:?} for {n} rows", b.dims(), b.dtype())
+        })?;
+    }
+    let r = x.dims2()?.0;
+    let name = match r {
+        1 => "specsplit_gemv_bf16",
+        2 => "specsplit_gemv_rows2_bf16",
+        3 => "specsplit_gemv_rows3_bf16",
+        4 => "specsplit_gemv_rows4_bf16",
+        _ => return Err(Error::Msg(format!("gemv of {r} rows"))),
+    };
+    let y = empty(&[r, n], DType::BF16, x)?;
+    let pb = b.map(ptr).transpose()?.unwrap_or(0);
+    const ROWS_PER_BLOCK: usize = 8;
+    let args = [
+        P(ptr(w)?),
+        P(ptr(x)?),
+        P(pb),
+        P(ptr(&y)?),
+        I(n as i32),
+        I(k as i32),
+    ];
+    let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
+    let block = (ROWS_PER_BLOCK * 32) as u32;
+    launch(l.pdl, cuda(x)?, name, grid, block, &args)?;
+    Ok(y)
+}
+
+pub(super) fn add_rmsnorm(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f32,
+    l: super::Launch,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, d) = x.dims2()?;
+    check(
+        weight.dims() == [d] && weight.dtype() == DType::BF16,
+        || format!("rmsnorm weight {:?} for width {d}", weight.dims()),
+    )?;
+    if let Some(delta) = delta {
+        check(
+            delta.dims() == x.dims() && delta.dtype() == DType::BF16,
+            || format!("residual {:?} plus {:?}", x.dims(), delta.dims()),
+        )?;
+    }
+    let out = empty(&[2, rows, d], DType::BF16, x)?;
+    let pd = delta.map(ptr).transpose()?.unwrap_or(0);
+    let args = [
+        P(ptr(x)?),
+        P(pd),
+        P(ptr(weight)?),
+        P(ptr(&out)?),
+        I(rows as i32),
+        I(d as i32),
+        F(eps),
+    ];
+    let block = (d.div_ceil(32) * 32).clamp(32, 1024) as u32;
+    launch(
+        l.pdl,
+        cuda(x)?,
+        "specsplit_add_rmsnorm_bf16",
+        rows as u32,
+        block,
+        &args,
+    )?;
+    Ok((out.get(0)?, out.get(1)?))
+}
+
+fn check_cache(c: &Tensor, s: AttnShape) -> Result<()> {
+    check(
+        c.dims() == [1, s.kv, s.capacity, s.head_dim] && c.dtype() == DType::BF16,
+        || {
+            format!(
+                "K/V cache {:?} {:?} does not match {s:?}",
+                c.dims(),
+                c.dtype()
+            )
+        },
+    )
+}
+
+fn check_pos(pos: &Tensor) -> Result<()> {
+    check(pos.dims() == [1] && pos.dtype() == DType::U32, || {
+        format!(
+            "position buffer {:?} {:?}, expected (1,) u32",
+            pos.dims(),
+            pos.dtype()
+        )
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qkv_rope_cache(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    pos: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    s: AttnShape,
+    interleaved: bool,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let hd = s.head_dim;
+    let rows = qkv.dim(0)?;
+    check(
+        qkv.dims() == [rows, (s.heads + 2 * s.kv) * hd]
+            && (1..=super::GEMV_MAX_ROWS).contains(&rows)
+            && hd.is_multiple_of(2)
+            && hd <= 2048,
+        || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
+    )?;
+    for t in [cos, sin] {
+        check(
+            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
+            || format!("rotary table {:?} for head size {hd}", t.dims()),
+        )?;
+    }
+    check_pos(pos)?;
+    check_cache(k_cache, s)?;
+    check_cache(v_cache, s)?;
+    let q = empty(&[rows, s.heads * hd], DType::BF16, qkv)?;
+    let mut args = pointers(&[qkv, cos, sin, pos, k_cache, v_cache, &q])?;
+    args.extend([s.heads, s.kv, hd, s.capacity, interleaved as usize].map(|v| I(v as i32)));
+    let grid = ((s.heads + 2 * s.kv) as u32, rows as u32);
+    launch_2d(
+        l.pdl,
+        cuda(qkv)?,
+        "specsplit_qkv_rope_cache_bf16",
+        grid,
+        (hd / 2) as u32,
+        0,
+        &args,
+    )?;
+    Ok(q)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qkv_rope_rows(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    past: Option<usize>,
+    s: AttnShape,
+    interleaved: bool,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let hd = s.head_dim;
+    let (n, width) = qkv.dims2()?;
+    check(
+        width == (s.heads + 2 * s.kv) * hd && hd.is_multiple_of(2) && hd <= 2048,
+        || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
+    )?;
+    check(
+        positions.dims() == [n] && positions.dtype() == DType::U32,
+        || format!("positions {:?} for {n} rows", positions.dims()),
+    )?;
+    check(past.is_none_or(|p| p + n <= s.capacity), || {
+        format!("{n} rows after {past:?} do not fit {} slots", s.capacity)
+    })?;
+    // The kernel reads a negative `past` as "the slots are the positions".
+    let past = past.map_or(-1, |p| p as i64);
+    check(past < i64::from(i32::MAX), || format!("slot {past}"))?;
+    for t in [cos, sin] {
+        check(
+            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
+            || format!("rotary table {:?} for head size {hd}", t.dims()),
+        )?;
+    }
+    check_cache(k_cache, s)?;
+    check_cache(v_cache, s)?;
+    let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
+    let mut args = pointers(&[qkv, cos, sin, positions, k_cache, v_cache, &q])?;
+    args.extend([s.heads, s.kv, hd, s.capacity, n].map(|v| I(v as i32)));
+    args.extend([I(past as i32), I(interleaved as i32)]);
+    let grid = ((s.heads + 2 * s.kv) as u32, n as u32);
+    launch_2d(
+        l.pdl,
+        cuda(qkv)?,
+        "specsplit_qkv_rope_rows_bf16",
+        grid,
+        (hd / 2) as u32,
+        0,
+        &args,
+    )?;
+    Ok(q)
+}
+
+pub(super) fn decode_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    s: AttnShape,
+    scale: f32,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let rows = q.dim(0)?;
+    check(
+        q.dims() == [rows, s.heads * s.head_dim]
+            && (1..=super::GEMV_MAX_ROWS).contains(&rows)
+            && s.kv > 0
+            && s.heads.is_multiple_of(s.kv),
+        || format!("queries {:?} do not match {s:?}", q.dims()),
+    )?;
+    check_pos(pos)?;
+    check_cache(k_cache, s)?;
+    check_cache(v_cache, s)?;
+    let hd = s.head_dim;
+    let splits = super::decode_attention_splits(s.capacity);
+    let part = empty(&[rows, s.heads, splits, hd + 2], DType::F32, q)?;
+    let mut args = pointers(&[q, k_cache, v_cache, pos, &part])?;
+    args.extend([s.heads, s.kv, s.capacity, splits].map(|v| I(v as i32)));
+    args.push(F(scale));
+    let name = if hd == 64 {
+        "specsplit_decode_attention_split_bf16_hd64"
+    } else {
+        "specsplit_decode_attention_split_bf16_hd128"
+    };
+    let dev = cuda(q)?;
+    let grid = (s.heads as u32, splits as u32, rows as u32);
+    launch_3d(l.pdl, dev, name, grid, 256, &args)?;
+    let y = empty(&[rows, s.heads * hd], DType::BF16, q)?;
+    let mut args = pointers(&[&part, &y])?;
+    args.extend([splits, hd].map(|v| I(v as i32)));
+    launch(
+        l.pdl,
+        dev,
+        "specsplit_decode_attention_merge_bf16",
+        (rows * s.heads) as u32,
+        hd as u32,
+        &args,
+    )?;
+    Ok(y)
+}
+
+pub(super) fn bi_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    l: super::Launch,
+) -> Result<Tensor> {
+    // BI_ROWS of bi_matmul.cu.
+    const ROWS: usize = 64;
+    let (n, k) = w.dims2()?;
+    let m = x.dim(0)?;
+    if let Some(b) = b {
+        check(b.dims() == [n] && b.dtype() == DType::BF16, || {
+            format!("matmul bias {:?} {:?} for {n} columns", b.dims(), b.dtype())
+        })?;
+    }
+    let y = empty(&[m, n], DType::BF16, x)?;
+    let pb = b.map(ptr).transpose()?.unwrap_or(0);
+    let tune = l.bi_tuning;
+    let splits = tune
+        .splits
+        .unwrap_or_else(|| super::bi_splits(n, k))
+        .min(k / 32)
+        .max(1);
+    // Column tiles of 8 a warp and the loads in flight: these change no output's
+    // arithmetic. Measured (`specsplit-bench kernels --splits … --col-tiles … --depths …`,
+    // H200, Qwen2.5 1.5B and 7B shapes): 4 tiles pay when they still leave about 560 warps;
+    // twice the loads in flight pay for a single row tile.
+    let nt = tune
+        .col_tiles
+        .unwrap_or_else(|| super::bi_col_tiles(m, n, splits));
+    let deep = tune.depth.unwrap_or(if m <= 16 { 2 } else { 1 });
+    // The warps' partial sums of the block with the most row tiles: 16 rows a row tile, 8
+    // columns a column tile.
+    let smem = (16 * m.min(ROWS).div_ceil(16) * 8 * nt * std::mem::size_of::<f32>()) as u32;
+    let args = [
+        P(ptr(x)?),
+        P(ptr(w)?),
+        P(pb),
+        P(ptr(&y)?),
+        I(m as i32),
+        I(n as i32),
+        I(k as i32),
+        I(splits as i32),
+        I(nt as i32),
+        I(i32::from(deep)),
+    ];
+    let grid = (n.div_ceil(8 * nt) as u32, m.div_ceil(ROWS) as u32);
+    launch_2d(
+        l.pdl,
+        cuda(x)?,
+        "specsplit_bi_matmul_bf16",
+        grid,
+        (splits * 32) as u32,
+        smem,
+        &args,
+    )?;
+    Ok(y)
+}
+
+pub(super) fn rows_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    keys: &super::PassKeys,
+    s: AttnShape,
+    scale: f32,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let n = keys.rows;
+    check(
+        q.dims() == [1, s.heads, n, s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
+        || format!("queries {:?} for {n} rows do not match {s:?}", q.dims()),
+    )?;
+    check(keys.end <= s.capacity, || {
+        format!(
+            "rows read slot {} of a {}-slot cache",
+            keys.end - 1,
+            s.capacity
+        )
+    })?;
+    check_cache(k_cache, s)?;
+    check_cache(v_cache, s)?;
+    check(s.heads / s.kv <= super::RA_MAX_REP, || {
+        format!(
+            "{} query heads a KV head (at most {})",
+            s.heads / s.kv,
+            super::RA_MAX_REP
+        )
+    })?;
+    // Keys a chunk: RA_CHUNK of rows_attention.cu.
+    const CHUNK: usize = 64;
+    let chunks = keys.max_len.div_ceil(CHUNK);
+    let hd = s.head_dim;
+    let part = empty(&[n, s.heads, chunks, hd + 2], DType::F32, q)?;
+    let mut args = pointers(&[q, k_cache, v_cache, &keys.meta, &keys.extra, &part])?;
+    args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra, chunks].map(|v| I(v as i32)));
+    args.push(F(scale));
+    let dev = cuda(q)?;
+    let group = super::RA_STAGE.min(n);
+    if group >= 2 {
+        // Staged K and V rows of a chunk (K padded by RA_KPAD), then per row group its
+        // RowScratch: RA_MAX_REP x hd query floats, RA_MAX_REP x CHUNK probabilities,
+        // CHUNK slots, 2 x RA_MAX_REP warp results (rows_attention.cu).
+        let rep = super::RA_MAX_REP;
+        let staged = 2 * CHUNK * (hd + 8) + 2 * CHUNK * hd;
+        let scratch = 4 * (rep * hd + rep * CHUNK + CHUNK + 2 * rep);
+        let smem = (staged + group * scratch) as u32;
+        let name = if hd == 64 {
+            "specsplit_rows_attention_staged_bf16_hd64"
+        } else {
+            "specsplit_rows_attention_staged_bf16_hd128"
+        };
+        allow_smem(dev, name, smem)?;
+        args.push(I(group as i32));
+        let grid = (s.kv as u32, n.div_ceil(group) as u32, chunks as u32);
+        launch_cfg(l.pdl, dev, name, grid, (group * CHUNK) as u32, smem, &args)?;
+    } else {
+        let name = if hd == 64 {
+            "specsplit_rows_attention_part_bf16_hd64"
+        } else {
+            "specsplit_rows_attention_part_bf16_hd128"
+        };
+        launch_3d(
+            l.pdl,
+            dev,
+            name,
+            (s.kv as u32, n as u32, chunks as u32),
+            CHUNK as u32,
+            &args,
+        )?;
+    }
+    let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
+    let mut args = pointers(&[&part, &keys.meta, &y])?;
+    args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
+    launch_2d(
+        l.pdl,
+        dev,
+        "specsplit_rows_attention_merge_bf16",
+        (s.heads as u32, n as u32),
+        hd as u32,
+        0,
+        &args,
+    )?;
+    Ok(y)
+}
+
+pub(super) fn silu_mul(gate_up: &Tensor, l: super::Launch) -> Result<Tensor> {
+    let (rows, two_n) = gate_up.dims2()?;
+    check(two_n.is_multiple_of(2), || {
+        format!("gate|up width {two_n} is odd")
+    })?;
+    let n = two_n / 2;
+    let out = empty(&[rows, n], DType::BF16, gate_up)?;
+    let args = [P(ptr(gate_up)?), P(ptr(&out)?), I(rows as i32), I(n as i32)];
+    let grid = (rows * n).div_ceil(256) as u32;
+    launch(
+        l.pdl,
+        cuda(gate_up)?,
+        "specsplit_silu_mul_bf16",
+        grid,
+        256,
+        &args,
+    )?;
+    Ok(out)
+}
+
+pub(super) fn greedy_head(
+    logits: &Tensor,
+    next: &Tensor,
+    logprob: &Tensor,
+    token: &Tensor,
+    pos: &Tensor,
+    l: super::Launch,
+) -> Result<()> {
+    let (one, vocab) = logits.dims2()?;
+    check(one == 1, || format!("greedy head over {one} rows"))?;
+    for (t, dt) in [
+        (next, DType::U32),
+        (logprob, DType::F32),
+        (token, DType::U32),
+        (pos, DType::U32),
+    ] {
+        check(t.dims() == [1] && t.dtype() == dt, || {
+            format!("greedy head buffer {:?} {:?}", t.dims(), t.dtype())
+        })?;
+    }
+    let dev = cuda(logits)?;
+    // Spread over blocks of at least 2048 logits each (H100: 52 us in one block for a
+    // 150k vocabulary), then combined by one warp.
+    let blocks = vocab.div_ceil(2048).clamp(1, 128);
+    let chunk = vocab.div_ceil(blocks);
+    let part = empty(&[3 * blocks], DType::F32, logits)?;
+    let args = [
+        P(ptr(logits)?),
+        I(vocab as i32),
+        I(chunk as i32),
+        P(ptr(&part)?),
+    ];
+    launch(
+        l.pdl,
+        dev,
+        "specsplit_greedy_head_part_bf16",
+        blocks as u32,
+        256,
+        &args,
+    )?;
+    let mut args = pointers(&[&part])?;
+    args.push(I(blocks as i32));
+    args.extend(pointers(&[next, logprob, token, pos])?);
+    launch(l.pdl, dev, "specsplit_greedy_head_finish", 1, 32, &args)
+}

@@ -1,0 +1,29 @@
+//! The SwiGLU gate and the greedy head of the one-token step.
+
+use super::{applies, imp, unfit, Launch};
+use candle_core::{Result, Tensor};
+
+/// SwiGLU gate of `(rows, 2 n)` = `[gate | up]`: `silu(gate) * up`, `(rows, n)` bf16.
+pub fn silu_mul(gate_up: &Tensor, launch: Launch) -> Result<Tensor> {
+    if !applies(gate_up) {
+        return Err(unfit("silu_mul", &[gate_up]));
+    }
+    imp::silu_mul(gate_up, launch)
+}
+
+/// The greedy head of one token, all on the device: writes `argmax(logits)` (lowest index among
+/// equal maxima) to `next` and `token`, its log-probability to `logprob` (f32), and adds one to
+/// `pos`. `logits` is `(1, vocab)` bf16; the others are `(1,)` buffers (u32, f32, u32, u32).
+pub fn greedy_head(
+    logits: &Tensor,
+    next: &Tensor,
+    logprob: &Tensor,
+    token: &Tensor,
+    pos: &Tensor,
+    launch: Launch,
+) -> Result<()> {
+    if !applies(logits) {
+        return Err(unfit("greedy_head", &[logits]));
+    }
+    imp::greedy_head(logits, next, logprob, token, pos, launch)
+}

@@ -1,0 +1,145 @@
+//! How the kernels launch: programmatic dependent launch, and the launch-shape rules (how many
+//! blocks, warps and tiles a kernel gets for a shape). A launch shape changes the speed only,
+//! except where a rule says it sets a rounding order.
+
+/// Whether the PTX was built for sm_90 or later (`CUDA_COMPUTE_CAP` ≥ 90), where every kernel
+/// waits on the device for the one before it, so [`Launch::pdl`] can take effect.
+pub const PDL_AVAILABLE: bool = cfg!(specsplit_pdl);
+
+/// How a kernel wrapper launches its kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// Programmatic dependent launch: each kernel may be scheduled while the one before it
+    /// still runs and waits on the device for its results (common.cuh, `pdl_wait`), which hides
+    /// most of the gap between the small kernels of a step. Takes effect only where
+    /// [`PDL_AVAILABLE`]; kernels launched either way may follow each other in a stream.
+    pub pdl: bool,
+    /// Overrides of [`bi_matmul`](super::bi_matmul)'s launch shape (all `None`: the built-in choice).
+    pub bi_tuning: BiTuning,
+}
+
+impl Launch {
+    /// Programmatic dependent launch on, the built-in launch shapes.
+    pub const DEFAULT: Launch = Launch {
+        pdl: true,
+        bi_tuning: BiTuning {
+            depth: None,
+            splits: None,
+            col_tiles: None,
+        },
+    };
+}
+
+impl Default for Launch {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// Overrides of [`bi_matmul`](super::bi_matmul)'s launch shape, for side-by-side tuning; `None` keeps the
+/// built-in choice. `depth` (1 or 2: the weight chunks each lane keeps in flight, base or twice)
+/// and `col_tiles` (2 or 4 column tiles of 8 a warp) change the speed only. `splits` (warps
+/// sharing k) changes the rounding: with it set, a row's result is still the same at every pass
+/// size, but differs from the built-in choice's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BiTuning {
+    /// Weight chunks in flight per lane: 1 (base) or 2 (twice).
+    pub depth: Option<u8>,
+    /// Warps sharing each output's k (1..=8, at most k / 32).
+    pub splits: Option<usize>,
+    /// Column tiles of 8 a warp: 2 or 4.
+    pub col_tiles: Option<usize>,
+}
+
+/// Blocks a head of [`decode_attention`](super::decode_attention) splits the slots of caches of `capacity` over: one per
+/// 64 slots, at most 16.
+pub fn decode_attention_splits(capacity: usize) -> usize {
+    capacity.div_ceil(64).clamp(1, 16)
+}
+
+/// Warps sharing each output's k in `bi_matmul` for a `(n, k)` weight: a function of the
+/// shape only, so that no row's rounding depends on the pass. The larger of: the most (a
+/// power of two) that still leaves each warp 48 chunks of 32, and the fewest that give
+/// about 896 warps at 16 columns a warp; at most 8 and at most `k / 32`. Measured on the
+/// H200 at the Qwen2.5 1.5B and 7B shapes, 1 to 33 rows: within 10% of the best split
+/// for every projection, 15% less time than the rule before it at 7B.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn bi_splits(n: usize, k: usize) -> usize {
+    let chunks = k / 32;
+    let tiles = n.div_ceil(16);
+    let mut by_chunks = 1;
+    while by_chunks < 8 && chunks / (by_chunks * 2) >= 48 {
+        by_chunks *= 2;
+    }
+    let mut by_warps = 1;
+    while by_warps < 8 && tiles * by_warps < 896 {
+        by_warps *= 2;
+    }
+    by_chunks.max(by_warps).min(8).min(chunks).max(1)
+}
+
+/// Column tiles of 8 a warp in `bi_matmul` for `m` rows of a `(n, _)` weight split `splits`
+/// ways (the speed only, never the bits): 4 where that still leaves about 560 warps, else 2;
+/// but 2 for passes of more than one row tile over a weight split two ways (the 7B gate|up and
+/// head: 10% and 2% faster at 32 rows on the H100, `specsplit-bench kernels`; the 1.5B gate|up,
+/// split one way, is 8% slower with 2).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn bi_col_tiles(m: usize, n: usize, splits: usize) -> usize {
+    if (m > 16 && splits == 2) || n.div_ceil(32) * splits < 560 {
+        2
+    } else {
+        4
+    }
+}
+
+/// Rows of a pass one block of [`rows_attention`](super::rows_attention) takes together, sharing one staged copy of
+/// the prefix keys (each row keeps the arithmetic it gets alone, so any value gives the same
+/// bits; at most 8, below 2 a block a row).
+pub const RA_STAGE: usize = 4;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bi_splits_keep_long_warps_and_enough_of_them() {
+        // The shapes it was measured on: (n, k) of Q|K|V, O, gate|up, down, head.
+        let seven_b = [
+            (4608, 3584),
+            (3584, 3584),
+            (37888, 3584),
+            (3584, 18944),
+            (152064, 3584),
+        ];
+        let got: Vec<usize> = seven_b.iter().map(|&(n, k)| bi_splits(n, k)).collect();
+        assert_eq!(got, [4, 4, 2, 8, 2]);
+        let one_5b = [
+            (2048, 1536),
+            (1536, 1536),
+            (17920, 1536),
+            (1536, 8960),
+            (151936, 1536),
+        ];
+        let got: Vec<usize> = one_5b.iter().map(|&(n, k)| bi_splits(n, k)).collect();
+        assert_eq!(got, [8, 8, 1, 8, 1]);
+        // Column tiles as measured (H100, `kernels --rows 1,8,32 --col-tiles 2,4`): the 7B
+        // gate|up and head take 2 past one row tile, everything else keeps its one-row choice.
+        let tiles = |shapes: &[(usize, usize)], m: usize| -> Vec<usize> {
+            shapes
+                .iter()
+                .map(|&(n, k)| bi_col_tiles(m, n, bi_splits(n, k)))
+                .collect()
+        };
+        assert_eq!(tiles(&seven_b, 1), [4, 2, 4, 4, 4]);
+        assert_eq!(tiles(&seven_b, 16), [4, 2, 4, 4, 4]);
+        assert_eq!(tiles(&seven_b, 32), [4, 2, 2, 4, 2]);
+        assert_eq!(tiles(&one_5b, 1), [2, 2, 4, 2, 4]);
+        assert_eq!(tiles(&one_5b, 32), [2, 2, 4, 2, 4]);
+        for n in [1usize, 7, 16, 100, 1000, 5000, 50_000] {
+            for k in [32usize, 64, 96, 512, 4096, 20_000] {
+                let s = bi_splits(n, k);
+                assert!((1..=8).contains(&s) && s <= k / 32, "{n}x{k}: {s}");
+                assert!(s.is_power_of_two() || s == k / 32, "{n}x{k}: {s}");
+            }
+        }
+    }
+}
