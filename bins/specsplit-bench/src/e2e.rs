@@ -74,6 +74,8 @@ pub struct E2eSettings {
     pub out: PathBuf,
     /// Base name of the output files.
     pub name: String,
+    /// Whether the target times each verification pass on the device.
+    pub device_timing: bool,
 }
 
 /// Most runs of one configuration with a synthetic drafter (see `run`).
@@ -312,7 +314,7 @@ async fn warm_up(
     Ok(())
 }
 
-/// Prints the target's verification passes timed with `SPECSPLIT_DEVICE_TIMING=1`, by the
+/// Prints the target's verification passes timed with `--device-timing`, by the
 /// pass's rows (row counts of at least ten passes): the device time's median, 10th and 90th
 /// percentile, the median host time until enqueued and the median model time.
 fn print_device_times(times: &[PassTiming]) {
@@ -513,7 +515,9 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         &s.device_target,
         &z,
     );
-    let t_engine = Arc::new(TargetEngine::new(target_model.clone(), z.max_context));
+    let t_engine = Arc::new(
+        TargetEngine::new(target_model.clone(), z.max_context).with_device_timing(s.device_timing),
+    );
     let t_worker = TargetWorker::new(t_engine.clone(), limits(), t_info);
     let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
     let start_draft = |engine: DraftEngine, label: String| {
@@ -760,7 +764,6 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "fused_kernels": kernels.fused,
             "batch_invariant": kernels.batch_invariant,
             "wide_rows": kernels.wide_rows,
-            "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "pdl": kernels.pdl && specsplit_models::fused::PDL_AVAILABLE,
             "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device_target)).to_lowercase(),
             "target_only_tok_per_s": ar_tps,

@@ -46,6 +46,8 @@ pub struct ForwardSettings {
     pub out: PathBuf,
     /// Base name of the output files.
     pub name: String,
+    /// Whether the engine rounds time each verification pass on the device.
+    pub device_timing: bool,
 }
 
 /// Steps per timed chain of the fixed-shape step.
@@ -412,7 +414,8 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
 
         // (d) whole verification rounds as the target worker runs them: the previous round's
         // token plus a chain (none = a plain decoding step), the greedy verdict, compaction.
-        let engine = TargetEngine::new(model.clone(), max_ctx + max_new + 1);
+        let engine = TargetEngine::new(model.clone(), max_ctx + max_new + 1)
+            .with_device_timing(s.device_timing);
         let mut sess = engine.new_session(1)?;
         let mut seq = prefix[..l].to_vec();
         engine.verify(
@@ -448,7 +451,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             })?;
             let graph = sess.graph_passes().contains(&(tree.len() + 1));
             let skip = s.warmup.max(2);
-            // With SPECSPLIT_DEVICE_TIMING=1: the passes' device time, from CUDA events.
+            // With --device-timing: the passes' device time, from CUDA events.
             let device: Vec<f64> = engine
                 .take_device_times()
                 .iter()
@@ -495,7 +498,6 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "fused_kernels": kernels.fused,
             "batch_invariant": kernels.batch_invariant,
             "wide_rows": kernels.wide_rows,
-            "cuda_pool_retain": specsplit_core::device::pool_retain_wanted(),
             "pdl": kernels.pdl && specsplit_models::fused::PDL_AVAILABLE,
             "config": {
                 "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,

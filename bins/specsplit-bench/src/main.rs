@@ -90,6 +90,9 @@ struct ForwardArgs {
     /// Base name of the output files.
     #[arg(long, default_value = "forward")]
     name: String,
+    /// Time each engine round's verification pass on the device with CUDA events.
+    #[arg(long)]
+    device_timing: bool,
 }
 
 /// Which kernels the benchmarked model runs.
@@ -190,6 +193,10 @@ struct E2eArgs {
     /// Base name of the output files [default: e2e, or e2e-synthetic with --synthetic-beta].
     #[arg(long)]
     name: Option<String>,
+    /// Time the target's verification passes on the device with CUDA events (printed, and
+    /// stored as each row's verify_pass_timings).
+    #[arg(long)]
+    device_timing: bool,
 }
 
 #[derive(Args, Debug)]
@@ -234,6 +241,7 @@ fn forward(a: ForwardArgs) -> Result<()> {
         },
         out: a.out,
         name: a.name,
+        device_timing: a.device_timing,
     };
     forward::run(&s)
 }
@@ -282,6 +290,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
         client_spin: a.client_spin,
         out: a.out,
         name,
+        device_timing: a.device_timing,
     };
     if s.depths.contains(&0) {
         bail!("--depths must be positive");

@@ -23,21 +23,13 @@ pub fn bind_to_thread(device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
 
-/// Whether [`retain_pool_memory`] raises the threshold: unless `SPECSPLIT_CUDA_POOL_RETAIN=0`.
-pub fn pool_retain_wanted() -> bool {
-    std::env::var("SPECSPLIT_CUDA_POOL_RETAIN").map_or(true, |v| v.trim() != "0")
-}
-
 /// Lets `device`'s CUDA memory pool keep the memory freed by finished work instead of handing
 /// it back to the driver at every synchronisation (the pool's default release threshold is 0,
 /// so each decode round, which ends in one device→host copy, would otherwise return its
 /// transient buffers and map them again on the next round). Like PyTorch's caching allocator,
-/// the process keeps its peak transient memory. `SPECSPLIT_CUDA_POOL_RETAIN=0` leaves the
-/// driver's default. Returns whether the threshold was raised (false on the CPU).
+/// the process keeps its peak transient memory. Returns whether the threshold was raised (false
+/// on the CPU).
 pub fn retain_pool_memory(device: &Device) -> candle_core::Result<bool> {
-    if !pool_retain_wanted() {
-        return Ok(false);
-    }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
         use candle_core::cuda_backend::cudarc::driver::{result, sys};
@@ -67,13 +59,6 @@ pub fn retain_pool_memory(device: &Device) -> candle_core::Result<bool> {
     }
     let _ = device;
     Ok(false)
-}
-
-/// Whether the target measures each verification pass's device time with CUDA events
-/// (`SPECSPLIT_DEVICE_TIMING=1`; off by default: two events a round).
-pub fn device_timing_wanted() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECSPLIT_DEVICE_TIMING").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// A timing event recorded now on `device`'s stream (cudarc's default flags disable timing);

@@ -69,6 +69,20 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_prompt_len: Option<usize>,
+    /// Ended sessions whose KV cache and CUDA graphs are kept for the next sessions (0: none);
+    /// they take memory beyond memory_budget_mb [default: 1].
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spare_sessions: Option<usize>,
+    /// Milliseconds the server busy-polls its sockets after each answer (0: never)
+    /// [default: 20 on CUDA, 0 on the CPU].
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spin_ms: Option<u64>,
+    /// Time each verification pass on the device with CUDA events (target; a diagnostic).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub device_timing: bool,
     /// Log format: text or json (filter with RUST_LOG).
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -129,6 +143,7 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Strin
     let cfg = args.resolve(kind).map_err(|e| e.to_string())?;
     cfg.validate().map_err(|e| e.to_string())?;
     init_logging(&cfg.log_format);
+    tracing::info!(?kind, config = ?cfg, "effective configuration");
     tracing::info!(?kind, model = %cfg.model, device = %cfg.device, "loading model");
     let model = {
         let cfg = cfg.clone();

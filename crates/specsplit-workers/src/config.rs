@@ -40,6 +40,16 @@ pub struct WorkerConfig {
     /// (prompt and generated tokens) every round, so this bounds prompt plus output there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_prompt_len: Option<usize>,
+    /// Ended sessions whose KV cache and captured CUDA graphs the worker keeps for its next
+    /// sessions (0 keeps none); they take memory beyond `memory_budget_mb`.
+    pub spare_sessions: usize,
+    /// Milliseconds the server busy-polls its sockets after each answer (0: never); unset,
+    /// 20 on CUDA and 0 on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spin_ms: Option<u64>,
+    /// Whether the target times each verification pass on the device with CUDA events (a
+    /// diagnostic; the draft ignores it).
+    pub device_timing: bool,
     /// Log format: `text` or `json`.
     pub log_format: String,
 }
@@ -68,6 +78,9 @@ impl WorkerConfig {
             max_tree_nodes: 128,
             max_tree_depth: 64,
             max_prompt_len: None,
+            spare_sessions: crate::spare::DEFAULT_SPARE_SESSIONS,
+            spin_ms: None,
+            device_timing: false,
             log_format: "text".into(),
         }
     }
@@ -174,10 +187,11 @@ mod tests {
             jail.create_file(
                 "c.toml",
                 "[target]\nmodel = \"from-file\"\nmax_sessions = 7\nmax_context = 99\n\
-                 [draft]\nmodel = \"draft-file\"\n",
+                 device_timing = true\nspare_sessions = 0\n[draft]\nmodel = \"draft-file\"\n",
             )?;
             jail.set_env("SPECSPLIT_TARGET__MAX_CONTEXT", "1234");
             jail.set_env("SPECSPLIT_TARGET__MODEL", "from-env");
+            jail.set_env("SPECSPLIT_TARGET__SPIN_MS", "5");
             let flags = Flags {
                 max_sessions: None,
                 model: Some("from-flag".into()),
@@ -193,6 +207,9 @@ mod tests {
             assert_eq!(c.max_context, 1234);
             assert_eq!(c.max_sessions, 7);
             assert_eq!(c.listen, "0.0.0.0:50052");
+            assert_eq!(c.spin_ms, Some(5));
+            assert!(c.device_timing);
+            assert_eq!(c.spare_sessions, 0);
             Ok(())
         });
     }
@@ -202,6 +219,9 @@ mod tests {
         WorkerConfig::target_defaults().validate().unwrap();
         WorkerConfig::draft_defaults().validate().unwrap();
         let d = WorkerConfig::target_defaults();
+        assert_eq!(d.spare_sessions, 1);
+        assert_eq!(d.spin_ms, None, "unset: the device decides");
+        assert!(!d.device_timing);
         assert_eq!(d.prompt_limit(), 4096, "one request may fill the context");
         let small = WorkerConfig {
             max_context: 1024,

@@ -149,12 +149,12 @@ impl DraftEngine {
             max_context,
             synthetic: None,
             static_chains,
-            spares: Arc::new(Spares::new(crate::spare::spare_sessions_from_env())),
+            spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
         }
     }
 
     /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
-    /// [`crate::spare`]; the default is `SPECSPLIT_SPARE_SESSIONS` or 1).
+    /// [`crate::spare`]; the default is [`crate::spare::DEFAULT_SPARE_SESSIONS`]).
     pub fn with_spare_sessions(mut self, n: usize) -> Self {
         self.spares = Arc::new(Spares::new(n));
         self

@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
-use crate::service::{serve_draft, serve_target, DraftWorker, TargetWorker, WorkerInfo};
+use crate::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker, WorkerInfo};
 use crate::session::SessionLimits;
 use crate::target::TargetEngine;
 
@@ -130,19 +130,29 @@ pub async fn bind(cfg: &WorkerConfig) -> Result<(TcpListener, SocketAddr), Launc
     Ok((l, addr))
 }
 
+/// How a worker configured by `cfg` runs its model work on the device `info` names.
+fn execution(cfg: &WorkerConfig, info: &WorkerInfo) -> Execution {
+    Execution::for_device(&info.device, cfg.spin_ms.map(Duration::from_millis))
+}
+
 /// A draft worker service over a loaded model.
 pub fn draft_worker(cfg: &WorkerConfig, m: LoadedModel) -> DraftWorker {
     let info = info(cfg, &m);
+    let exec = execution(cfg, &info);
     let eos = m.tokenizer.eos_token_ids().to_vec();
-    let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context);
-    DraftWorker::new(Arc::new(engine), limits(cfg), info)
+    let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
+        .with_spare_sessions(cfg.spare_sessions);
+    DraftWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec)
 }
 
 /// A target worker service over a loaded model.
 pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
     let info = info(cfg, &m);
-    let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context);
-    TargetWorker::new(Arc::new(engine), limits(cfg), info)
+    let exec = execution(cfg, &info);
+    let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context)
+        .with_spare_sessions(cfg.spare_sessions)
+        .with_device_timing(cfg.device_timing);
+    TargetWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec)
 }
 
 /// Serves a draft worker for `m` on `listener` until `shutdown`.

@@ -237,13 +237,12 @@ pub enum WorkPlacement {
 
 impl WorkPlacement {
     /// The default for a worker whose model runs on `device` (a [`WorkerInfo::device`] label):
-    /// `Inline` on CUDA, `Pool` elsewhere; `SPECSPLIT_INLINE_WORK=1` or `0` overrides it.
+    /// `Inline` on CUDA, `Pool` elsewhere.
     pub fn default_for(device: &str) -> Self {
-        match std::env::var("SPECSPLIT_INLINE_WORK").ok().as_deref() {
-            Some("1") => Self::Inline,
-            Some("0") => Self::Pool,
-            _ if on_cuda(device) => Self::Inline,
-            _ => Self::Pool,
+        if on_cuda(device) {
+            Self::Inline
+        } else {
+            Self::Pool
         }
     }
 }
@@ -305,14 +304,16 @@ pub struct Execution {
 }
 
 impl Execution {
-    /// The defaults for a worker on `device` (a [`WorkerInfo::device`] label):
-    /// [`WorkPlacement::default_for`] it, and [`DEFAULT_SERVER_SPIN`] of busy-polling on CUDA
-    /// (none elsewhere) unless `SPECSPLIT_SERVER_SPIN_MS` says otherwise.
-    pub fn for_device(device: &str) -> Self {
-        Self {
-            placement: WorkPlacement::default_for(device),
-            linger: Linger::for_device(device),
-        }
+    /// How a worker on `device` (a [`WorkerInfo::device`] label) runs its work:
+    /// [`WorkPlacement::default_for`] it, busy-polling for `spin` after each answer, or when
+    /// `None` for [`DEFAULT_SERVER_SPIN`] on CUDA and never elsewhere.
+    pub fn for_device(device: &str, spin: Option<Duration>) -> Self {
+        let default = if on_cuda(device) {
+            DEFAULT_SERVER_SPIN
+        } else {
+            Duration::ZERO
+        };
+        Self::new(WorkPlacement::default_for(device), spin.unwrap_or(default))
     }
 
     /// Model work placed as `placement` says, busy-polling for `spin` after each answer (zero:
@@ -353,8 +354,8 @@ impl Execution {
     }
 }
 
-/// How long a worker on CUDA busy-polls after each answer unless `SPECSPLIT_SERVER_SPIN_MS`
-/// says otherwise: longer than a draft or verify round of the models it serves, so that the
+/// How long a worker on CUDA busy-polls after each answer unless its configuration says
+/// otherwise (`spin_ms`): longer than a draft or verify round of the models it serves, so that the
 /// next request of a running generation finds the server polling.
 pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_millis(20);
 
@@ -363,8 +364,8 @@ pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_millis(20);
 /// up from its socket at once, instead of after the kernel wakes the parked server thread (tens
 /// of microseconds or more on a virtual machine). It keeps one core busy for `window` after every
 /// answer. On by default for workers on CUDA, whose hosts have cores to spare and whose requests
-/// take milliseconds ([`DEFAULT_SERVER_SPIN`]); `SPECSPLIT_SERVER_SPIN_MS` sets the window (0:
-/// off) for any worker.
+/// take milliseconds ([`DEFAULT_SERVER_SPIN`]); the worker configuration's `spin_ms` sets the
+/// window (0: off) for any worker.
 struct Linger {
     window: Duration,
     /// Spin until this instant.
@@ -374,27 +375,6 @@ struct Linger {
 }
 
 impl Linger {
-    /// The window for a worker on `device`: `SPECSPLIT_SERVER_SPIN_MS` when set (a number of
-    /// milliseconds; 0 = off), else [`DEFAULT_SERVER_SPIN`] on CUDA and none elsewhere.
-    fn for_device(device: &str) -> Option<Arc<Self>> {
-        let default = if on_cuda(device) {
-            DEFAULT_SERVER_SPIN
-        } else {
-            Duration::ZERO
-        };
-        let window = match std::env::var("SPECSPLIT_SERVER_SPIN_MS") {
-            Ok(v) => match v.trim().parse::<f64>() {
-                Ok(ms) if ms.is_finite() && ms >= 0.0 => Duration::from_secs_f64(ms / 1e3),
-                _ => {
-                    tracing::warn!("SPECSPLIT_SERVER_SPIN_MS={v:?} is not a number of ms; ignored");
-                    default
-                }
-            },
-            Err(_) => default,
-        };
-        (!window.is_zero()).then(|| Self::new(window))
-    }
-
     fn new(window: Duration) -> Arc<Self> {
         Arc::new(Self {
             window,
@@ -455,7 +435,7 @@ impl DraftWorker {
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
-            exec: Execution::for_device(&info.device),
+            exec: Execution::for_device(&info.device, None),
             info,
         }
     }
@@ -651,7 +631,7 @@ impl TargetWorker {
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
-            exec: Execution::for_device(&info.device),
+            exec: Execution::for_device(&info.device, None),
             info,
         }
     }
@@ -866,7 +846,7 @@ impl<S> GrpcService for S where
 /// runtime's blocking pool, see `with_session`): on a multi-thread runtime each request's
 /// connection task, stream task and handler are spread over worker threads, and every hand-off
 /// between them is a wake-up of a parked thread, measured at about 0.03 ms per RPC on loopback.
-/// If that thread cannot be started, or `SPECSPLIT_OWN_RUNTIME=0`, it serves on the caller's
+/// If that thread cannot be started, it serves on the caller's
 /// runtime instead. Dropping the returned future shuts the server down as `shutdown` would.
 async fn serve<S: GrpcService, T: Send + 'static>(
     svc: S,
@@ -874,10 +854,6 @@ async fn serve<S: GrpcService, T: Send + 'static>(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    if std::env::var("SPECSPLIT_OWN_RUNTIME").is_ok_and(|v| v == "0") {
-        // For side-by-side measurements: the earlier arrangement, on the caller's runtime.
-        return serve_here(svc, store, listener, shutdown).await;
-    }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let done = match serve_on_own_thread(svc.clone(), store.clone(), &listener, stopped) {
         Ok(done) => done,
@@ -1270,14 +1246,19 @@ mod tests {
 
     #[test]
     fn placement_defaults_by_device() {
-        if std::env::var_os("SPECSPLIT_INLINE_WORK").is_some() {
-            return; // the override decides; covered by the cases above
-        }
         assert_eq!(WorkPlacement::default_for("cpu"), WorkPlacement::Pool);
-        if std::env::var_os("SPECSPLIT_SERVER_SPIN_MS").is_none() {
-            assert_eq!(Execution::for_device("cpu").spin(), Duration::ZERO);
-            assert_eq!(Execution::for_device("cuda:1").spin(), DEFAULT_SERVER_SPIN);
-        }
+        assert_eq!(Execution::for_device("cpu", None).spin(), Duration::ZERO);
+        assert_eq!(
+            Execution::for_device("cuda:1", None).spin(),
+            DEFAULT_SERVER_SPIN
+        );
+        let set = Execution::for_device("cpu", Some(Duration::from_millis(3)));
+        assert_eq!(set.spin(), Duration::from_millis(3));
+        assert_eq!(set.placement(), WorkPlacement::Pool);
+        assert_eq!(
+            Execution::for_device("cuda:0", Some(Duration::ZERO)).spin(),
+            Duration::ZERO
+        );
         assert_eq!(WorkPlacement::default_for("cuda:0"), WorkPlacement::Inline);
         assert_eq!(
             WorkPlacement::default_for("Cuda(CudaDevice(DeviceId(1)))"),

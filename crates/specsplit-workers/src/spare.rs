@@ -8,17 +8,9 @@ use specsplit_core::cache::SessionCache;
 
 use crate::EngineError;
 
-/// Spare session bodies kept by an engine when `SPECSPLIT_SPARE_SESSIONS` is not set.
+/// Spare session bodies an engine keeps unless told otherwise (`spare_sessions` of the worker
+/// configuration). They take memory beyond the sessions' budget.
 pub const DEFAULT_SPARE_SESSIONS: usize = 1;
-
-/// How many ended sessions' bodies an engine keeps: `SPECSPLIT_SPARE_SESSIONS` (0 keeps none),
-/// else [`DEFAULT_SPARE_SESSIONS`]. They take memory beyond the sessions' budget.
-pub fn spare_sessions_from_env() -> usize {
-    std::env::var("SPECSPLIT_SPARE_SESSIONS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(DEFAULT_SPARE_SESSIONS)
-}
 
 /// A bounded pool of spare session bodies.
 #[derive(Debug)]

@@ -97,7 +97,7 @@ pub struct VerifyOutcome {
 /// The most pass timings a [`TargetEngine`] keeps until they are taken.
 const MAX_PASS_TIMINGS: usize = 1 << 16;
 
-/// How long one verification pass took (`SPECSPLIT_DEVICE_TIMING=1`).
+/// How long one verification pass took (an engine made [`TargetEngine::with_device_timing`]).
 #[derive(Debug, Clone, Copy)]
 pub struct PassTiming {
     /// Tokens that went through the model.
@@ -115,14 +115,14 @@ pub struct PassTiming {
     pub graph: bool,
 }
 
-/// The device time of one verification pass when `SPECSPLIT_DEVICE_TIMING=1` (else a no-op).
+/// The device time of one verification pass when the engine times passes (else a no-op).
 /// Timing is a diagnostic: its failures are logged and drop the timing, never fail the round.
 struct PassTimer(Option<specsplit_core::device::DeviceSpan>);
 
 impl PassTimer {
-    /// Starts timing on `device` before the pass's inputs are uploaded.
-    fn start(device: &candle_core::Device) -> Self {
-        if !specsplit_core::device::device_timing_wanted() {
+    /// Starts timing on `device` before the pass's inputs are uploaded, if `on`.
+    fn start(device: &candle_core::Device, on: bool) -> Self {
+        if !on {
             return Self(None);
         }
         Self(specsplit_core::device::DeviceSpan::start(device).unwrap_or_else(Self::failed))
@@ -152,30 +152,39 @@ pub struct TargetEngine {
     model: Arc<Transformer>,
     max_context: usize,
     /// Whether plain decoding steps replay a captured [`ExactStepper`] (bits identical to a
-    /// one-token forward) where the model allows it; `SPECSPLIT_TARGET_GRAPH=0` turns it off.
+    /// one-token forward) where the model allows it.
     exact_steps: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
     spares: Arc<Spares<SessionBody<ExactStepper>>>,
-    /// Per verification pass with `SPECSPLIT_DEVICE_TIMING=1`.
+    /// Whether each verification pass is timed on the device ([`PassTiming`]).
+    device_timing: bool,
+    /// Per verification pass when `device_timing`.
     device_times: std::sync::Mutex<Vec<PassTiming>>,
 }
 
 impl TargetEngine {
     /// An engine over `model` whose sessions hold `max_context` tokens.
     pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
-        let exact_steps = std::env::var("SPECSPLIT_TARGET_GRAPH").map_or(true, |v| v != "0")
-            && model.exact_step_fits(max_context);
+        let exact_steps = model.exact_step_fits(max_context);
         Self {
             model,
             max_context,
             exact_steps,
-            spares: Arc::new(Spares::new(crate::spare::spare_sessions_from_env())),
+            spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
+            device_timing: false,
             device_times: std::sync::Mutex::new(Vec::new()),
         }
     }
 
+    /// Times each verification pass on the device with two CUDA events when `on` (off by
+    /// default: two events a round); [`TargetEngine::take_device_times`] hands the timings out.
+    pub fn with_device_timing(mut self, on: bool) -> Self {
+        self.device_timing = on;
+        self
+    }
+
     /// The timings of the passes verified since the last call (the first 65536 of them), when
-    /// `SPECSPLIT_DEVICE_TIMING=1` (else none).
+    /// the engine times passes ([`TargetEngine::with_device_timing`]; else none).
     pub fn take_device_times(&self) -> Vec<PassTiming> {
         std::mem::take(&mut *self.device_times.lock().unwrap_or_else(|e| e.into_inner()))
     }
@@ -190,7 +199,7 @@ impl TargetEngine {
     }
 
     /// Keeps at most `n` ended sessions' caches and captured graphs for new sessions (see
-    /// [`crate::spare`]; the default is `SPECSPLIT_SPARE_SESSIONS` or 1).
+    /// [`crate::spare`]; the default is [`crate::spare::DEFAULT_SPARE_SESSIONS`]).
     pub fn with_spare_sessions(mut self, n: usize) -> Self {
         self.spares = Arc::new(Spares::new(n));
         self
@@ -295,7 +304,7 @@ impl TargetEngine {
         if !new.is_empty() {
             s.last_logits = None;
         }
-        let mut timer = PassTimer::start(self.model.device());
+        let mut timer = PassTimer::start(self.model.device(), self.device_timing);
         let t0 = Instant::now();
         let logits = self.forward_round(s, keep, &new, tree)?;
         let enqueue_time = t0.elapsed();
