@@ -1,0 +1,109 @@
+//! The draft worker's gRPC service (`DraftService`).
+
+use std::future::Future;
+use std::time::Instant;
+
+use specsplit_proto::convert::TreeWire;
+use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
+use specsplit_proto::{
+    DraftRequest, DraftResponse, EndSessionRequest, EndSessionResponse, PingRequest, PingResponse,
+};
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+
+use super::serve::serve;
+use super::validate::{check_ids, draft_widths, sampling_from};
+use super::worker::{SessionEngine, Worker};
+use crate::draft::{DraftEngine, DraftParams, DraftSession};
+use crate::session::SessionSecret;
+use crate::EngineError;
+
+/// The draft worker's gRPC service.
+pub type DraftWorker = Worker<DraftEngine>;
+
+impl SessionEngine for DraftEngine {
+    type Session = DraftSession;
+    const WORKER_TYPE: &'static str = "draft";
+
+    fn session_bytes(&self) -> usize {
+        DraftEngine::session_bytes(self)
+    }
+
+    fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
+        DraftEngine::new_session(self, seed)
+    }
+}
+
+#[tonic::async_trait]
+impl DraftService for DraftWorker {
+    async fn generate_drafts(
+        &self,
+        request: Request<DraftRequest>,
+    ) -> Result<Response<DraftResponse>, Status> {
+        let start = Instant::now();
+        let r = request.into_inner();
+        check_ids(&[
+            ("request_id", &r.request_id),
+            ("session_id", &r.session_id),
+            ("session_secret", &r.session_secret),
+        ])?;
+        let info = self.info();
+        let tokens = info.tokens(&r.prompt_token_ids, "prompt_token_ids")?;
+        let widths = draft_widths(info, &r)?;
+        let sampling = sampling_from(r.sampling.as_ref(), r.temperature.unwrap_or(0.0))?;
+        let secret = SessionSecret::parse(&r.session_secret)?;
+        let seed = sampling.seed;
+        let (session, _reservation) = if r.session_id.is_empty() {
+            let (session, reservation) = self.anonymous_session(seed)?;
+            (session, Some(reservation))
+        } else {
+            if r.reset_cache {
+                self.drop_session(&r.session_id, secret.as_ref())?;
+            }
+            (
+                self.named_session(&r.session_id, secret.as_ref(), seed)?,
+                None,
+            )
+        };
+        let params = DraftParams { widths, sampling };
+        let (tree, stats) = self
+            .run(session, move |engine, s| engine.draft(s, &tokens, &params))
+            .await?;
+        let (draft_tree, root_distribution) = tree.to_proto();
+        Ok(Response::new(DraftResponse {
+            request_id: r.request_id,
+            draft_tree,
+            telemetry: Some(info.telemetry(start, stats.model_time, stats.tokens_processed)),
+            root_distribution,
+            siblings_without_replacement: tree.siblings_without_replacement(),
+        }))
+    }
+
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        Ok(Response::new(Worker::ping(self)))
+    }
+
+    async fn end_session(
+        &self,
+        request: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        Worker::end_session(self, request.into_inner()).map(Response::new)
+    }
+}
+
+/// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
+/// in-flight requests finish first. A request longer than
+/// [`super::WorkerInfo::max_draft_request_bytes`] is refused from its length prefix.
+pub async fn serve_draft(
+    worker: DraftWorker,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let store = worker.sessions();
+    let decode = worker.info().max_draft_request_bytes();
+    let encode = worker.info().max_verify_request_bytes();
+    let svc = DraftServiceServer::new(worker)
+        .max_decoding_message_size(decode)
+        .max_encoding_message_size(encode);
+    serve(svc, store, listener, shutdown).await
+}

@@ -1,0 +1,22 @@
+//! gRPC services over the engines: request validation, session lookup, status codes,
+//! telemetry, the standard health service, TTL sweeping and graceful shutdown.
+//!
+//! One generic [`Worker`] holds what the two services share (the engine, its session store,
+//! the limits, how model work runs); [`DraftWorker`] and [`TargetWorker`] are its gRPC
+//! services over the draft and target engines.
+
+mod draft;
+mod execution;
+mod health;
+mod info;
+mod serve;
+mod target;
+mod validate;
+mod worker;
+
+pub use draft::{serve_draft, DraftWorker};
+pub use execution::{on_cuda, Execution, WorkPlacement, DEFAULT_SERVER_SPIN};
+pub use info::WorkerInfo;
+pub use target::{serve_target, TargetWorker};
+pub use validate::MAX_ID_BYTES;
+pub use worker::{SessionEngine, Worker};

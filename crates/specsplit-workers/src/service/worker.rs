@@ -1,0 +1,145 @@
+//! The worker machinery the draft and target services share: an engine behind a bounded
+//! session store, the limits it reports and enforces, and how its model work runs.
+
+use std::sync::Arc;
+
+use specsplit_proto::{EndSessionRequest, EndSessionResponse, PingResponse};
+use tonic::Status;
+
+use super::execution::Execution;
+use super::validate::check_ids;
+use super::WorkerInfo;
+use crate::session::{Reservation, SessionHandle, SessionLimits, SessionSecret, SessionStore};
+use crate::EngineError;
+
+/// What a [`Worker`] needs of its engine: fresh sessions and what one costs.
+pub trait SessionEngine: Send + Sync + 'static {
+    /// One session's state.
+    type Session: Send + 'static;
+    /// The worker type `Ping` reports (`draft` or `target`).
+    const WORKER_TYPE: &'static str;
+    /// Bytes one session's cache takes.
+    fn session_bytes(&self) -> usize;
+    /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
+    fn new_session(&self, seed: u64) -> Result<Self::Session, EngineError>;
+}
+
+/// A sessionless request's new session and the reservation it holds while it runs.
+type AnonymousSession<'a, S> = (SessionHandle<S>, Reservation<'a, S>);
+
+/// A worker: an engine, its sessions (bounded by [`SessionLimits`]), its identity and limits,
+/// and how it runs its model work. [`super::DraftWorker`] and [`super::TargetWorker`] are the
+/// gRPC services over the two engines.
+pub struct Worker<E: SessionEngine> {
+    engine: Arc<E>,
+    store: Arc<SessionStore<E::Session>>,
+    info: WorkerInfo,
+    exec: Execution,
+}
+
+impl<E: SessionEngine> Worker<E> {
+    /// A worker over `engine` with sessions bounded by `limits`; its model work runs as
+    /// [`Execution::for_device`] its device says by default.
+    pub fn new(engine: Arc<E>, limits: SessionLimits, info: WorkerInfo) -> Self {
+        Self {
+            engine,
+            store: Arc::new(SessionStore::new(limits)),
+            exec: Execution::for_device(&info.device, None),
+            info,
+        }
+    }
+
+    /// This worker running its model work as `exec` says.
+    pub fn with_execution(mut self, exec: Execution) -> Self {
+        self.exec = exec;
+        self
+    }
+
+    /// How this worker runs its model work.
+    pub fn execution(&self) -> &Execution {
+        &self.exec
+    }
+
+    /// The session store (for inspection and sweeping).
+    pub fn sessions(&self) -> Arc<SessionStore<E::Session>> {
+        self.store.clone()
+    }
+
+    /// The identity and limits this worker reports and enforces.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    /// A new session for a request without a `session_id`, and the reservation of one
+    /// session's share of the limits that it holds while it runs.
+    pub(super) fn anonymous_session(
+        &self,
+        seed: u64,
+    ) -> Result<AnonymousSession<'_, E::Session>, Status> {
+        let reservation = self.store.reserve_anonymous(self.engine.session_bytes())?;
+        let session = self.engine.new_session(seed).map_err(Status::from)?;
+        Ok((Arc::new(tokio::sync::Mutex::new(session)), reservation))
+    }
+
+    /// The session `id` names, created (bound to `secret`, seeded by `seed`) if absent.
+    pub(super) fn named_session(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+        seed: u64,
+    ) -> Result<SessionHandle<E::Session>, Status> {
+        let (session, _) =
+            self.store
+                .get_or_create_owned(id, secret, self.engine.session_bytes(), || {
+                    self.engine.new_session(seed)
+                })?;
+        Ok(session)
+    }
+
+    /// The session `id` names, if this worker holds it.
+    pub(super) fn cached_session(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+    ) -> Result<Option<SessionHandle<E::Session>>, Status> {
+        Ok(self.store.get_owned(id, secret)?)
+    }
+
+    /// Drops the session `id` names; whether it was held.
+    pub(super) fn drop_session(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+    ) -> Result<bool, Status> {
+        Ok(self.store.remove_owned(id, secret)?)
+    }
+
+    /// Runs `f` with the engine on `session` as this worker's [`Execution`] says.
+    pub(super) async fn run<T: Send + 'static>(
+        &self,
+        session: SessionHandle<E::Session>,
+        f: impl FnOnce(&E, &mut E::Session) -> Result<T, EngineError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let engine = self.engine.clone();
+        self.exec.run(session, move |s| f(&engine, s)).await
+    }
+
+    /// The `Ping` answer.
+    pub(super) fn ping(&self) -> PingResponse {
+        self.info.ping(E::WORKER_TYPE)
+    }
+
+    /// Ends the session a request names (`EndSession`).
+    pub(super) fn end_session(&self, r: EndSessionRequest) -> Result<EndSessionResponse, Status> {
+        check_ids(&[
+            ("session_id", &r.session_id),
+            ("session_secret", &r.session_secret),
+        ])?;
+        let secret = SessionSecret::parse(&r.session_secret)?;
+        let was_active = self.drop_session(&r.session_id, secret.as_ref())?;
+        Ok(EndSessionResponse {
+            session_id: r.session_id,
+            was_active,
+        })
+    }
+}
