@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
-use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::{Distribution, TokenTree};
@@ -15,39 +13,13 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
+use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession};
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
-/// One draft session: the cached sequence and the logits after its last token.
-pub struct DraftSession {
-    cache: SessionCache,
-    tokens: Vec<u32>,
-    last_logits: Option<Tensor>,
-    rng: ChaCha8Rng,
-    /// Fixed-shape greedy steps over `cache` for chain drafts (made at the first chain).
-    stepper: Option<DecodeStepper>,
-    /// Where the cache and stepper go when the session ends (dropped there when it is full).
-    spares: Arc<Spares<SessionBody<DecodeStepper>>>,
-}
-
-impl Drop for DraftSession {
-    fn drop(&mut self) {
-        // See `TargetSession`'s Drop: free (or keep) GPU buffers with the context current.
-        let _ = specsplit_core::device::bind_to_thread(self.cache.device());
-        // The clone shares the cache's buffers, so the stepper's graphs stay valid.
-        self.spares.put(SessionBody {
-            cache: self.cache.clone(),
-            stepper: self.stepper.take(),
-        });
-    }
-}
-
-impl DraftSession {
-    /// Tokens currently in the session's cache.
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-}
+/// One draft session: the cached sequence, the logits after its last token, and the
+/// fixed-shape greedy steps over its cache for chain drafts (made at the first chain).
+pub type DraftSession = EngineSession<DecodeStepper>;
 
 /// How to draft one tree.
 #[derive(Debug, Clone)]
@@ -196,16 +168,8 @@ impl DraftEngine {
 
     /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
     pub fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
-        let body = self
-            .spares
-            .body_or(|| Ok(self.model.new_cache(self.max_context)?))?;
-        Ok(DraftSession {
-            cache: body.cache,
-            tokens: Vec::new(),
-            last_logits: None,
-            rng: seeded_rng(seed),
-            stepper: body.stepper,
-            spares: self.spares.clone(),
+        EngineSession::open(&self.spares, seed, || {
+            Ok(self.model.new_cache(self.max_context)?)
         })
     }
 
@@ -592,18 +556,6 @@ pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec
 /// through one causal forward first.
 const STATIC_FEED_MAX: usize = 4;
 
-/// Bytes of one session cache of `capacity` tokens for `model`.
-pub fn session_cache_bytes(model: &Transformer, capacity: usize) -> usize {
-    let c = model.config();
-    let spec = specsplit_core::cache::CacheSpec {
-        num_layers: c.num_hidden_layers,
-        num_kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        capacity,
-    };
-    SessionCache::bytes_for(&spec, model.dtype())
-}
-
 /// Number of nodes of a full tree with these widths.
 pub fn tree_size(widths: &[usize]) -> usize {
     let mut level = 1usize;
@@ -613,20 +565,6 @@ pub fn tree_size(widths: &[usize]) -> usize {
         total = total.saturating_add(level);
     }
     total
-}
-
-/// Length of the longest common prefix of two token sequences.
-pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-/// A session RNG: seeded deterministically, or from entropy when `seed` is 0.
-pub fn seeded_rng(seed: u64) -> ChaCha8Rng {
-    if seed == 0 {
-        ChaCha8Rng::from_os_rng()
-    } else {
-        ChaCha8Rng::seed_from_u64(seed)
-    }
 }
 
 #[cfg(test)]
@@ -642,7 +580,7 @@ mod tests {
 
     #[test]
     fn top_w_on_device_matches_host_top_w_and_log_softmax() {
-        use rand::Rng;
+        use rand::{Rng, SeedableRng};
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let (rows, vocab) = (5, 3000);
         let data: Vec<f32> = (0..rows * vocab)
@@ -825,12 +763,5 @@ mod tests {
         assert_eq!(shared.next(&[1, 2]), Some(9), "the latest reference wins");
         assert_eq!(shared.next(&[1, 2, 3]), Some(4));
         assert_eq!(shared.next(&[5]), None);
-    }
-
-    #[test]
-    fn common_prefix_stops_at_first_difference() {
-        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
-        assert_eq!(common_prefix(&[], &[1]), 0);
-        assert_eq!(common_prefix(&[1, 2], &[1, 2]), 2);
     }
 }

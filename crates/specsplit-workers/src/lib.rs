@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod config;
 pub mod draft;
+pub mod engine_session;
 pub mod error;
 pub mod launch;
 pub mod service;

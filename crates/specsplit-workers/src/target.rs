@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor, D};
 use rand_chacha::ChaCha8Rng;
-use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::TokenTree;
@@ -15,43 +14,17 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 
-use crate::draft::{common_prefix, seeded_rng};
+use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession};
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
-/// One target session: the cached sequence and the logits after its last token.
-pub struct TargetSession {
-    cache: SessionCache,
-    tokens: Vec<u32>,
-    last_logits: Option<Tensor>,
-    rng: ChaCha8Rng,
-    /// The graph-replayed one-token step over `cache`, made at the session's first plain
-    /// decoding step where the model has one.
-    stepper: Option<ExactStepper>,
-    /// Where the cache and stepper go when the session ends (dropped there when it is full).
-    spares: Arc<Spares<SessionBody<ExactStepper>>>,
-}
-
-impl Drop for TargetSession {
-    fn drop(&mut self) {
-        // The session's GPU buffers are freed (or kept) on whatever thread drops it (an
-        // eviction, the TTL sweeper, EndSession): make the context current there first.
-        let _ = specsplit_core::device::bind_to_thread(self.cache.device());
-        // The clone shares the cache's buffers, so the stepper's graphs stay valid.
-        self.spares.put(SessionBody {
-            cache: self.cache.clone(),
-            stepper: self.stepper.take(),
-        });
-    }
-}
+/// One target session: the cached sequence, the logits after its last token, and the
+/// graph-replayed one-token step over its cache (made at the session's first plain decoding
+/// step where the model has one).
+pub type TargetSession = EngineSession<ExactStepper>;
 
 impl TargetSession {
-    /// Tokens currently in the session's cache.
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-
     /// Row counts of the passes this session replays from captured CUDA graphs (1: a plain
     /// decoding step; n: a chain of n - 1 draft tokens below the new token).
     pub fn graph_passes(&self) -> Vec<usize> {
@@ -222,21 +195,13 @@ impl TargetEngine {
 
     /// Bytes one session's cache takes.
     pub fn session_bytes(&self) -> usize {
-        crate::draft::session_cache_bytes(&self.model, self.max_context)
+        session_cache_bytes(&self.model, self.max_context)
     }
 
     /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
     pub fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
-        let body = self
-            .spares
-            .body_or(|| Ok(self.model.new_cache(self.max_context)?))?;
-        Ok(TargetSession {
-            cache: body.cache,
-            tokens: Vec::new(),
-            last_logits: None,
-            rng: seeded_rng(seed),
-            stepper: body.stepper,
-            spares: self.spares.clone(),
+        EngineSession::open(&self.spares, seed, || {
+            Ok(self.model.new_cache(self.max_context)?)
         })
     }
 
