@@ -20,7 +20,7 @@ use specsplit_orchestrator::{
 use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
 use specsplit_workers::service::{
-    serve_draft, serve_target, DraftWorker, TargetWorker, WorkPlacement, WorkerInfo,
+    serve_draft, serve_target, DraftWorker, Execution, TargetWorker, WorkerInfo,
 };
 use specsplit_workers::session::SessionLimits;
 use specsplit_workers::target::{PassTiming, TargetEngine};
@@ -76,6 +76,11 @@ pub struct E2eSettings {
     pub name: String,
     /// Whether the target times each verification pass on the device.
     pub device_timing: bool,
+    /// Ended sessions' bodies each engine keeps for its next sessions.
+    pub spare_sessions: usize,
+    /// The workers' busy-polling after each answer, in milliseconds (None: the device's
+    /// default).
+    pub spin_ms: Option<u64>,
 }
 
 /// Most runs of one configuration with a synthetic drafter (see `run`).
@@ -516,13 +521,19 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         &z,
     );
     let t_engine = Arc::new(
-        TargetEngine::new(target_model.clone(), z.max_context).with_device_timing(s.device_timing),
+        TargetEngine::new(target_model.clone(), z.max_context)
+            .with_device_timing(s.device_timing)
+            .with_spare_sessions(s.spare_sessions),
     );
-    let t_worker = TargetWorker::new(t_engine.clone(), limits(), t_info);
+    let exec = |device: &str| Execution::for_device(device, s.spin_ms.map(Duration::from_millis));
+    let t_exec = exec(&s.device_target);
+    let t_worker =
+        TargetWorker::new(t_engine.clone(), limits(), t_info).with_execution(t_exec.clone());
     let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
     let start_draft = |engine: DraftEngine, label: String| {
         let d_info = info(label, &draft_model, &eos, &s.device_draft, &z);
-        let w = DraftWorker::new(Arc::new(engine), limits(), d_info);
+        let w = DraftWorker::new(Arc::new(engine), limits(), d_info)
+            .with_execution(exec(&s.device_draft));
         spawn_server("draft", move |l, sd| serve_draft(w, l, sd))
     };
 
@@ -603,7 +614,8 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         .collect();
     let mut summary = Vec::new();
     for beta in drafters {
-        let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context);
+        let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context)
+            .with_spare_sessions(s.spare_sessions);
         let oracle = beta.map(|b| SyntheticOracle::new(references.clone(), b));
         let label = match (&oracle, beta) {
             (Some(o), Some(b)) => {
@@ -765,7 +777,9 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "batch_invariant": kernels.batch_invariant,
             "wide_rows": kernels.wide_rows,
             "pdl": kernels.pdl && specsplit_models::fused::PDL_AVAILABLE,
-            "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device_target)).to_lowercase(),
+            "work_placement": format!("{:?}", t_exec.placement()).to_lowercase(),
+            "server_spin_ms": t_exec.spin().as_secs_f64() * 1e3,
+            "spare_sessions": s.spare_sessions,
             "target_only_tok_per_s": ar_tps,
         },
         "best_depth": summary,

@@ -197,6 +197,14 @@ struct E2eArgs {
     /// stored as each row's verify_pass_timings).
     #[arg(long)]
     device_timing: bool,
+    /// Ended sessions whose KV cache and CUDA graphs each in-process worker keeps for its next
+    /// sessions (0: none).
+    #[arg(long, value_name = "N", default_value_t = specsplit_workers::spare::DEFAULT_SPARE_SESSIONS)]
+    spare_sessions: usize,
+    /// Milliseconds the in-process workers busy-poll after each answer (0: never)
+    /// [default: 20 on CUDA, 0 on the CPU].
+    #[arg(long, value_name = "MS")]
+    spin_ms: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -291,6 +299,8 @@ fn e2e(a: E2eArgs) -> Result<()> {
         out: a.out,
         name,
         device_timing: a.device_timing,
+        spare_sessions: a.spare_sessions,
+        spin_ms: a.spin_ms,
     };
     if s.depths.contains(&0) {
         bail!("--depths must be positive");

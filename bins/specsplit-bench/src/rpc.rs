@@ -29,7 +29,7 @@ use specsplit_proto::{
 };
 use specsplit_workers::draft::DraftEngine;
 use specsplit_workers::service::{
-    serve_draft, serve_target, DraftWorker, TargetWorker, WorkPlacement, WorkerInfo,
+    serve_draft, serve_target, DraftWorker, Execution, TargetWorker, WorkerInfo,
 };
 use specsplit_workers::target::TargetEngine;
 use tonic::transport::Endpoint;
@@ -83,6 +83,10 @@ pub struct RpcArgs {
     /// Base name of the output files.
     #[arg(long, default_value = "rpc")]
     name: String,
+    /// Milliseconds the in-process workers busy-poll after each answer (0: never)
+    /// [default: 20 on CUDA, 0 on the CPU].
+    #[arg(long, value_name = "MS")]
+    spin_ms: Option<u64>,
 }
 
 /// Runs the `rpc` subcommand on the runtime its arguments ask for.
@@ -120,6 +124,7 @@ pub fn main(a: RpcArgs) -> Result<()> {
         client_spin: a.client_spin,
         out: a.out,
         name: a.name,
+        spin_ms: a.spin_ms,
     };
     builder.enable_all().build()?.block_on(run(&s))
 }
@@ -153,6 +158,9 @@ pub struct RpcSettings {
     pub out: PathBuf,
     /// Base name of the output files.
     pub name: String,
+    /// The workers' busy-polling after each answer, in milliseconds (None: the device's
+    /// default).
+    pub spin_ms: Option<u64>,
 }
 
 /// Minimum, median, 90th percentile and mean of a sample, in milliseconds.
@@ -369,11 +377,13 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
         max_context: longest + per_gen + s.depth + 16,
         max_tree_nodes: s.depth + 8,
     };
+    let exec = Execution::for_device(&s.device, s.spin_ms.map(Duration::from_millis));
     let t_worker = TargetWorker::new(
         Arc::new(TargetEngine::new(Arc::new(target.model), z.max_context)),
         limits(),
         worker_info(&target.name, vocab, &s.device, &z),
-    );
+    )
+    .with_execution(exec.clone());
     let d_worker = DraftWorker::new(
         Arc::new(DraftEngine::new(
             Arc::new(draft.model),
@@ -382,7 +392,8 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
         )),
         limits(),
         worker_info(&draft.name, vocab, &s.device, &z),
-    );
+    )
+    .with_execution(exec.clone());
     let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
     let d_server = spawn_server("draft", move |l, sd| serve_draft(d_worker, l, sd)).await?;
 
@@ -474,7 +485,8 @@ pub async fn run(s: &RpcSettings) -> Result<()> {
             "target": target.name, "draft": draft.name, "device": s.device,
             "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
             "runtime": s.runtime, "client_spin": s.client_spin,
-            "work_placement": format!("{:?}", WorkPlacement::default_for(&s.device)).to_lowercase(),
+            "work_placement": format!("{:?}", exec.placement()).to_lowercase(),
+            "server_spin_ms": exec.spin().as_secs_f64() * 1e3,
             "depth": s.depth, "rounds": s.rounds, "warmup": s.warmup,
             "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "transport": "gRPC over loopback, workers in-process",
