@@ -190,8 +190,8 @@ def rel(path):
 # ---- specsplit.toml: the keys the programs accept (flag names with "-" -> "_"); the programs
 # reject unknown keys, so a typo here stops a worker at start-up. Mirrors docs/configuration.md.
 WORKER_KEYS = {"listen", "model", "device", "dtype", "max_sessions", "session_ttl_secs",
-               "max_context", "memory_budget_mb", "max_tree_nodes", "max_prompt_len",
-               "log_format"}
+               "max_context", "memory_budget_mb", "max_tree_nodes", "max_tree_depth",
+               "max_prompt_len", "spare_sessions", "spin_ms", "device_timing", "log_format"}
 ORCH_KEYS = {"draft_addr", "target_addr", "draft_model", "target_model", "tokenizer", "device",
              "dtype", "chat_template", "log_format", "mode", "pipeline", "max_tokens", "widths",
              "adaptive_depth", "min_depth", "max_depth", "temperature", "top_k", "top_p", "seed",
@@ -218,7 +218,7 @@ ORCH_KEYS = struct_fields("bins/specsplit/src/main.rs", "Settings") or ORCH_KEYS
 KEYS = {"draft": WORKER_KEYS, "target": WORKER_KEYS, "orchestrator": ORCH_KEYS}
 POSITIVE = {"max_sessions", "session_ttl_secs", "max_context", "memory_budget_mb",
             "max_tree_nodes", "max_prompt_len", "max_tokens", "min_depth", "max_depth"}
-NON_NEGATIVE = {"top_k", "seed", "deadline_ms"}
+NON_NEGATIVE = {"top_k", "seed", "deadline_ms", "spare_sessions", "spin_ms"}
 CHOICES = {"dtype": ("", "f32", "f16", "bf16"), "log_format": ("text", "json"),
            "mode": ("spec", "ar"), "pipeline": ("sequential", "overlapped")}
 
@@ -234,7 +234,7 @@ def check_value(where, key, value):
         return f"{where}.{key} = {value!r}: expected a non-negative integer"
     if key in CHOICES and value not in CHOICES[key]:
         return f"{where}.{key} = {value!r}: expected one of {CHOICES[key]}"
-    if key in ("chat_template", "adaptive_depth") and not isinstance(value, bool):
+    if key in ("chat_template", "adaptive_depth", "device_timing") and not isinstance(value, bool):
         return f"{where}.{key} = {value!r}: expected true or false"
     if key in ("temperature", "top_p") and not (isinstance(value, (int, float))
                                                 and not isinstance(value, bool) and value >= 0):
