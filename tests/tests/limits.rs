@@ -164,16 +164,26 @@ async fn draft_sizes_are_bounded_before_allocation() {
     r.request_id = "y".repeat(257);
     refused(d.generate_drafts(r).await, Code::InvalidArgument);
     // The deepest tree allowed comes back decodable, sampled (a distribution on every node).
-    let mut r = req(64, vec![]);
-    r.temperature = Some(1.0);
-    let tree = d.generate_drafts(r).await.unwrap().into_inner().draft_tree;
-    let mut depth = 0;
-    let mut level = &tree;
-    while let Some(n) = level.first() {
-        depth += 1;
-        level = &n.children;
+    // A sampled branch ends early where it draws an end-of-sequence token (about one request
+    // in three with this model): draw until one reaches the limit.
+    let mut deepest = 0;
+    for _ in 0..20 {
+        let mut r = req(64, vec![]);
+        r.temperature = Some(1.0);
+        let tree = d.generate_drafts(r).await.unwrap().into_inner().draft_tree;
+        let mut depth = 0;
+        let mut level = &tree;
+        while let Some(n) = level.first() {
+            depth += 1;
+            level = &n.children;
+        }
+        assert!(depth <= 64, "a tree of depth {depth}");
+        deepest = deepest.max(depth);
+        if deepest == 64 {
+            break;
+        }
     }
-    assert_eq!(depth, 64);
+    assert_eq!(deepest, 64);
     // The limits are reported.
     let ping = d.ping(PingRequest {}).await.unwrap().into_inner();
     assert_eq!(ping.max_tree_depth, 64);
