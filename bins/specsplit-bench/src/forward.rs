@@ -14,6 +14,7 @@ use specsplit_core::tree::TokenTree;
 use specsplit_models::loader::{load_model, LoadOptions};
 use specsplit_models::step::{DecodeStepper, ExactStepper};
 use specsplit_models::transformer::Transformer;
+use specsplit_workers::engine_session::SessionEngine;
 use specsplit_workers::launch::{parse_device, parse_dtype};
 use specsplit_workers::target::{Prefix, TargetEngine};
 

@@ -13,7 +13,7 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
-use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession};
+use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
@@ -111,6 +111,21 @@ pub struct DraftEngine {
     spares: Arc<Spares<SessionBody<DecodeStepper>>>,
 }
 
+impl SessionEngine for DraftEngine {
+    type Session = DraftSession;
+    const WORKER_TYPE: &'static str = "draft";
+
+    fn session_bytes(&self) -> usize {
+        session_cache_bytes(&self.model, self.max_context)
+    }
+
+    fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
+        EngineSession::open(&self.spares, seed, || {
+            Ok(self.model.new_cache(self.max_context)?)
+        })
+    }
+}
+
 impl DraftEngine {
     /// An engine over `model`; `eos` ends a branch; sessions hold `max_context` tokens.
     pub fn new(model: Arc<Transformer>, eos: Vec<u32>, max_context: usize) -> Self {
@@ -159,18 +174,6 @@ impl DraftEngine {
     /// The model.
     pub fn model(&self) -> &Transformer {
         &self.model
-    }
-
-    /// Bytes one session's cache takes.
-    pub fn session_bytes(&self) -> usize {
-        session_cache_bytes(&self.model, self.max_context)
-    }
-
-    /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
-    pub fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
-        EngineSession::open(&self.spares, seed, || {
-            Ok(self.model.new_cache(self.max_context)?)
-        })
     }
 
     /// Drafts a tree continuing `tokens` (the whole sequence so far). The cache is first brought

@@ -13,6 +13,18 @@ use specsplit_models::transformer::Transformer;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
+/// What a worker needs of its engine: fresh sessions and what one costs.
+pub trait SessionEngine: Send + Sync + 'static {
+    /// One session's state.
+    type Session: Send + 'static;
+    /// The worker type `Ping` reports (`draft` or `target`).
+    const WORKER_TYPE: &'static str;
+    /// Bytes one session's cache takes.
+    fn session_bytes(&self) -> usize;
+    /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
+    fn new_session(&self, seed: u64) -> Result<Self::Session, EngineError>;
+}
+
 /// One session of an engine whose steps replay a stepper `St` over the session's cache.
 pub struct EngineSession<St> {
     pub(crate) cache: SessionCache,

@@ -14,7 +14,7 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 
-use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession};
+use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
@@ -135,6 +135,21 @@ pub struct TargetEngine {
     device_times: std::sync::Mutex<Vec<PassTiming>>,
 }
 
+impl SessionEngine for TargetEngine {
+    type Session = TargetSession;
+    const WORKER_TYPE: &'static str = "target";
+
+    fn session_bytes(&self) -> usize {
+        session_cache_bytes(&self.model, self.max_context)
+    }
+
+    fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
+        EngineSession::open(&self.spares, seed, || {
+            Ok(self.model.new_cache(self.max_context)?)
+        })
+    }
+}
+
 impl TargetEngine {
     /// An engine over `model` whose sessions hold `max_context` tokens.
     pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
@@ -191,18 +206,6 @@ impl TargetEngine {
     /// The model.
     pub fn model(&self) -> &Transformer {
         &self.model
-    }
-
-    /// Bytes one session's cache takes.
-    pub fn session_bytes(&self) -> usize {
-        session_cache_bytes(&self.model, self.max_context)
-    }
-
-    /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
-    pub fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
-        EngineSession::open(&self.spares, seed, || {
-            Ok(self.model.new_cache(self.max_context)?)
-        })
     }
 
     /// Verifies `tree` after the sequence given by `prefix`, in one forward pass over the

@@ -13,26 +13,12 @@ use tonic::{Request, Response, Status};
 
 use super::serve::serve;
 use super::validate::{check_ids, draft_widths, sampling_from};
-use super::worker::{SessionEngine, Worker};
-use crate::draft::{DraftEngine, DraftParams, DraftSession};
+use super::worker::Worker;
+use crate::draft::{DraftEngine, DraftParams};
 use crate::session::SessionSecret;
-use crate::EngineError;
 
 /// The draft worker's gRPC service.
 pub type DraftWorker = Worker<DraftEngine>;
-
-impl SessionEngine for DraftEngine {
-    type Session = DraftSession;
-    const WORKER_TYPE: &'static str = "draft";
-
-    fn session_bytes(&self) -> usize {
-        DraftEngine::session_bytes(self)
-    }
-
-    fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
-        DraftEngine::new_session(self, seed)
-    }
-}
 
 #[tonic::async_trait]
 impl DraftService for DraftWorker {

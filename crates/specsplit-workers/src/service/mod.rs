@@ -19,4 +19,4 @@ pub use execution::{on_cuda, Execution, WorkPlacement, DEFAULT_SERVER_SPIN};
 pub use info::WorkerInfo;
 pub use target::{serve_target, TargetWorker};
 pub use validate::MAX_ID_BYTES;
-pub use worker::{SessionEngine, Worker};
+pub use worker::Worker;

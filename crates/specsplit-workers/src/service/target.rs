@@ -12,27 +12,13 @@ use tonic::{Request, Response, Status};
 
 use super::serve::serve;
 use super::validate::{check_distribution_sizes, check_ids, draft_tree, prefix, sampling_from};
-use super::worker::{SessionEngine, Worker};
+use super::worker::Worker;
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::session::SessionSecret;
-use crate::target::{Prefix, TargetEngine, TargetSession};
-use crate::EngineError;
+use crate::target::{Prefix, TargetEngine};
 
 /// The target worker's gRPC service.
 pub type TargetWorker = Worker<TargetEngine>;
-
-impl SessionEngine for TargetEngine {
-    type Session = TargetSession;
-    const WORKER_TYPE: &'static str = "target";
-
-    fn session_bytes(&self) -> usize {
-        TargetEngine::session_bytes(self)
-    }
-
-    fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
-        TargetEngine::new_session(self, seed)
-    }
-}
 
 #[tonic::async_trait]
 impl TargetService for TargetWorker {

@@ -9,20 +9,9 @@ use tonic::Status;
 use super::execution::Execution;
 use super::validate::check_ids;
 use super::WorkerInfo;
+use crate::engine_session::SessionEngine;
 use crate::session::{Reservation, SessionHandle, SessionLimits, SessionSecret, SessionStore};
 use crate::EngineError;
-
-/// What a [`Worker`] needs of its engine: fresh sessions and what one costs.
-pub trait SessionEngine: Send + Sync + 'static {
-    /// One session's state.
-    type Session: Send + 'static;
-    /// The worker type `Ping` reports (`draft` or `target`).
-    const WORKER_TYPE: &'static str;
-    /// Bytes one session's cache takes.
-    fn session_bytes(&self) -> usize;
-    /// A fresh session, its random choices seeded by `seed` (0 = from entropy).
-    fn new_session(&self, seed: u64) -> Result<Self::Session, EngineError>;
-}
 
 /// A sessionless request's new session and the reservation it holds while it runs.
 type AnonymousSession<'a, S> = (SessionHandle<S>, Reservation<'a, S>);
