@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use super::serve::serve;
-use super::validate::{check_ids, draft_widths, sampling_from};
+use super::validate::{check_request_ids, draft_widths, sampling_from};
 use super::worker::Worker;
 use crate::draft::{DraftEngine, DraftParams};
 use crate::session::SessionSecret;
@@ -28,11 +28,7 @@ impl DraftService for DraftWorker {
     ) -> Result<Response<DraftResponse>, Status> {
         let start = Instant::now();
         let r = request.into_inner();
-        check_ids(&[
-            ("request_id", &r.request_id),
-            ("session_id", &r.session_id),
-            ("session_secret", &r.session_secret),
-        ])?;
+        check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
         let tokens = info.tokens(&r.prompt_token_ids, "prompt_token_ids")?;
         let widths = draft_widths(info, &r)?;

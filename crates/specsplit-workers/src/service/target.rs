@@ -11,7 +11,9 @@ use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use super::serve::serve;
-use super::validate::{check_distribution_sizes, check_ids, draft_tree, prefix, sampling_from};
+use super::validate::{
+    check_distribution_sizes, check_request_ids, draft_tree, prefix, sampling_from,
+};
 use super::worker::Worker;
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::session::SessionSecret;
@@ -28,11 +30,7 @@ impl TargetService for TargetWorker {
     ) -> Result<Response<VerifyResponse>, Status> {
         let start = Instant::now();
         let r = request.into_inner();
-        check_ids(&[
-            ("request_id", &r.request_id),
-            ("session_id", &r.session_id),
-            ("session_secret", &r.session_secret),
-        ])?;
+        check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature)?;
         check_distribution_sizes(&r, info.vocab_size)?;

@@ -77,6 +77,20 @@ pub(super) fn check_ids(ids: &[(&str, &str)]) -> Result<(), Status> {
     Ok(())
 }
 
+/// Refuses a draft or verify request whose `request_id`, `session_id` or `session_secret` is
+/// longer than [`MAX_ID_BYTES`].
+pub(super) fn check_request_ids(
+    request_id: &str,
+    session_id: &str,
+    session_secret: &str,
+) -> Result<(), Status> {
+    check_ids(&[
+        ("request_id", request_id),
+        ("session_id", session_id),
+        ("session_secret", session_secret),
+    ])
+}
+
 /// Refuses a tree whose distributions or top-k lists have more entries than the vocabulary
 /// (INVALID_ARGUMENT, naming where), before they are converted.
 pub(super) fn check_distribution_sizes(r: &VerifyRequest, vocab: usize) -> Result<(), Status> {
