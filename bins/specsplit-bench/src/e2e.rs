@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+use specsplit_core::tree::full_tree_size;
 use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
 use specsplit_models::tokenizer::ChatFormat;
 use specsplit_models::transformer::Transformer;
@@ -17,7 +18,7 @@ use specsplit_orchestrator::{
     ClientSpin, GenerateConfig, Generation, GenerationStats, Mode, Orchestrator, Pipeline,
     RoundRecord,
 };
-use specsplit_workers::draft::{tree_size, DraftEngine, SyntheticOracle};
+use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
 use specsplit_workers::service::{
     serve_draft, serve_target, DraftWorker, Execution, TargetWorker, WorkerInfo,
@@ -497,7 +498,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     let max_nodes = s
         .trees
         .iter()
-        .map(|w| tree_size(w))
+        .map(|w| full_tree_size(w))
         .chain(s.depths.iter().copied())
         .max()
         .unwrap_or(1);
@@ -734,7 +735,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let row = json!({
                 "label": format!("{}-{}-{widths}", r.kind, pipeline_name(r.pipeline)),
                 "kind": r.kind, "mode": "spec", "pipeline": pipeline_name(r.pipeline),
-                "widths": widths, "depth": depth, "tree_nodes": tree_size(&r.widths),
+                "widths": widths, "depth": depth, "tree_nodes": full_tree_size(&r.widths),
                 "synthetic": beta.is_some(), "beta": beta, "drafter": drafter,
                 "speedup": speedup, "target_only_tok_per_s": ar_tps,
                 "expected_mean_accepted_len": if r.kind == "chain" { expected_len } else { None },

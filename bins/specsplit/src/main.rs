@@ -393,6 +393,7 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
     gen_cfg
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid settings: {e}"))?;
+    tracing::info!(settings = ?s, "configuration");
 
     let spec = gen_cfg.mode == Mode::Spec;
     let (in_process, draft_addr, target_addr, tokenizer) = if s.target_addr.is_empty()

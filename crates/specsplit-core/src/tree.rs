@@ -184,6 +184,17 @@ impl Distribution {
     }
 }
 
+/// Nodes of a full tree with `widths[d]` children per node at depth `d` (saturating).
+pub fn full_tree_size(widths: &[usize]) -> usize {
+    let mut level = 1usize;
+    let mut total = 0usize;
+    for &w in widths {
+        level = level.saturating_mul(w);
+        total = total.saturating_add(level);
+    }
+    total
+}
+
 /// Limits a received tree must respect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TreeLimits {

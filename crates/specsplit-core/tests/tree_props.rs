@@ -5,7 +5,7 @@ mod common;
 
 use common::{arb_shape, brute_path, build_tree};
 use proptest::prelude::*;
-use specsplit_core::tree::{Distribution, TokenTree, TreeError};
+use specsplit_core::tree::{full_tree_size, Distribution, TokenTree, TreeError};
 
 const V: u32 = 40;
 
@@ -81,4 +81,13 @@ fn builder_rejects_out_of_order() {
     }
     .to_string();
     assert!(msg.contains("a child of node 0"), "{msg}");
+}
+
+/// Full-tree sizes count every level and saturate instead of overflowing.
+#[test]
+fn full_tree_size_counts_every_level() {
+    assert_eq!(full_tree_size(&[4, 2, 1, 1]), 4 + 8 + 8 + 8);
+    assert_eq!(full_tree_size(&[1, 1, 1]), 3);
+    assert_eq!(full_tree_size(&[]), 0);
+    assert_eq!(full_tree_size(&[usize::MAX, 2]), usize::MAX);
 }

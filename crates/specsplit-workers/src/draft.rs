@@ -8,7 +8,7 @@ use candle_core::{DType, Tensor};
 use rand_chacha::ChaCha8Rng;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
-use specsplit_core::tree::{Distribution, TokenTree};
+use specsplit_core::tree::{full_tree_size, Distribution, TokenTree};
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
@@ -196,7 +196,7 @@ impl DraftEngine {
                 p.widths
             )));
         }
-        let tree_nodes = tree_size(&p.widths);
+        let tree_nodes = full_tree_size(&p.widths);
         if tokens.len() + tree_nodes > self.max_context {
             return Err(EngineError::InvalidArgument(format!(
                 "sequence of {} tokens plus a {}-node tree exceeds the draft context of {} tokens",
@@ -559,27 +559,9 @@ pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec
 /// through one causal forward first.
 const STATIC_FEED_MAX: usize = 4;
 
-/// Number of nodes of a full tree with these widths.
-pub fn tree_size(widths: &[usize]) -> usize {
-    let mut level = 1usize;
-    let mut total = 0usize;
-    for &w in widths {
-        level = level.saturating_mul(w);
-        total = total.saturating_add(level);
-    }
-    total
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tree_size_counts_every_level() {
-        assert_eq!(tree_size(&[4, 2, 1, 1]), 4 + 8 + 8 + 8);
-        assert_eq!(tree_size(&[1, 1, 1]), 3);
-        assert_eq!(tree_size(&[]), 0);
-    }
 
     #[test]
     fn top_w_on_device_matches_host_top_w_and_log_softmax() {

@@ -2,22 +2,13 @@
 
 use specsplit_core::tree::TokenTree;
 
-/// Nodes of a full tree with `widths` children per level.
-pub(super) fn tree_size(widths: &[usize]) -> usize {
-    let mut level = 1usize;
-    let mut total = 0usize;
-    for &w in widths {
-        level = level.saturating_mul(w);
-        total = total.saturating_add(level);
-    }
-    total
-}
+use specsplit_core::tree::full_tree_size;
 
 /// `widths` cut to at most `levels` levels and at most `nodes` nodes in all: the deepest
 /// levels go first, and a single level too wide is narrowed. Empty when no node fits.
 pub(super) fn fit_tree_widths(widths: &[usize], nodes: usize, levels: usize) -> Vec<usize> {
     let mut w: Vec<usize> = widths.iter().copied().take(levels).collect();
-    while w.len() > 1 && tree_size(&w) > nodes {
+    while w.len() > 1 && full_tree_size(&w) > nodes {
         w.pop();
     }
     if let Some(first) = w.first_mut() {
@@ -119,9 +110,6 @@ mod tests {
 
     #[test]
     fn trees_are_cut_to_the_room_left() {
-        assert_eq!(tree_size(&[4, 2, 1]), 4 + 8 + 8);
-        assert_eq!(tree_size(&[]), 0);
-        assert_eq!(tree_size(&[usize::MAX, 2]), usize::MAX, "saturates");
         assert_eq!(fit_tree_widths(&[4, 2, 1], 100, usize::MAX), vec![4, 2, 1]);
         assert_eq!(fit_tree_widths(&[4, 2, 1], 19, usize::MAX), vec![4, 2]);
         assert_eq!(fit_tree_widths(&[4, 2, 1], 11, usize::MAX), vec![4]);

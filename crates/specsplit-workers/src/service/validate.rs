@@ -8,8 +8,8 @@ use specsplit_proto::{DraftRequest, VerifyRequest};
 use tonic::Status;
 
 use super::WorkerInfo;
-use crate::draft::tree_size;
 use crate::target::Prefix;
+use specsplit_core::tree::full_tree_size;
 
 /// Longest `request_id`, `session_id` or `session_secret` accepted, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
@@ -182,8 +182,8 @@ pub(super) fn draft_widths(info: &WorkerInfo, r: &DraftRequest) -> Result<Vec<us
         w
     };
     // Each width is at most max_tree_nodes and there are at most 99 levels, but their
-    // product can still overflow: tree_size saturates.
-    let n = tree_size(&widths);
+    // product can still overflow: full_tree_size saturates.
+    let n = full_tree_size(&widths);
     if n > max_nodes {
         return Err(Status::invalid_argument(format!(
             "tree_widths describe a tree of {} nodes; this worker drafts at most \

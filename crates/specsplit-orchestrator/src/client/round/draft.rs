@@ -10,10 +10,11 @@ use tonic::Code;
 
 use super::{DraftOutcome, Drafted, PreDraft, Run};
 use crate::client::error::{rpc, short};
-use crate::client::tree::{fit_tree_widths, tree_size};
+use crate::client::tree::fit_tree_widths;
 use crate::client::worker::{known, ServerTimes};
 use crate::client::{Orchestrator, OrchestratorError};
 use crate::GenerateConfig;
+use specsplit_core::tree::full_tree_size;
 
 impl Run<'_> {
     /// Whether the draft accepts a request carrying `ctx_len` tokens and `widths`.
@@ -22,8 +23,8 @@ impl Run<'_> {
             return false;
         };
         ctx_len <= known(d.max_prompt_len)
-            && ctx_len.saturating_add(tree_size(widths)) <= known(d.max_context)
-            && tree_size(widths) <= known(d.max_tree_nodes)
+            && ctx_len.saturating_add(full_tree_size(widths)) <= known(d.max_context)
+            && full_tree_size(widths) <= known(d.max_tree_nodes)
             && widths.len() <= known(d.max_tree_depth)
     }
 
