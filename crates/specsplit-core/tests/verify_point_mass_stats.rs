@@ -8,8 +8,11 @@
 //! residual) must fail the same test.
 
 mod common;
+#[path = "common/joint.rs"]
+mod joint;
 
-use common::{chi_square, ctx_logits};
+use common::ctx_logits;
+use joint::{emitted_joint_test, SyntheticTarget};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specsplit_core::sampling::{sample, top_w, warp, SamplingParams};
@@ -23,14 +26,11 @@ const ALPHA: f64 = 0.001;
 const TARGET_SEED: u64 = 11;
 const DRAFT_SEED: u64 = 23;
 const SCALE: f32 = 2.0;
-
-fn target_logits(ctx: &[u32]) -> Vec<f32> {
-    ctx_logits(TARGET_SEED, ctx, V, SCALE)
-}
-
-fn target_dist(ctx: &[u32], params: &SamplingParams) -> Distribution {
-    warp(&target_logits(ctx), params)
-}
+const TARGET: SyntheticTarget = SyntheticTarget {
+    seed: TARGET_SEED,
+    vocab: V,
+    scale: SCALE,
+};
 
 /// The drafter's own distribution (unrelated to the target's).
 fn draft_dist(ctx: &[u32]) -> Distribution {
@@ -62,7 +62,7 @@ impl Drafter {
         match self {
             Drafter::DraftGreedy => top_w(&ctx_logits(DRAFT_SEED, ctx, V, SCALE), w),
             Drafter::TargetWorst => {
-                let t = target_dist(ctx, p);
+                let t = TARGET.dist(ctx, p);
                 let mut ids: Vec<u32> = (0..V as u32).collect();
                 ids.sort_by(|&a, &b| t.prob(a).total_cmp(&t.prob(b)).then(a.cmp(&b)));
                 ids.truncate(w);
@@ -117,15 +117,6 @@ fn draft_tree(case: &Case, rng: &mut ChaCha8Rng) -> TokenTree {
     tree
 }
 
-/// All target rows: after the prefix, then after each node's path.
-fn target_rows(tree: &TokenTree) -> Vec<f32> {
-    let mut rows = target_logits(&[]);
-    for i in 0..tree.len() {
-        rows.extend(target_logits(&tree.path_tokens(i)));
-    }
-    rows
-}
-
 /// A verifier under test: emits accepted tokens followed by the next token.
 type Verifier = fn(&TokenTree, &[f32], &SamplingParams, &mut ChaCha8Rng) -> Vec<u32>;
 
@@ -161,7 +152,7 @@ fn informational_q_verifier(
     let mut out = Vec::new();
     let mut parent: Option<usize> = None;
     loop {
-        let mut pv = dense(&target_dist(&out, p));
+        let mut pv = dense(&TARGET.dist(&out, p));
         let candidates = parent.map_or(tree.roots(), |c| tree.children(c));
         let mut q = vec![0.0f64; V];
         match parent {
@@ -215,7 +206,7 @@ fn keeps_rejected_verifier(
     let mut out = Vec::new();
     let mut parent: Option<usize> = None;
     loop {
-        let pv = dense(&target_dist(&out, p));
+        let pv = dense(&TARGET.dist(&out, p));
         let candidates = parent.map_or(tree.roots(), |c| tree.children(c));
         let accepted = candidates
             .into_iter()
@@ -236,41 +227,18 @@ fn keeps_rejected_verifier(
 /// Runs `DRAWS` draft+verify rounds and returns the chi-square p-value of the joint of the
 /// first `POSITIONS` emitted tokens, plus the mean number of accepted tokens.
 fn run_case(case: &Case, verifier: Verifier, seed: u64) -> (f64, f64) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let cells = V.pow(POSITIONS as u32);
-    let mut observed = vec![0u64; cells];
-    let mut accepted_total = 0usize;
-    for _ in 0..DRAWS {
-        let tree = draft_tree(case, &mut rng);
-        let rows = target_rows(&tree);
-        let mut emitted = verifier(&tree, &rows, &case.params, &mut rng);
-        accepted_total += emitted.len() - 1;
-        while emitted.len() < POSITIONS {
-            let t = sample(&target_dist(&emitted, &case.params), &mut rng);
-            emitted.push(t);
-        }
-        let cell = emitted[..POSITIONS]
-            .iter()
-            .fold(0usize, |acc, &t| acc * V + t as usize);
-        observed[cell] += 1;
-    }
-    let mut expected = vec![0.0f64; cells];
-    for (cell, e) in expected.iter_mut().enumerate() {
-        let toks: Vec<u32> = (0..POSITIONS)
-            .rev()
-            .map(|k| ((cell / V.pow(k as u32)) % V) as u32)
-            .collect();
-        *e = (0..POSITIONS)
-            .map(|k| f64::from(target_dist(&toks[..k], &case.params).prob(toks[k])))
-            .product();
-    }
-    let (stat, df, pv) = chi_square(&observed, &expected, case.name);
-    let mean_accepted = accepted_total as f64 / DRAWS as f64;
-    eprintln!(
-        "{}: chi2 = {stat:.1}, df = {df}, p = {pv:.4}, mean accepted = {mean_accepted:.3}",
-        case.name
-    );
-    (pv, mean_accepted)
+    emitted_joint_test(
+        case.name,
+        &TARGET,
+        &case.params,
+        POSITIONS,
+        DRAWS,
+        seed,
+        |rng| {
+            let tree = draft_tree(case, rng);
+            verifier(&tree, &TARGET.rows(&tree), &case.params, rng)
+        },
+    )
 }
 
 fn assert_exact(case: Case, seed: u64) {

@@ -4,8 +4,11 @@
 //! and top-p. Deliberately wrong verifiers must fail the same test (power check).
 
 mod common;
+#[path = "common/joint.rs"]
+mod joint;
 
-use common::{chi_square, ctx_logits, gamma_q};
+use common::{ctx_logits, gamma_q};
+use joint::{emitted_joint_test, SyntheticTarget};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specsplit_core::sampling::{sample, sample_without_replacement, warp, SamplingParams};
@@ -19,6 +22,11 @@ const ALPHA: f64 = 0.001;
 const TARGET_SEED: u64 = 11;
 const DRAFT_SEED: u64 = 23;
 const SCALE: f32 = 2.0;
+const TARGET: SyntheticTarget = SyntheticTarget {
+    seed: TARGET_SEED,
+    vocab: V,
+    scale: SCALE,
+};
 
 #[test]
 fn chi_square_p_values_match_tables() {
@@ -42,14 +50,6 @@ fn chi_square_p_values_match_tables() {
 // ------------------------------------------------------------------------------------------
 // The models: context-dependent target p and draft q over V tokens.
 // ------------------------------------------------------------------------------------------
-
-fn target_logits(ctx: &[u32]) -> Vec<f32> {
-    ctx_logits(TARGET_SEED, ctx, V, SCALE)
-}
-
-fn target_dist(ctx: &[u32], params: &SamplingParams) -> Distribution {
-    warp(&target_logits(ctx), params)
-}
 
 fn draft_dist(ctx: &[u32], params: &SamplingParams) -> Distribution {
     warp(&ctx_logits(DRAFT_SEED, ctx, V, SCALE), params)
@@ -107,15 +107,6 @@ fn draft_tree(case: &Case, rng: &mut ChaCha8Rng) -> TokenTree {
     tree
 }
 
-/// All target rows: after the prefix, then after each node's path.
-fn target_rows(tree: &TokenTree) -> Vec<f32> {
-    let mut rows = target_logits(&[]);
-    for i in 0..tree.len() {
-        rows.extend(target_logits(&tree.path_tokens(i)));
-    }
-    rows
-}
-
 /// A verifier under test: emits accepted tokens followed by the next token.
 type Verifier = fn(&TokenTree, &[f32], &SamplingParams, &mut ChaCha8Rng) -> Vec<u32>;
 
@@ -141,7 +132,7 @@ fn no_residual_verifier(
     let mut candidates = tree.roots();
     let mut q = tree.root_distribution().unwrap().clone();
     loop {
-        let target = target_dist(&out, p);
+        let target = TARGET.dist(&out, p);
         let mut accepted = None;
         for c in candidates.clone() {
             let x = tree.token(c);
@@ -179,7 +170,7 @@ fn late_residual_verifier(
     let mut dist = tree.root_distribution().cloned();
     loop {
         let mut pv: Vec<f64> = (0..V)
-            .map(|t| f64::from(target_dist(&out, p).prob(t as u32)))
+            .map(|t| f64::from(TARGET.dist(&out, p).prob(t as u32)))
             .collect();
         let mut qv: Vec<f64> = (0..V)
             .map(|t| dist.as_ref().map_or(0.0, |d| f64::from(d.prob(t as u32))))
@@ -251,13 +242,13 @@ fn independent_verifier(
             Some(pa) => tree.child_distribution(pa).unwrap(),
         };
         let x = tree.token(i);
-        ok[i] = rng.random::<f64>() * f64::from(q.prob(x)) < f64::from(target_dist(ctx, p).prob(x));
+        ok[i] = rng.random::<f64>() * f64::from(q.prob(x)) < f64::from(TARGET.dist(ctx, p).prob(x));
         if ok[i] && best.is_none_or(|b| tree.depth(i) > tree.depth(b)) {
             best = Some(i);
         }
     }
     let mut out = best.map_or(Vec::new(), |b| tree.path_tokens(b));
-    let next = sample(&target_dist(&out, p), rng);
+    let next = sample(&TARGET.dist(&out, p), rng);
     out.push(next);
     out
 }
@@ -265,42 +256,18 @@ fn independent_verifier(
 /// Runs `DRAWS` draft+verify rounds and returns the chi-square p-value of the joint of the
 /// first `POSITIONS` emitted tokens, plus the mean number of accepted tokens.
 fn run_case(case: &Case, verifier: Verifier, seed: u64) -> (f64, f64) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let cells = V.pow(POSITIONS as u32);
-    let mut observed = vec![0u64; cells];
-    let mut accepted_total = 0usize;
-    for _ in 0..DRAWS {
-        let tree = draft_tree(case, &mut rng);
-        let rows = target_rows(&tree);
-        let mut emitted = verifier(&tree, &rows, &case.params, &mut rng);
-        accepted_total += emitted.len() - 1;
-        while emitted.len() < POSITIONS {
-            let t = sample(&target_dist(&emitted, &case.params), &mut rng);
-            emitted.push(t);
-        }
-        let cell = emitted[..POSITIONS]
-            .iter()
-            .fold(0usize, |acc, &t| acc * V + t as usize);
-        observed[cell] += 1;
-    }
-    // Exact target joint: p(x1) p(x2 | x1) p(x3 | x1 x2).
-    let mut expected = vec![0.0f64; cells];
-    for (cell, e) in expected.iter_mut().enumerate() {
-        let toks: Vec<u32> = (0..POSITIONS)
-            .rev()
-            .map(|k| ((cell / V.pow(k as u32)) % V) as u32)
-            .collect();
-        *e = (0..POSITIONS)
-            .map(|k| f64::from(target_dist(&toks[..k], &case.params).prob(toks[k])))
-            .product();
-    }
-    let (stat, df, pv) = chi_square(&observed, &expected, case.name);
-    let mean_accepted = accepted_total as f64 / DRAWS as f64;
-    eprintln!(
-        "{}: chi2 = {stat:.1}, df = {df}, p = {pv:.4}, mean accepted = {mean_accepted:.3}",
-        case.name
-    );
-    (pv, mean_accepted)
+    emitted_joint_test(
+        case.name,
+        &TARGET,
+        &case.params,
+        POSITIONS,
+        DRAWS,
+        seed,
+        |rng| {
+            let tree = draft_tree(case, rng);
+            verifier(&tree, &TARGET.rows(&tree), &case.params, rng)
+        },
+    )
 }
 
 fn assert_exact(case: Case, seed: u64) {
@@ -472,7 +439,7 @@ fn identical_draft_is_always_accepted() {
         let mut tree = TokenTree::new();
         let mut ctx: Vec<u32> = Vec::new();
         for d in 0..4 {
-            let q = target_dist(&ctx, &params);
+            let q = TARGET.dist(&ctx, &params);
             let t = sample(&q, &mut rng);
             if d == 0 {
                 tree.push_root(t, 0.0).unwrap();
@@ -483,10 +450,10 @@ fn identical_draft_is_always_accepted() {
             }
             ctx.push(t);
         }
-        let v = verify_stochastic(&tree, &target_rows(&tree), V, &params, &mut rng).unwrap();
+        let v = verify_stochastic(&tree, &TARGET.rows(&tree), V, &params, &mut rng).unwrap();
         assert_eq!(v.accepted_tokens, ctx);
         assert!(v.bonus);
-        assert!(target_dist(&ctx, &params).prob(v.next_token) > 0.0);
+        assert!(TARGET.dist(&ctx, &params).prob(v.next_token) > 0.0);
     }
 }
 
