@@ -219,6 +219,15 @@ async fn sampled_speculation_matches_target_distribution() {
             },
         ),
         (
+            "chain, pre-drafted for every outcome",
+            GenerateConfig {
+                widths: vec![1, 1],
+                pipeline: Pipeline::Predraft,
+                candidates: 2,
+                ..base.clone()
+            },
+        ),
+        (
             "tree, overlapped",
             GenerateConfig {
                 widths: vec![3, 2],

@@ -59,6 +59,11 @@ pub struct E2eSettings {
     pub pipelines: Vec<Pipeline>,
     /// Synthetic acceptance rates; empty = the real draft model only.
     pub betas: Vec<f64>,
+    /// The synthetic drafter's coverage of rejected positions' target tokens by 1, 2, …
+    /// alternatives (see [`SyntheticOracle::with_coverage`]).
+    pub coverage: Vec<f64>,
+    /// Candidates per outcome of the predraft pipeline (0: its cost model chooses).
+    pub candidates: usize,
     /// With betas, also run the real draft model.
     pub real_too: bool,
     /// Drop the EOS ids so every generation runs `max_tokens` (default for random models).
@@ -275,6 +280,7 @@ fn pipeline_name(p: Pipeline) -> &'static str {
     match p {
         Pipeline::Sequential => "sequential",
         Pipeline::Overlapped => "overlapped",
+        Pipeline::Predraft => "predraft",
     }
 }
 
@@ -406,7 +412,20 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         .zip(reference)
         .filter(|(g, r)| g.token_ids == r.token_ids)
         .count();
-    json!({
+    let pre: Vec<f64> = rounds
+        .iter()
+        .filter(|r| r.predraft_candidates > 0)
+        .map(|r| r.predraft_candidates as f64)
+        .collect();
+    let mean_candidates = ratio(pre.iter().sum(), pre.len() as f64);
+    let by_accepted: Vec<Value> = (0..=depth).map(|j| predraft_hits(&rounds, Some(j))).collect();
+    let predraft = json!({
+        "predraft_hit_rate": predraft_hits(&rounds, None),
+        "predraft_hit_rate_by_accepted": by_accepted,
+        "mean_predraft_candidates": mean_candidates,
+        "predraft_share": ratio(pre.len() as f64, rounds.len() as f64),
+    });
+    let row = json!({
         "generations": gens.len(),
         "tokens": st.tokens,
         "elapsed_s": elapsed,
@@ -451,7 +470,23 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         ),
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
         "output_digest": output_digest(gens),
-    })
+    });
+    merge(row, predraft)
+}
+
+/// The share of pre-drafts (of rounds that ran one and got its answer) that held the
+/// verdict's outcome, among rounds that accepted `accepted` tokens (`None`: all); `null` when
+/// there were none.
+fn predraft_hits(rounds: &[RoundRecord], accepted: Option<usize>) -> Value {
+    let tried: Vec<bool> = rounds
+        .iter()
+        .filter(|r| accepted.is_none_or(|j| r.accepted == j))
+        .filter_map(|r| r.predraft_hit)
+        .collect();
+    if tried.is_empty() {
+        return Value::Null;
+    }
+    json!(tried.iter().filter(|&&h| h).count() as f64 / tried.len() as f64)
 }
 
 /// A fingerprint of every generation's tokens, in order (FNV-1a, 64 bits, hex), so that two
@@ -502,6 +537,19 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         .chain(s.depths.iter().copied())
         .max()
         .unwrap_or(1);
+    // A pre-draft's nodes: the path, every outcome's candidates and their trees.
+    let predraft_nodes = if s.pipelines.contains(&Pipeline::Predraft) {
+        let m = specsplit_orchestrator::MAX_CANDIDATES;
+        s.depths
+            .iter()
+            .map(|&d| d + (d + 1) * m * (1 + d))
+            .chain(s.trees.iter().map(|w| w.len() + (w.len() + 1) * m * (1 + full_tree_size(w))))
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    let max_nodes = max_nodes.max(predraft_nodes);
     let z = Sizing {
         max_context: longest + s.max_tokens + max_nodes + 16,
         max_tree_nodes: max_nodes + 8,
@@ -617,11 +665,17 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     for beta in drafters {
         let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context)
             .with_spare_sessions(s.spare_sessions);
-        let oracle = beta.map(|b| SyntheticOracle::new(references.clone(), b));
+        let oracle = beta.map(|b| {
+            SyntheticOracle::new(references.clone(), b).with_coverage(s.coverage.clone())
+        });
         let label = match (&oracle, beta) {
             (Some(o), Some(b)) => {
                 engine = engine.with_synthetic(o.clone());
-                format!("{} (synthetic β={b})", draft.name)
+                format!(
+                    "{} (synthetic β={b}, coverage {})",
+                    draft.name,
+                    util::rates_label(&s.coverage)
+                )
             }
             _ => draft.name.clone(),
         };
@@ -635,6 +689,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 mode: Mode::Spec,
                 pipeline: r.pipeline,
                 widths: r.widths.clone(),
+                candidates: s.candidates,
                 ..base_cfg.clone()
             };
             warm_up(&orch, &prompts, &cfg, s.warmup).await?;
@@ -694,6 +749,16 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 num(&agg, "mean_round_overhead_ms"),
                 agg["attempts"],
             );
+            if r.pipeline != Pipeline::Sequential {
+                eprintln!(
+                    "    pre-draft: beside {:.0}% of rounds, {:.2} candidates, hit rate {} \
+                     (by accepted length {})",
+                    100.0 * num(&agg, "predraft_share"),
+                    num(&agg, "mean_predraft_candidates"),
+                    agg["predraft_hit_rate"],
+                    agg["predraft_hit_rate_by_accepted"],
+                );
+            }
             eprintln!(
                 "    first round: {:.2} ms; draft {:.2} ms, verify {:.2} ms (server {:.2}, model \
                  {:.2}), pre-draft beside it {:.2} ms (model {:.2}), waited {:.2} ms",
@@ -737,6 +802,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 "kind": r.kind, "mode": "spec", "pipeline": pipeline_name(r.pipeline),
                 "widths": widths, "depth": depth, "tree_nodes": full_tree_size(&r.widths),
                 "synthetic": beta.is_some(), "beta": beta, "drafter": drafter,
+                "synthetic_coverage": beta.map(|_| s.coverage.clone()),
                 "speedup": speedup, "target_only_tok_per_s": ar_tps,
                 "expected_mean_accepted_len": if r.kind == "chain" { expected_len } else { None },
             });
@@ -771,6 +837,8 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "warmup_passes": s.warmup,
             "first_round_overlap": s.first_round_overlap, "client_spin": s.client_spin,
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
+            "synthetic_coverage": (!s.betas.is_empty()).then(|| s.coverage.clone()),
+            "candidates": s.candidates,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,
             // The workers load their models with the default kernel options.

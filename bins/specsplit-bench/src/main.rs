@@ -113,6 +113,7 @@ enum OnOff {
 enum PipelineArg {
     Sequential,
     Overlapped,
+    Predraft,
 }
 
 #[derive(Args, Debug)]
@@ -150,7 +151,8 @@ struct E2eArgs {
     /// Tree shapes, `;`-separated widths per depth [default: "4,2,1,1;2,2,2,1"; quick: "2,2,1"].
     #[arg(long)]
     trees: Option<String>,
-    /// Pipelines [default: sequential,overlapped].
+    /// Pipelines: sequential, overlapped (pre-draft one outcome), predraft (every likely
+    /// outcome, shaped by the cost model) [default: sequential,overlapped,predraft].
     #[arg(long, value_enum, value_delimiter = ',')]
     pipelines: Option<Vec<PipelineArg>>,
     /// Synthetic drafter acceptance rate(s) β, e.g. 0.8 or 0.6,0.8,0.9: the draft model's
@@ -158,6 +160,16 @@ struct E2eArgs {
     /// probability β. Results are labelled synthetic.
     #[arg(long, value_delimiter = ',')]
     synthetic_beta: Vec<f64>,
+    /// Synthetic drafter: the chance that the target's token at a rejected position lies among
+    /// the draft's next 1, 2, … likeliest tokens (comma-separated, one value per number of
+    /// alternatives; beyond the list its last value) [default: the rate measured on the
+    /// Qwen2.5-Coder 0.5B → 1.5B pair]. Pre-drafts hit a rejection outcome only this often.
+    #[arg(long, value_delimiter = ',')]
+    synthetic_coverage: Option<Vec<f64>>,
+    /// Candidates per outcome of the predraft pipeline: 0 lets its cost model choose (up to
+    /// 4), 1–4 fixes the number.
+    #[arg(long, default_value_t = 0)]
+    candidates: usize,
     /// With --synthetic-beta, also run the real draft model.
     #[arg(long)]
     real_too: bool,
@@ -259,6 +271,17 @@ fn e2e(a: E2eArgs) -> Result<()> {
     if a.synthetic_beta.iter().any(|b| !(0.0..=1.0).contains(b)) {
         bail!("--synthetic-beta values must lie in [0, 1]");
     }
+    if let Some(c) = &a.synthetic_coverage {
+        if c.is_empty() || c.iter().any(|v| !(0.0..=1.0).contains(v)) {
+            bail!("--synthetic-coverage takes values in [0, 1], one per number of alternatives");
+        }
+    }
+    if a.candidates > specsplit_orchestrator::MAX_CANDIDATES {
+        bail!(
+            "--candidates must lie in 0..={} (0: chosen by the cost model)",
+            specsplit_orchestrator::MAX_CANDIDATES
+        );
+    }
     let random = a.target.starts_with("random:") && a.draft.starts_with("random:");
     let trees = pick(a.trees, q, "2,2,1".into(), "4,2,1,1;2,2,2,1".into());
     let name = a.name.unwrap_or_else(|| {
@@ -276,13 +299,24 @@ fn e2e(a: E2eArgs) -> Result<()> {
         trees: util::parse_trees(&trees)?,
         pipelines: a
             .pipelines
-            .unwrap_or_else(|| vec![PipelineArg::Sequential, PipelineArg::Overlapped])
+            .unwrap_or_else(|| {
+                vec![
+                    PipelineArg::Sequential,
+                    PipelineArg::Overlapped,
+                    PipelineArg::Predraft,
+                ]
+            })
             .into_iter()
             .map(|p| match p {
                 PipelineArg::Sequential => Pipeline::Sequential,
                 PipelineArg::Overlapped => Pipeline::Overlapped,
+                PipelineArg::Predraft => Pipeline::Predraft,
             })
             .collect(),
+        coverage: a
+            .synthetic_coverage
+            .unwrap_or_else(|| specsplit_workers::draft::MEASURED_COVERAGE.to_vec()),
+        candidates: a.candidates,
         betas: a.synthetic_beta,
         real_too: a.real_too,
         ignore_eos: a.ignore_eos || random,

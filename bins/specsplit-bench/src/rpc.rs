@@ -525,6 +525,7 @@ mod tests {
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
             no_draft: None,
+            ..RoundRecord::default()
         });
         s.add(&RoundRecord {
             drafted: 0,
@@ -543,6 +544,7 @@ mod tests {
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
             no_draft: None,
+            ..RoundRecord::default()
         });
         assert_eq!(s.draft_rpc, vec![0.5]);
         assert_eq!(s.verify_rpc, vec![1.0, 0.5]);

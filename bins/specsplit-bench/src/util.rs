@@ -178,6 +178,15 @@ pub fn widths_label(widths: &[usize]) -> String {
         .join(",")
 }
 
+/// Rates as a comma-separated label, e.g. "0.3,0.45".
+pub fn rates_label(values: &[f64]) -> String {
+    values
+        .iter()
+        .map(|v| format!("{v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// A deterministic splitmix64 stream.
 pub struct SplitMix(u64);
 

@@ -43,8 +43,12 @@ enum ModeArg {
 enum PipelineArg {
     /// Draft, verify, repeat.
     Sequential,
-    /// Draft the next tree while the current one is verified.
+    /// Draft the next tree while the current one is verified, for one outcome of it (the
+    /// whole path accepted).
     Overlapped,
+    /// Draft the next tree while the current one is verified, for every likely outcome, as
+    /// the cost model shapes it (for a draft worker on its own GPU).
+    Predraft,
 }
 
 /// Flags of `generate`; each overrides the config file and environment when given.
@@ -152,10 +156,15 @@ struct GenerateArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     mode: Option<ModeArg>,
-    /// sequential or overlapped rounds.
+    /// sequential, overlapped or predraft rounds.
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pipeline: Option<PipelineArg>,
+    /// Candidate tokens per outcome the predraft pipeline pre-drafts: 0 (the default) lets
+    /// its cost model choose (up to 4, or none where pre-drafting does not pay); 1–4 fixes it.
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    candidates: Option<usize>,
     /// Draft the first round beside the target's prefill: true or false (default: with the
     /// overlapped pipeline only).
     #[arg(long, value_name = "BOOL")]
@@ -191,6 +200,7 @@ struct Settings {
     log_format: String,
     mode: Mode,
     pipeline: Pipeline,
+    candidates: usize,
     max_tokens: usize,
     widths: Vec<usize>,
     adaptive_depth: bool,
@@ -226,6 +236,7 @@ impl Default for Settings {
             log_format: "text".into(),
             mode: g.mode,
             pipeline: g.pipeline,
+            candidates: g.candidates,
             max_tokens: g.max_tokens,
             widths: g.widths,
             adaptive_depth: g.adaptive_depth,
@@ -252,6 +263,7 @@ impl Settings {
         GenerateConfig {
             mode: self.mode,
             pipeline: self.pipeline,
+            candidates: self.candidates,
             max_tokens: self.max_tokens,
             widths: self.widths.clone(),
             adaptive_depth: self.adaptive_depth,

@@ -22,24 +22,36 @@ pub struct TreeMask {
 impl TreeMask {
     /// Builds the ancestor structure of `tree` in O(N · depth).
     pub fn new(tree: &TokenTree) -> Self {
-        let n = tree.len();
-        let total: usize = tree.depths().iter().map(|d| d + 1).sum();
+        Self::from_parents(tree.parents()).expect("a token tree's parents precede their children")
+    }
+
+    /// Builds the ancestor structure of a forest given by each node's parent, in O(N · depth).
+    /// Nodes need not be breadth-first (a forest grown pass by pass, whose branches start at
+    /// different depths, is not), but every parent must precede its children; `None` when one
+    /// does not.
+    pub fn from_parents(parents: &[Option<usize>]) -> Option<Self> {
+        let n = parents.len();
+        let mut depths = Vec::with_capacity(n);
         let mut path_start = Vec::with_capacity(n + 1);
-        let mut paths = Vec::with_capacity(total);
-        for i in 0..n {
+        let mut paths = Vec::new();
+        for (i, &parent) in parents.iter().enumerate() {
             path_start.push(paths.len());
-            // A parent precedes its children, so its path is already stored.
-            if let Some(p) = tree.parent(i) {
-                paths.extend_from_within(path_start[p]..path_start[p + 1]);
+            match parent {
+                Some(p) if p >= i => return None,
+                Some(p) => {
+                    paths.extend_from_within(path_start[p]..path_start[p + 1]);
+                    depths.push(depths[p] + 1);
+                }
+                None => depths.push(0),
             }
             paths.push(i);
         }
         path_start.push(paths.len());
-        TreeMask {
-            depths: tree.depths().to_vec(),
+        Some(TreeMask {
+            depths,
             path_start,
             paths,
-        }
+        })
     }
 
     /// Number of tree nodes (mask rows).

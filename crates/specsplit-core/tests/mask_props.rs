@@ -39,6 +39,34 @@ proptest! {
         prop_assert!(!mask.is_visible(n, 0));
     }
 
+    /// A forest given by parents in any topological order (not breadth-first) has the
+    /// ancestor sets and depths of brute force; a parent that does not precede its child is
+    /// refused.
+    #[test]
+    fn masks_from_parents_match_brute_force(raw in proptest::collection::vec((any::<bool>(), any::<usize>()), 1..40)) {
+        let parents: Vec<Option<usize>> = raw
+            .iter()
+            .enumerate()
+            .map(|(i, &(root, p))| (!root && i > 0).then(|| p % i))
+            .collect();
+        let mask = TreeMask::from_parents(&parents).unwrap();
+        prop_assert_eq!(mask.len(), parents.len());
+        let positions = mask.positions(7);
+        for i in 0..parents.len() {
+            let anc = brute_path(&parents, i);
+            prop_assert_eq!(mask.ancestors_and_self(i), &anc[..]);
+            prop_assert_eq!(positions[i] as usize, 7 + anc.len() - 1);
+        }
+        let mut bad = parents.clone();
+        bad.push(Some(parents.len()));
+        prop_assert!(TreeMask::from_parents(&bad).is_none(), "a node cannot be its own parent");
+        bad.pop();
+        if bad.len() > 1 {
+            bad[0] = Some(1);
+            prop_assert!(TreeMask::from_parents(&bad).is_none(), "a parent after its child");
+        }
+    }
+
     /// Half-precision masks hold the same 0 / -inf pattern.
     #[test]
     fn half_precision_masks_match((roots, extra) in arb_shape(24), prefix in 0usize..16) {

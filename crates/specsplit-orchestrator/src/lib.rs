@@ -13,10 +13,12 @@
 
 mod adaptive;
 mod client;
+mod predraft_plan;
 mod stats;
 
 pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
 pub use client::{ClientSpin, Orchestrator, OrchestratorError};
+pub use predraft_plan::{PreDraftPlanner, Shape, MAX_CANDIDATES};
 pub use stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 
 use serde::{Deserialize, Serialize};
@@ -38,10 +40,15 @@ pub enum Mode {
 pub enum Pipeline {
     /// Draft, then verify, then draft again.
     Sequential,
-    /// Draft round N+1 while round N is verified (on the guess that its first-child path is
-    /// accepted); redraft on a miss.
+    /// Draft round N+1 while round N is verified, for one outcome: the whole first-child
+    /// path accepted and the draft's own next token as the bonus; redraft on a miss.
     #[default]
     Overlapped,
+    /// Draft round N+1 while round N is verified, for every likely outcome (each accepted
+    /// length and the draft's likeliest tokens for the target's next), in shared passes of the
+    /// draft worker; the depth and the candidates per outcome come from a cost model of
+    /// measured times and hit rates, which turns pre-drafting off where it does not pay.
+    Predraft,
 }
 
 /// Why a generation stopped.
@@ -65,8 +72,12 @@ pub enum StopReason {
 pub struct GenerateConfig {
     /// Speculative or target-only.
     pub mode: Mode,
-    /// Sequential or overlapped rounds.
+    /// How drafting and verification are scheduled.
     pub pipeline: Pipeline,
+    /// Candidate tokens per outcome the pre-draft pipeline pre-drafts: 0 lets its cost model
+    /// choose (up to [`MAX_CANDIDATES`], or none where pre-drafting does not pay), 1 to
+    /// [`MAX_CANDIDATES`] fixes the number.
+    pub candidates: usize,
     /// Most new tokens to generate.
     pub max_tokens: usize,
     /// Children per node at each depth of the draft tree, e.g. `[4, 2, 1, 1]`; all ones is a chain.
@@ -115,6 +126,7 @@ impl Default for GenerateConfig {
         Self {
             mode: Mode::Spec,
             pipeline: Pipeline::Overlapped,
+            candidates: 0,
             max_tokens: 128,
             widths: vec![1, 1, 1, 1],
             adaptive_depth: false,
@@ -151,12 +163,13 @@ impl GenerateConfig {
     /// target decodes the first token as a plain step while the draft drafts after the prompt,
     /// and the next round verifies the part of that tree below the target's token. Otherwise
     /// the first round drafts first and verifies the tree with the prefill, as later rounds do.
-    /// By default only the overlapped pipeline does, the one for workers on their own devices:
+    /// By default only the overlapped and pre-draft pipelines do, those for workers on their
+    /// own devices:
     /// two workers sharing one GPU slow each other's first passes about twofold (H100,
     /// 2026-11-25, `specsplit-bench e2e`).
     pub fn overlaps_first_round(&self) -> bool {
         self.first_round_overlap
-            .unwrap_or(self.pipeline == Pipeline::Overlapped)
+            .unwrap_or(self.pipeline != Pipeline::Sequential)
     }
 
     /// Checks the settings, with a message naming the bad one.
@@ -183,6 +196,12 @@ impl GenerateConfig {
             return Err(format!(
                 "adaptive depth bounds must satisfy 1 <= min_depth <= max_depth, got {}..{}",
                 self.min_depth, self.max_depth
+            ));
+        }
+        if self.candidates > MAX_CANDIDATES {
+            return Err(format!(
+                "candidates must lie in 0..={MAX_CANDIDATES} (0: chosen by the cost model), got {}",
+                self.candidates
             ));
         }
         if self.rpc_timeout_ms == 0 || self.draft_timeout_ms == 0 {

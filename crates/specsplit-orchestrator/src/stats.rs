@@ -60,6 +60,12 @@ pub struct RoundRecord {
     pub predraft_server_ms: f64,
     /// Of that, its model time, in ms (0 when none ran).
     pub predraft_model_ms: f64,
+    /// Candidates per outcome pre-drafted beside this round's verify call (0: no pre-draft;
+    /// the overlapped pipeline's single bet counts 1).
+    pub predraft_candidates: usize,
+    /// Whether that pre-draft held a tree for the verdict's outcome (`accepted` tokens and the
+    /// target's next); `None` when none ran or it failed.
+    pub predraft_hit: Option<bool>,
     /// Why the round verified no tree (None when it verified one).
     pub no_draft: Option<NoDraft>,
 }
@@ -192,6 +198,7 @@ mod tests {
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
             no_draft: None,
+            ..RoundRecord::default()
         }
     }
 

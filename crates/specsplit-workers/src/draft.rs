@@ -49,11 +49,23 @@ pub struct DraftStats {
 /// Clones share one reference set, so a benchmark can add continuations it observed (the
 /// target's verification path may break a near-tie differently than its single-token decode).
 /// The latest reference that continues a context wins.
+///
+/// For pre-drafts it also decides whether the target's token at a rejected position lies among
+/// the draft's alternatives there: with probability [`SyntheticOracle::coverage`] of their
+/// number, as measured on a real pair, and never otherwise (a random-weight draft's own
+/// alternatives would almost never hold it, a perfect oracle's always would).
 #[derive(Debug, Clone)]
 pub struct SyntheticOracle {
     references: Arc<std::sync::RwLock<Vec<Vec<u32>>>>,
     beta: f64,
+    coverage: Vec<f64>,
 }
+
+/// The chance that the target's token at a position where the draft's first choice was wrong
+/// lies among the draft's next `a` likeliest tokens, for a = 1, 2, …, measured on the
+/// Qwen2.5-Coder 0.5B → 1.5B pair (greedy, `specsplit-bench coverage`); the default of the
+/// synthetic drafter's [`SyntheticOracle::coverage`].
+pub const MEASURED_COVERAGE: [f64; 8] = [0.3, 0.45, 0.55, 0.6, 0.64, 0.67, 0.7, 0.72];
 
 impl SyntheticOracle {
     /// An oracle over full reference sequences (prompt + target-only continuation).
@@ -61,7 +73,34 @@ impl SyntheticOracle {
         Self {
             references: Arc::new(std::sync::RwLock::new(references)),
             beta: beta.clamp(0.0, 1.0),
+            coverage: MEASURED_COVERAGE.to_vec(),
         }
+    }
+
+    /// This oracle with `coverage[a - 1]` the chance that a rejected position's target token
+    /// lies among `a` alternatives (each clamped to [0, 1]; beyond the list, its last value).
+    pub fn with_coverage(mut self, coverage: Vec<f64>) -> Self {
+        self.coverage = coverage.into_iter().map(|c| c.clamp(0.0, 1.0)).collect();
+        self
+    }
+
+    /// The chance that the target's token at a position where the draft's first choice was
+    /// wrong lies among `alternatives` other candidates (0 for none).
+    pub fn coverage(&self, alternatives: usize) -> f64 {
+        match alternatives {
+            0 => 0.0,
+            a => self
+                .coverage
+                .get(a - 1)
+                .or(self.coverage.last())
+                .copied()
+                .unwrap_or(0.0),
+        }
+    }
+
+    /// The coverage list (see [`SyntheticOracle::with_coverage`]).
+    pub fn coverage_list(&self) -> &[f64] {
+        &self.coverage
     }
 
     /// The per-token acceptance it simulates.
@@ -98,6 +137,62 @@ impl SyntheticOracle {
             .find(|r| r.len() > context.len() && r.starts_with(context))
             .map(|r| r[context.len()])
     }
+}
+
+/// Draft nodes grown in shared passes over one session's cache: node `i` sits in the cache at
+/// slot `prefix + i`, sees the prefix and its ancestors, and sits at position `prefix + depth`.
+/// Unlike a [`TokenTree`] its nodes are in pass order, not breadth-first (branches may start at
+/// different depths), so one pass can hold the nodes of many trees.
+pub(crate) struct Forest {
+    /// Cache slots before the first node.
+    pub(crate) prefix: usize,
+    parents: Vec<Option<usize>>,
+    tokens: Vec<u32>,
+}
+
+impl Forest {
+    /// An empty forest after `prefix` cached tokens.
+    pub(crate) fn new(prefix: usize) -> Self {
+        Self {
+            prefix,
+            parents: Vec::new(),
+            tokens: Vec::new(),
+        }
+    }
+
+    /// Number of nodes.
+    pub(crate) fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Adds a node holding `token` below `parent` (`None`: right after the prefix).
+    pub(crate) fn push(&mut self, parent: Option<usize>, token: u32) -> usize {
+        self.parents.push(parent);
+        self.tokens.push(token);
+        self.tokens.len() - 1
+    }
+
+    /// Tokens from the first node after the prefix down to `node`, inclusive (none for `None`).
+    pub(crate) fn path_tokens(&self, node: Option<usize>) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut cur = node;
+        while let Some(n) = cur {
+            out.push(self.tokens[n]);
+            cur = self.parents[n];
+        }
+        out.reverse();
+        out
+    }
+}
+
+/// A node whose children the next level picks.
+pub(crate) struct Grow {
+    /// Its forest node (`None`: the prefix's last token).
+    pub(crate) node: Option<usize>,
+    /// The tree its children go to.
+    pub(crate) tree: usize,
+    /// Their parent in that tree (`None`: they are its roots).
+    pub(crate) at: Option<usize>,
 }
 
 /// Drafts token trees with a small model.
@@ -174,6 +269,16 @@ impl DraftEngine {
     /// The model.
     pub fn model(&self) -> &Transformer {
         &self.model
+    }
+
+    /// Tokens a session holds at most.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// The tokens that end a branch.
+    pub fn eos(&self) -> &[u32] {
+        &self.eos
     }
 
     /// Drafts a tree continuing `tokens` (the whole sequence so far). The cache is first brought
@@ -269,26 +374,58 @@ impl DraftEngine {
         p: &DraftParams,
         stats: &mut DraftStats,
     ) -> Result<TokenTree, EngineError> {
+        let mut forest = Forest::new(prefix_len);
+        let mut trees = vec![TokenTree::new()];
+        trees[0].set_siblings_without_replacement(true);
+        let top = vec![Grow {
+            node: None,
+            tree: 0,
+            at: None,
+        }];
+        self.grow(
+            s,
+            &mut forest,
+            &mut trees,
+            top,
+            root_logits.unsqueeze(0)?,
+            p,
+            stats,
+        )?;
+        Ok(trees.pop().expect("one tree"))
+    }
+
+    /// Grows `trees` level by level by `p.widths` from the nodes of `frontier`, whose logits
+    /// rows are `logits` (rows, vocab): each level picks every frontier node's children, adds
+    /// them to its tree and to `forest`, and forwards the level's nodes (all of them, so the
+    /// cache mirrors the forest's order) in one pass over the session's cache, which holds the
+    /// forest's nodes after its prefix. Nodes holding an end-of-sequence token are not expanded.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn grow(
+        &self,
+        s: &mut DraftSession,
+        forest: &mut Forest,
+        trees: &mut [TokenTree],
+        mut frontier: Vec<Grow>,
+        mut logits: Tensor,
+        p: &DraftParams,
+        stats: &mut DraftStats,
+    ) -> Result<(), EngineError> {
         let greedy = p.sampling.is_greedy();
-        let mut tree = TokenTree::new();
-        tree.set_siblings_without_replacement(true);
         let dev = self.model.device().clone();
         let vocab = self.model.config().vocab_size as u32;
-        // Logits rows of the nodes expanded at this level, on the device: (rows, vocab).
-        let mut level_logits = root_logits.unsqueeze(0)?;
-        // Parent of each row: None for the roots.
-        let mut parents: Vec<Option<usize>> = vec![None];
+        let bad = |e: specsplit_core::tree::TreeError| {
+            EngineError::InvalidArgument(format!("draft tree: {e}"))
+        };
         for (depth, &width) in p.widths.iter().enumerate() {
-            let level_start = tree.len();
+            let level_start = forest.len();
             let t0 = Instant::now();
-            let picks = self.choose(&level_logits, width, greedy, &p.sampling, &mut s.rng)?;
+            let picks = self.choose(&logits, width, greedy, &p.sampling, &mut s.rng)?;
             stats.model_time += t0.elapsed();
-            for ((mut children, dist), parent) in picks.into_iter().zip(&parents) {
+            let mut next = Vec::new();
+            for (g, (mut children, dist)) in frontier.iter().zip(picks) {
                 if let Some(o) = &self.synthetic {
-                    let mut ctx = s.tokens.clone();
-                    if let Some(par) = parent {
-                        ctx.extend(tree.path_tokens(*par));
-                    }
+                    let mut ctx = s.tokens[..forest.prefix].to_vec();
+                    ctx.extend(forest.path_tokens(g.node));
                     if let (Some(right), Some(&(old, _))) = (o.next(&ctx), children.first()) {
                         let new = if rand::Rng::random_bool(&mut s.rng, o.beta) {
                             right
@@ -305,57 +442,69 @@ impl DraftEngine {
                         children[0].0 = new;
                     }
                 }
+                let tree = &mut trees[g.tree];
                 for (tok, lp) in children {
-                    match parent {
+                    let at = match g.at {
                         None => tree.push_root(tok, lp),
-                        Some(par) => tree.push_child(*par, tok, lp),
+                        Some(par) => tree.push_child(par, tok, lp),
                     }
-                    .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
+                    .map_err(bad)?;
+                    let node = forest.push(g.node, tok);
+                    if !self.eos.contains(&tok) {
+                        next.push(Grow {
+                            node: Some(node),
+                            tree: g.tree,
+                            at: Some(at),
+                        });
+                    }
                 }
                 if let Some(d) = dist {
-                    match parent {
+                    match g.at {
                         None => tree.set_root_distribution(d),
-                        Some(par) => tree.set_child_distribution(*par, d).map_err(|e| {
-                            EngineError::InvalidArgument(format!("draft tree: {e}"))
-                        })?,
+                        Some(par) => tree.set_child_distribution(par, d).map_err(bad)?,
                     }
                 }
             }
-            let level_end = tree.len();
-            if depth + 1 == p.widths.len() || level_end == level_start {
-                break;
-            }
-            // Forward this level's nodes (all of them, so the cache mirrors the tree's
-            // breadth-first layout) and keep the rows of the nodes to expand (not EOS).
-            let expand: Vec<usize> = (level_start..level_end)
-                .filter(|&i| !self.eos.contains(&tree.token(i)))
-                .collect();
-            if expand.is_empty() {
+            if depth + 1 == p.widths.len() || next.is_empty() {
                 break;
             }
             let t0 = Instant::now();
-            let mask = TreeMask::new(&tree);
-            let n = level_end - level_start;
-            let level_rows = TreeRows {
-                mask: &mask,
-                prefix: prefix_len,
-                first_row: level_start,
-            };
-            let positions = mask.positions(prefix_len);
-            let pos = Tensor::new(&positions[level_start..level_end], &dev)?;
-            let toks: Vec<u32> = (level_start..level_end).map(|i| tree.token(i)).collect();
-            let ids = Tensor::new(toks.as_slice(), &dev)?;
-            let want: Vec<u32> = expand.iter().map(|&i| (i - level_start) as u32).collect();
-            let want = Tensor::new(want.as_slice(), &dev)?;
-            let logits = self
-                .model
-                .forward_tree(&ids, &pos, level_rows, &mut s.cache, &want)?;
-            level_logits = logits;
+            let want: Vec<u32> = next
+                .iter()
+                .map(|g| (g.node.expect("a grown node") - level_start) as u32)
+                .collect();
+            logits = self.forward_forest(s, forest, level_start, &want, &dev)?;
             stats.model_time += t0.elapsed();
-            stats.tokens_processed += n;
-            parents = expand.into_iter().map(Some).collect();
+            stats.tokens_processed += forest.len() - level_start;
+            frontier = next;
         }
-        Ok(tree)
+        Ok(())
+    }
+
+    /// Forwards the forest's nodes `first..` in one pass over the session's cache (which holds
+    /// the nodes before `first`) and returns the logits of the rows `want` (relative to `first`).
+    pub(crate) fn forward_forest(
+        &self,
+        s: &mut DraftSession,
+        forest: &Forest,
+        first: usize,
+        want: &[u32],
+        dev: &candle_core::Device,
+    ) -> Result<Tensor, EngineError> {
+        let mask = TreeMask::from_parents(&forest.parents)
+            .expect("a forest node's parent is added before it");
+        let rows = TreeRows {
+            mask: &mask,
+            prefix: forest.prefix,
+            first_row: first,
+        };
+        let positions = mask.positions(forest.prefix);
+        let pos = Tensor::new(&positions[first..], dev)?;
+        let ids = Tensor::new(&forest.tokens[first..], dev)?;
+        let want = Tensor::new(want, dev)?;
+        Ok(self
+            .model
+            .forward_tree(&ids, &pos, rows, &mut s.cache, &want)?)
     }
 
     /// The synthetic proposer's token after `ctx`, if it has one (see [`SyntheticOracle`]).

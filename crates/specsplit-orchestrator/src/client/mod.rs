@@ -41,6 +41,8 @@ pub struct Orchestrator {
     target_limits: WorkerLimits,
     /// The limits the draft reported (None without a draft).
     draft_limits: Option<WorkerLimits>,
+    /// The pre-draft pipeline's cost model, shared by the generations.
+    planner: Arc<std::sync::Mutex<crate::PreDraftPlanner>>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -115,6 +117,7 @@ impl Orchestrator {
             vocab_size: tp.vocab_size.max(0) as usize,
             target_limits: WorkerLimits::of(&tp),
             draft_limits,
+            planner: Arc::default(),
             rt,
         })
     }

@@ -7,12 +7,13 @@ use specsplit_proto::convert::TreeWire;
 use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
 use specsplit_proto::{
     DraftRequest, DraftResponse, EndSessionRequest, EndSessionResponse, PingRequest, PingResponse,
+    PreDraft,
 };
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use super::serve::serve;
-use super::validate::{check_request_ids, draft_widths, sampling_from};
+use super::validate::{check_request_ids, draft_widths, outcome_set, sampling_from};
 use super::worker::Worker;
 use crate::draft::{DraftEngine, DraftParams};
 use crate::session::SessionSecret;
@@ -32,6 +33,7 @@ impl DraftService for DraftWorker {
         let info = self.info();
         let tokens = info.tokens(&r.prompt_token_ids, "prompt_token_ids")?;
         let widths = draft_widths(info, &r)?;
+        let outcomes = outcome_set(info, &r, &widths)?;
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature.unwrap_or(0.0))?;
         let secret = SessionSecret::parse(&r.session_secret)?;
         let seed = sampling.seed;
@@ -48,6 +50,32 @@ impl DraftService for DraftWorker {
             )
         };
         let params = DraftParams { widths, sampling };
+        if let Some(set) = outcomes {
+            let (pre, stats) = self
+                .run(session, move |engine, s| {
+                    engine.predraft(s, &tokens, &set, &params)
+                })
+                .await?;
+            let predrafts = pre
+                .into_iter()
+                .map(|p| {
+                    let (draft_tree, root_distribution) = p.tree.to_proto();
+                    PreDraft {
+                        accepted_length: p.accepted as i32,
+                        token_id: p.token as i32,
+                        draft_tree,
+                        root_distribution,
+                    }
+                })
+                .collect();
+            return Ok(Response::new(DraftResponse {
+                request_id: r.request_id,
+                telemetry: Some(info.telemetry(start, stats.model_time, stats.tokens_processed)),
+                siblings_without_replacement: true,
+                predrafts,
+                ..DraftResponse::default()
+            }));
+        }
         let (tree, stats) = self
             .run(session, move |engine, s| engine.draft(s, &tokens, &params))
             .await?;
@@ -58,6 +86,7 @@ impl DraftService for DraftWorker {
             telemetry: Some(info.telemetry(start, stats.model_time, stats.tokens_processed)),
             root_distribution,
             siblings_without_replacement: tree.siblings_without_replacement(),
+            predrafts: Vec::new(),
         }))
     }
 

@@ -5,6 +5,8 @@ use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::{TokenTree, TreeLimits};
 use specsplit_proto::convert::{SamplingWire, TreeWire};
 use specsplit_proto::{DraftRequest, VerifyRequest};
+
+use crate::predraft::OutcomeSet;
 use tonic::Status;
 
 use super::WorkerInfo;
@@ -196,6 +198,68 @@ pub(super) fn draft_widths(info: &WorkerInfo, r: &DraftRequest) -> Result<Vec<us
         )));
     }
     Ok(widths)
+}
+
+/// The outcome set of a pre-draft request (`None`: an ordinary draft), its sizes checked
+/// against the worker's limits before anything is allocated: the path under verification is at
+/// most `max_tree_depth` tokens and the pre-draft's nodes in all (path, candidates and their
+/// trees of `widths`) at most `max_tree_nodes`.
+pub(super) fn outcome_set(
+    info: &WorkerInfo,
+    r: &DraftRequest,
+    widths: &[usize],
+) -> Result<Option<OutcomeSet>, Status> {
+    let Some(o) = &r.outcomes else {
+        return Ok(None);
+    };
+    let len = r.prompt_token_ids.len();
+    if o.committed_length <= 0 || o.committed_length as usize > len {
+        return Err(Status::invalid_argument(format!(
+            "outcomes.committed_length is {}; it must lie in 1..={len} (prompt_token_ids holds \
+             the committed sequence and then the path under verification)",
+            o.committed_length
+        )));
+    }
+    let path = len - o.committed_length as usize;
+    if path > info.tree_depth() {
+        return Err(WorkerInfo::over(
+            "the path under verification",
+            path,
+            info.tree_depth(),
+            "max_tree_depth",
+        ));
+    }
+    if o.candidates <= 0 {
+        return Err(Status::invalid_argument(format!(
+            "outcomes.candidates is {}; it must be positive",
+            o.candidates
+        )));
+    }
+    let mut lengths = Vec::with_capacity(o.accepted_lengths.len());
+    for (i, &j) in o.accepted_lengths.iter().enumerate() {
+        if j < 0 || j as usize > path || lengths.last().is_some_and(|&l| l >= j as usize) {
+            return Err(Status::invalid_argument(format!(
+                "outcomes.accepted_lengths[{i}] is {j}; lengths must ascend and lie in \
+                 0..={path} (the path's length)"
+            )));
+        }
+        lengths.push(j as usize);
+    }
+    let set = OutcomeSet {
+        committed: o.committed_length as usize,
+        candidates: (o.candidates as usize).min(info.max_tree_nodes + 1),
+        accepted_lengths: lengths,
+    };
+    let nodes = set.nodes(path, widths);
+    if nodes > info.max_tree_nodes {
+        return Err(Status::invalid_argument(format!(
+            "the outcome set asks for {nodes} pre-draft nodes (the path, {} outcomes and their \
+             trees); this worker drafts at most {} (max_tree_nodes)",
+            set.lengths(path).len().saturating_mul(set.candidates),
+            info.max_tree_nodes
+        )));
+    }
+    Ok(Some(set))
 }
 
 /// The draft tree of a verify request (empty: a plain decoding step), within the worker's

@@ -5,27 +5,27 @@ use std::time::{Duration, Instant};
 
 use specsplit_core::tree::{TokenTree, TreeLimits};
 use specsplit_proto::convert::TreeWire;
-use specsplit_proto::DraftRequest;
+use specsplit_proto::{DraftRequest, OutcomeSet};
 use tonic::Code;
 
-use super::{DraftOutcome, Drafted, PreDraft, Run};
+use super::{DraftOutcome, Drafted, PreDraft, PreDrafts, Run};
 use crate::client::error::{rpc, short};
 use crate::client::tree::fit_tree_widths;
 use crate::client::worker::{known, ServerTimes};
 use crate::client::{Orchestrator, OrchestratorError};
 use crate::GenerateConfig;
-use specsplit_core::tree::full_tree_size;
 
 impl Run<'_> {
-    /// Whether the draft accepts a request carrying `ctx_len` tokens and `widths`.
-    pub(super) fn draft_accepts(&self, ctx_len: usize, widths: &[usize]) -> bool {
+    /// Whether the draft accepts a request carrying `ctx_len` tokens and drafting `nodes`
+    /// nodes over at most `levels` levels.
+    pub(super) fn draft_accepts(&self, ctx_len: usize, nodes: usize, levels: usize) -> bool {
         let Some(d) = &self.o.draft_limits else {
             return false;
         };
         ctx_len <= known(d.max_prompt_len)
-            && ctx_len.saturating_add(full_tree_size(widths)) <= known(d.max_context)
-            && full_tree_size(widths) <= known(d.max_tree_nodes)
-            && widths.len() <= known(d.max_tree_depth)
+            && ctx_len.saturating_add(nodes) <= known(d.max_context)
+            && nodes <= known(d.max_tree_nodes)
+            && levels <= known(d.max_tree_depth)
     }
 
     /// The widths of this round's tree: `widths` cut to fit the target's room after the
@@ -97,6 +97,15 @@ impl Run<'_> {
             widths,
             &limits,
         );
+        let call = async move {
+            let (tree, times) = call.await?;
+            Ok::<_, OrchestratorError>(Drafted {
+                tree: tree.tree,
+                ms: times.0,
+                server_ms: times.1,
+                model_ms: times.2,
+            })
+        };
         let waited = || t0.elapsed().as_secs_f64() * 1e3;
         match tokio::time::timeout_at(until.into(), call).await {
             Ok(Ok(d)) => {
@@ -116,9 +125,15 @@ impl Run<'_> {
         }
     }
 
-    /// Starts a draft after `ctx` with `widths` on its own task, bounded by the draft deadline;
-    /// the task answers `Err(())` when that passed.
-    pub(super) fn spawn_predraft(&mut self, ctx: Vec<u32>, widths: Vec<usize>) -> PreDraft {
+    /// Starts pre-drafting the outcomes `set` of verifying the end of `ctx` (trees of
+    /// `widths`) on its own task, bounded by the draft deadline; the task answers `Err(())`
+    /// when that passed.
+    pub(super) fn spawn_predraft(
+        &mut self,
+        ctx: Vec<u32>,
+        set: OutcomeSet,
+        widths: Vec<usize>,
+    ) -> PreDraft {
         let o = self.o.clone();
         let (sess, secret, cfg, no) = (
             self.session.to_string(),
@@ -130,7 +145,26 @@ impl Run<'_> {
         let limits = self.limits();
         let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
         tokio::spawn(async move {
-            let call = draft_call(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits);
+            let call = async {
+                let (answer, (ms, server_ms, model_ms)) = draft_call_with(
+                    &o,
+                    &sess,
+                    &secret,
+                    &cfg,
+                    no,
+                    &ctx,
+                    &widths,
+                    &limits,
+                    Some(set),
+                )
+                .await?;
+                Ok(PreDrafts {
+                    trees: answer.predrafts,
+                    ms,
+                    server_ms,
+                    model_ms,
+                })
+            };
             tokio::time::timeout_at(until.into(), call)
                 .await
                 .map_err(|_| ())
@@ -138,8 +172,16 @@ impl Run<'_> {
     }
 }
 
+/// A draft worker's answer: its tree, and the trees it pre-drafted per outcome (accepted
+/// length, the target's token after it) when asked for an outcome set.
+pub(super) struct DraftAnswer {
+    tree: TokenTree,
+    predrafts: Vec<(usize, u32, TokenTree)>,
+}
+
 /// Asks the draft worker for a tree of `widths` after `seq`, as request `request_no` of the
-/// session, and checks the tree it sends against `limits`.
+/// session, and checks the tree it sends against `limits`; with the call's wall time and the
+/// worker's reported wall and model times, in ms.
 #[allow(clippy::too_many_arguments)]
 async fn draft_call(
     o: &Orchestrator,
@@ -150,10 +192,31 @@ async fn draft_call(
     seq: &[u32],
     widths: &[usize],
     limits: &TreeLimits,
-) -> Result<Drafted, OrchestratorError> {
+) -> Result<(DraftAnswer, (f64, f64, f64)), OrchestratorError> {
+    draft_call_with(
+        o, session, secret, cfg, request_no, seq, widths, limits, None,
+    )
+    .await
+}
+
+/// [`draft_call`], pre-drafting the outcomes `outcomes` when given (then `seq` holds the
+/// committed sequence and the path under verification).
+#[allow(clippy::too_many_arguments)]
+async fn draft_call_with(
+    o: &Orchestrator,
+    session: &str,
+    secret: &str,
+    cfg: &GenerateConfig,
+    request_no: u64,
+    seq: &[u32],
+    widths: &[usize],
+    limits: &TreeLimits,
+    outcomes: Option<OutcomeSet>,
+) -> Result<(DraftAnswer, (f64, f64, f64)), OrchestratorError> {
     let Some(draft) = &o.draft else {
         return Err(OrchestratorError::Config("no draft worker".into()));
     };
+    let outcomes_asked = outcomes.is_some();
     let req = DraftRequest {
         request_id: format!("{session}-{request_no}"),
         prompt_token_ids: seq.iter().map(|&t| t as i32).collect(),
@@ -165,6 +228,7 @@ async fn draft_call(
         tree_widths: widths.iter().map(|&w| w as i32).collect(),
         sampling: Some(cfg.sampling()),
         session_secret: secret.to_string(),
+        outcomes,
     };
     let t0 = Instant::now();
     let mut d = draft.clone();
@@ -176,17 +240,30 @@ async fn draft_call(
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     o.rt.observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
     let server = ServerTimes::of(r.telemetry.as_ref());
-    let tree = TokenTree::from_proto(
-        &r.draft_tree,
-        r.root_distribution.as_ref(),
-        r.siblings_without_replacement,
-        limits,
-    )
-    .map_err(|e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}")))?;
-    Ok(Drafted {
-        tree,
-        ms,
-        server_ms: server.wall_ms,
-        model_ms: server.model_ms,
-    })
+    let bad = |e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}"));
+    // An answer to an outcome set carries its trees as pre-drafts only; a pre-draft whose
+    // candidate ends the sequence has none.
+    let parse = |nodes: &[specsplit_proto::TokenNode], root, may_be_empty: bool| {
+        if nodes.is_empty() && may_be_empty {
+            return Ok(TokenTree::new());
+        }
+        TokenTree::from_proto(nodes, root, r.siblings_without_replacement, limits).map_err(bad)
+    };
+    let is_predraft = outcomes_asked;
+    let tree = parse(&r.draft_tree, r.root_distribution.as_ref(), is_predraft)?;
+    let mut predrafts = Vec::with_capacity(r.predrafts.len());
+    for p in &r.predrafts {
+        let t = parse(&p.draft_tree, p.root_distribution.as_ref(), true)?;
+        if p.accepted_length < 0 || p.token_id < 0 || p.token_id as usize >= o.vocab_size {
+            return Err(OrchestratorError::Protocol(format!(
+                "draft worker sent a pre-draft for an impossible outcome ({}, {})",
+                p.accepted_length, p.token_id
+            )));
+        }
+        predrafts.push((p.accepted_length as usize, p.token_id as u32, t));
+    }
+    Ok((
+        DraftAnswer { tree, predrafts },
+        (ms, server.wall_ms, server.model_ms),
+    ))
 }

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use specsplit_core::tree::{TokenTree, TreeLimits};
 
+use specsplit_core::tree::full_tree_size;
+
 use super::tree::{first_child_path, subtree};
 use super::worker::known;
 use super::{Orchestrator, OrchestratorError};
@@ -51,25 +53,46 @@ enum DraftOutcome {
     Deadline,
 }
 
-/// A pre-draft's task: `Err(())` when the draft deadline passed first.
-type PreDraft = tokio::task::JoinHandle<Result<Result<Drafted, OrchestratorError>, ()>>;
-
-/// A pre-draft running beside a verify call, on a guess of the path the target accepts.
-struct PreDraftInFlight {
-    task: PreDraft,
-    /// The nodes of the verified tree the pre-draft assumed accepted (its first-child path).
-    guess: Vec<usize>,
+/// The trees pre-drafted for the outcomes of one verification, and what they cost.
+struct PreDrafts {
+    /// (accepted length, the target's token after it, the next round's tree) per outcome.
+    trees: Vec<(usize, u32, TokenTree)>,
+    /// Wall time of the request.
+    ms: f64,
+    /// Wall time the draft worker reported for it.
+    server_ms: f64,
+    /// Of that, the time it reported in its model.
+    model_ms: f64,
 }
 
-/// What a round's pre-draft cost it (all 0 without one).
+/// A pre-draft's task: `Err(())` when the draft deadline passed first.
+type PreDraft = tokio::task::JoinHandle<Result<Result<PreDrafts, OrchestratorError>, ()>>;
+
+/// A pre-draft running beside a verify call, for outcomes along the verified tree's
+/// first-child path.
+struct PreDraftInFlight {
+    task: PreDraft,
+    /// The nodes of the verified tree along that path.
+    path: Vec<usize>,
+    /// Candidates per outcome.
+    candidates: usize,
+    /// Levels of the pre-drafted trees.
+    depth: usize,
+}
+
+/// What a round's pre-draft cost it and what it held (all 0 / `None` without one).
 #[derive(Default)]
-struct PreDraftTimes {
+struct PreDraftResult {
     /// Time the round waited for it after its verify call returned.
     wait_ms: f64,
     /// Wall time the draft worker reported for it.
     server_ms: f64,
     /// Of that, the time it reported in its model.
     model_ms: f64,
+    /// Candidates per outcome it drafted.
+    candidates: usize,
+    /// Whether it held the verdict's outcome (`None`: none ran or it failed).
+    hit: Option<bool>,
 }
 
 /// One round as it goes through its steps.
@@ -90,6 +113,8 @@ struct Round {
     drafted: Drafted,
     /// Whether a pre-drafted tree was used (`None`: no pre-draft was waiting).
     overlap_hit: Option<bool>,
+    /// Whether a pre-draft ran beside its verify call.
+    beside: bool,
 }
 
 impl Round {
@@ -140,6 +165,8 @@ pub(super) struct Run<'a> {
     draft_off: bool,
     draft_failures: usize,
     switches: Vec<SpeedSwitch>,
+    /// The depth the pre-draft pipeline's last shape chose for the next round.
+    planned_depth: Option<usize>,
 }
 
 /// Milliseconds since `t`.
@@ -177,6 +204,7 @@ impl<'a> Run<'a> {
             draft_off: false,
             draft_failures: 0,
             switches: Vec::new(),
+            planned_depth: None,
         }
     }
 
@@ -199,7 +227,7 @@ impl<'a> Run<'a> {
                 break stop;
             }
             self.fit_to_target(&mut round);
-            let pre = self.predraft_beside_verify(&round);
+            let pre = self.predraft_beside_verify(&mut round);
             let Some(verdict) = self
                 .verify_beside(&round.drafted.tree, pre.as_ref())
                 .await?
@@ -246,7 +274,9 @@ impl<'a> Run<'a> {
         let (widths, mut no_draft) = if self.cfg.mode == Mode::Ar {
             (Vec::new(), Some(NoDraft::Mode))
         } else {
-            let d = if self.cfg.adaptive_depth {
+            let d = if self.cfg.adaptive_depth && self.cfg.pipeline == Pipeline::Predraft {
+                self.planned_depth.unwrap_or(self.widths.len())
+            } else if self.cfg.adaptive_depth {
                 self.depth.depth(self.widths.len())
             } else {
                 self.cfg.widths.len()
@@ -271,7 +301,11 @@ impl<'a> Run<'a> {
         // needs no draft, so the target decodes it as a plain step while the draft drafts
         // after the prompt (as an overlapped pre-draft does), and the part of that tree
         // below the root the target picked is verified next round.
-        let first = no == 0 && !widths.is_empty() && self.cfg.overlaps_first_round();
+        let first = no == 0
+            && !widths.is_empty()
+            && self.cfg.overlaps_first_round()
+            && (self.cfg.pipeline != Pipeline::Predraft
+                || self.plan(widths.len()).candidates > 0);
         if first {
             no_draft = Some(NoDraft::FirstRound);
         }
@@ -284,6 +318,7 @@ impl<'a> Run<'a> {
             first,
             drafted: Drafted::none(0.0),
             overlap_hit: None,
+            beside: false,
         }
     }
 
@@ -303,6 +338,9 @@ impl<'a> Run<'a> {
             }
             pre => match self.draft(round.no, &round.widths).await {
                 DraftOutcome::Tree(d) => {
+                    if let Ok(mut p) = self.o.planner.lock() {
+                        p.observe_draft(round.widths.len(), d.ms);
+                    }
                     round.drafted = *d;
                     round.overlap_hit = pre.map(|_| false);
                 }
@@ -335,27 +373,75 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Starts drafting the next round's tree beside this round's verify, on the guess that
-    /// the tree's first-child path is accepted (after the prompt alone in a first round that
-    /// drafts beside the prefill): in the overlapped pipeline and in such a first round, where
-    /// tokens remain beyond the guess and the draft accepts the request.
-    fn predraft_beside_verify(&mut self, round: &Round) -> Option<PreDraftInFlight> {
-        let overlap =
-            (self.cfg.pipeline == Pipeline::Overlapped || round.first) && !round.widths.is_empty();
+    /// Starts pre-drafting the next round's tree beside this round's verify, for outcomes of
+    /// the verdict along the tree's first-child path (after the prompt alone in a first round
+    /// that drafts beside the prefill): the overlapped pipeline bets on one outcome (the whole
+    /// path accepted, the draft's own next token as the bonus), the pre-draft pipeline covers
+    /// every accepted length with the candidates its cost model chooses. Only where tokens
+    /// remain beyond the path and the draft accepts the request.
+    fn predraft_beside_verify(&mut self, round: &mut Round) -> Option<PreDraftInFlight> {
+        let pipeline = self.cfg.pipeline;
+        if round.widths.is_empty() || !(pipeline != Pipeline::Sequential || round.first) {
+            return None;
+        }
         let tree = &round.drafted.tree;
-        let guess = first_child_path(tree);
-        if !(overlap && (round.first || round.depth() > 0) && round.remaining > guess.len() + 1) {
+        let path = first_child_path(tree);
+        if !((round.first || round.depth() > 0) && round.remaining > path.len() + 1) {
             return None;
         }
+        let (candidates, lengths, widths) = if pipeline == Pipeline::Predraft {
+            let shape = self.plan(round.widths.len());
+            self.planned_depth = Some(shape.depth);
+            if shape.candidates == 0 {
+                return None;
+            }
+            let widths = resize_widths(&self.cfg.widths, shape.depth);
+            (shape.candidates, Vec::new(), widths)
+        } else {
+            (1, vec![path.len()], round.widths.clone())
+        };
+        let committed = self.seq.len();
         let mut ctx = self.seq.clone();
-        ctx.extend(guess.iter().map(|&i| tree.token(i)));
-        let mut widths = vec![1];
-        widths.extend_from_slice(&round.widths);
-        if !self.draft_accepts(ctx.len(), &widths) {
+        ctx.extend(path.iter().map(|&i| tree.token(i)));
+        let outcomes = if lengths.is_empty() {
+            path.len() + 1
+        } else {
+            lengths.len()
+        };
+        let nodes = path.len() + outcomes * candidates * (1 + full_tree_size(&widths));
+        if !self.draft_accepts(ctx.len(), nodes, widths.len().max(path.len())) {
             return None;
         }
-        let task = self.spawn_predraft(ctx, widths);
-        Some(PreDraftInFlight { task, guess })
+        let depth = widths.len();
+        let set = specsplit_proto::OutcomeSet {
+            committed_length: committed as i32,
+            candidates: candidates as i32,
+            accepted_lengths: lengths.iter().map(|&j| j as i32).collect(),
+        };
+        let task = self.spawn_predraft(ctx, set, widths);
+        round.beside = true;
+        Some(PreDraftInFlight {
+            task,
+            path,
+            candidates,
+            depth,
+        })
+    }
+
+    /// The pre-draft pipeline's shape for a round whose tree has `depth` levels.
+    fn plan(&self, depth: usize) -> crate::Shape {
+        let depths = if self.cfg.adaptive_depth {
+            self.cfg.min_depth..=self.cfg.max_depth
+        } else {
+            depth..=depth
+        };
+        self.o.planner.lock().map_or(
+            crate::Shape {
+                depth,
+                candidates: 0,
+            },
+            |p| p.choose(depths, (self.cfg.candidates > 0).then_some(self.cfg.candidates)),
+        )
     }
 
     /// Verifies `tree` (see [`Run::verify`]); when that fails or the deadline passes first,
@@ -374,8 +460,15 @@ impl<'a> Run<'a> {
         verdict
     }
 
-    /// Feeds the adaptive depth controller a speculative round's acceptance and timings.
+    /// Feeds the adaptive depth controller (and the pre-draft pipeline's cost model) a
+    /// speculative round's acceptance and timings.
     fn adapt_depth(&mut self, round: &Round, verdict: &Verdict) {
+        if self.cfg.pipeline == Pipeline::Predraft && !round.drafted.tree.is_empty() {
+            if let Ok(mut p) = self.o.planner.lock() {
+                let accepted = verdict.verified.accepted.len();
+                p.observe_verify(round.depth(), accepted, verdict.ms, round.beside);
+            }
+        }
         if self.cfg.adaptive_depth && !round.drafted.tree.is_empty() {
             self.depth.observe(
                 round.depth(),
@@ -406,39 +499,50 @@ impl<'a> Run<'a> {
         (emitted, stop)
     }
 
-    /// Waits for the pre-draft beside the verify and keeps its tree for the next round when
-    /// the guess held (the target accepted the guessed path and its next token is the
-    /// pre-drafted root), an empty tree (a miss) otherwise; a failed pre-draft counts as a
-    /// failed draft of round `round`.
+    /// Waits for the pre-draft beside the verify and keeps, for the next round, the tree it
+    /// drafted for the verdict's outcome (the accepted length along its path and the target's
+    /// token after it), an empty tree (a miss) when it drafted none for that outcome; a failed
+    /// pre-draft counts as a failed draft of round `round`.
     async fn reconcile(
         &mut self,
         round: usize,
         pre: Option<PreDraftInFlight>,
         v: &Verified,
-    ) -> Result<PreDraftTimes, OrchestratorError> {
-        let mut times = PreDraftTimes::default();
+    ) -> Result<PreDraftResult, OrchestratorError> {
+        let mut out = PreDraftResult::default();
         let Some(pre) = pre else {
-            return Ok(times);
+            return Ok(out);
         };
+        out.candidates = pre.candidates;
         let waited = Instant::now();
         let answer = pre
             .task
             .await
             .map_err(|e| OrchestratorError::Runtime(e.to_string()))?;
-        times.wait_ms = ms_since(waited);
+        out.wait_ms = ms_since(waited);
         match answer {
             Ok(Ok(d)) => {
                 self.backoff.succeed();
-                (times.server_ms, times.model_ms) = (d.server_ms, d.model_ms);
-                let hit = v.accepted_nodes == pre.guess
-                    && d.tree.roots().next().map(|r| d.tree.token(r)) == Some(v.next);
-                let tree = if hit {
-                    subtree(&d.tree, Some(0), usize::MAX)
-                } else {
-                    TokenTree::new()
-                };
+                (out.server_ms, out.model_ms) = (d.server_ms, d.model_ms);
+                let j = v.accepted.len();
+                let on_path = pre.path.get(..j) == Some(&v.accepted_nodes[..]);
+                let tree = d
+                    .trees
+                    .into_iter()
+                    .find(|&(a, t, _)| on_path && a == j && t == v.next)
+                    .map(|(_, _, tree)| tree);
+                let hit = tree.is_some();
+                if self.cfg.pipeline == Pipeline::Predraft {
+                    if let Ok(mut p) = self.o.planner.lock() {
+                        p.observe_predraft(pre.path.len(), pre.candidates, pre.depth, d.ms);
+                        if on_path {
+                            p.observe_outcome(pre.candidates, j == pre.path.len(), hit);
+                        }
+                    }
+                }
+                out.hit = Some(hit);
                 self.next_tree = Some(Drafted {
-                    tree,
+                    tree: tree.unwrap_or_default(),
                     ..Drafted::none(0.0)
                 });
             }
@@ -450,7 +554,7 @@ impl<'a> Run<'a> {
                 self.draft_failed(round, &format!("no answer within {ms} ms"));
             }
         }
-        Ok(times)
+        Ok(out)
     }
 
     /// Appends the round's tokens to the output and the sequence, and notes what the target
@@ -471,7 +575,7 @@ impl<'a> Run<'a> {
         &mut self,
         round: Round,
         verdict: &Verdict,
-        predraft: PreDraftTimes,
+        predraft: PreDraftResult,
         emitted: Vec<u32>,
         prefill: bool,
     ) {
@@ -498,6 +602,8 @@ impl<'a> Run<'a> {
             predraft_wait_ms: predraft.wait_ms,
             predraft_server_ms: predraft.server_ms,
             predraft_model_ms: predraft.model_ms,
+            predraft_candidates: predraft.candidates,
+            predraft_hit: predraft.hit,
             no_draft: if tree.is_empty() {
                 round.no_draft.or(Some(NoDraft::Limit))
             } else {

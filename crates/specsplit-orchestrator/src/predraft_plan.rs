@@ -1,0 +1,325 @@
+//! The shape of each round under the pre-draft pipeline, chosen from a cost model: the depth d
+//! of the next round's chain and how many candidates m per outcome to pre-draft beside this
+//! round's verification (0: none, the next round drafts after the verdict).
+//!
+//! With per-token acceptance α, a chain of depth d yields E(d) = (1 − α^(d+1)) / (1 − α) tokens
+//! a round. A verdict ends at accepted length j with probability α^j(1 − α) for j < d and α^d
+//! for j = d, and its pre-draft holds the next round's tree with probability c_rej(m) (the
+//! target's correction among the draft's m alternatives) or c_bonus(m) (the bonus among its m
+//! likeliest). Per round, in steady state:
+//!
+//! - without pre-drafting: T = t_draft(d) + t_verify,alone;
+//! - with it: T = max(t_verify,beside, t_predraft(d, m)) + (1 − hit(d, m)) · t_draft(d),
+//!
+//! and the planner picks the (d, m) of the largest E(d) / T. Every input is measured: the
+//! acceptance, an ordinary draft's time per level, a verify's time alone and beside a pre-draft
+//! (both models on one GPU contend, which shows here and turns pre-drafting off), a pre-draft's
+//! time per pass by rows, and each outcome kind's hit rate per m. A shape not measured yet is
+//! estimated optimistically from the nearest measured one, so that it gets tried and measured.
+
+use std::collections::BTreeMap;
+
+/// Weight of the history in each running estimate.
+const DECAY: f64 = 0.9;
+
+/// A running mean that forgets at rate [`DECAY`].
+#[derive(Debug, Clone, Copy, Default)]
+struct Ema(Option<f64>);
+
+impl Ema {
+    fn observe(&mut self, x: f64) {
+        self.0 = Some(self.0.map_or(x, |m| m * DECAY + x * (1.0 - DECAY)));
+    }
+}
+
+/// Hits over tries, decayed, starting from a prior of `prior` in two tries.
+#[derive(Debug, Clone, Copy)]
+struct Rate {
+    hits: f64,
+    tries: f64,
+}
+
+impl Rate {
+    fn prior(p: f64) -> Self {
+        Self {
+            hits: 2.0 * p,
+            tries: 2.0,
+        }
+    }
+
+    fn observe(&mut self, hit: bool) {
+        self.hits = self.hits * DECAY + f64::from(u8::from(hit));
+        self.tries = self.tries * DECAY + 1.0;
+    }
+
+    fn value(&self) -> f64 {
+        self.hits / self.tries
+    }
+}
+
+/// A round's shape: the next round's depth and the candidates per outcome pre-drafted beside
+/// this round's verification (0: no pre-draft).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Levels of the next round's chain.
+    pub depth: usize,
+    /// Candidates per accepted length (0: none pre-drafted).
+    pub candidates: usize,
+}
+
+/// Most candidates per outcome a planner considers.
+pub const MAX_CANDIDATES: usize = 4;
+
+/// The cost model's measurements and its choice of [`Shape`]. One planner serves all the
+/// generations of an orchestrator: what one measures, the next starts from.
+#[derive(Debug, Clone)]
+pub struct PreDraftPlanner {
+    accepted: f64,
+    rejected: f64,
+    draft_ms_per_level: Ema,
+    verify_alone_ms: Ema,
+    verify_beside_ms: Ema,
+    /// A pre-draft's wall time per pass, by the pass's rows rounded up to a power of two.
+    pass_ms: BTreeMap<usize, Ema>,
+    /// Hit rates of outcomes that reject a path token and of the full-acceptance outcome, by m.
+    reject_hits: Vec<Rate>,
+    bonus_hits: Vec<Rate>,
+}
+
+impl PreDraftPlanner {
+    /// A planner with nothing measured yet.
+    pub fn new() -> Self {
+        Self {
+            accepted: 1.0,
+            rejected: 1.0,
+            draft_ms_per_level: Ema::default(),
+            verify_alone_ms: Ema::default(),
+            verify_beside_ms: Ema::default(),
+            pass_ms: BTreeMap::new(),
+            reject_hits: (1..=MAX_CANDIDATES)
+                .map(|m| Rate::prior(1.0 - 0.5f64.powi(m as i32)))
+                .collect(),
+            bonus_hits: (1..=MAX_CANDIDATES)
+                .map(|m| Rate::prior(1.0 - 0.5f64.powi(m as i32)))
+                .collect(),
+        }
+    }
+
+    /// Estimated per-token acceptance.
+    pub fn alpha(&self) -> f64 {
+        (self.accepted / (self.accepted + self.rejected)).clamp(0.0, 0.999)
+    }
+
+    /// Records a verified chain: `accepted` of `depth` tokens, the verify call's time and
+    /// whether a pre-draft ran beside it.
+    pub fn observe_verify(&mut self, depth: usize, accepted: usize, verify_ms: f64, beside: bool) {
+        if depth > 0 {
+            self.accepted = self.accepted * DECAY + accepted as f64;
+            self.rejected = self.rejected * DECAY + f64::from(u8::from(accepted < depth));
+        }
+        if verify_ms > 0.0 {
+            if beside {
+                self.verify_beside_ms.observe(verify_ms);
+            } else {
+                self.verify_alone_ms.observe(verify_ms);
+            }
+        }
+    }
+
+    /// Records an ordinary draft of `depth` levels that took `ms`.
+    pub fn observe_draft(&mut self, depth: usize, ms: f64) {
+        if depth > 0 && ms > 0.0 {
+            self.draft_ms_per_level.observe(ms / depth as f64);
+        }
+    }
+
+    /// Records a pre-draft of a `path`-token path, `candidates` per outcome and trees of
+    /// `depth` levels that took `ms` of wall time.
+    pub fn observe_predraft(&mut self, path: usize, candidates: usize, depth: usize, ms: f64) {
+        if ms > 0.0 && candidates > 0 {
+            let rows = bucket((path + 1) * candidates);
+            self.pass_ms
+                .entry(rows)
+                .or_default()
+                .observe(ms / passes(depth) as f64);
+        }
+    }
+
+    /// Records whether the pre-draft held the verdict's outcome: one that rejected a path
+    /// token (`bonus` false) or accepted the whole path.
+    pub fn observe_outcome(&mut self, candidates: usize, bonus: bool, hit: bool) {
+        let rates = if bonus {
+            &mut self.bonus_hits
+        } else {
+            &mut self.reject_hits
+        };
+        if let Some(r) = candidates.checked_sub(1).and_then(|i| rates.get_mut(i)) {
+            r.observe(hit);
+        }
+    }
+
+    /// The measured hit rate of an outcome kind with `candidates` candidates (with its prior).
+    pub fn hit_rate(&self, candidates: usize, bonus: bool) -> f64 {
+        let rates = if bonus {
+            &self.bonus_hits
+        } else {
+            &self.reject_hits
+        };
+        candidates
+            .checked_sub(1)
+            .and_then(|i| rates.get(i))
+            .map_or(0.0, Rate::value)
+    }
+
+    /// The shape of the largest expected tokens per millisecond among `depths` and up to
+    /// [`MAX_CANDIDATES`] candidates (exactly `fixed` when given); without pre-drafting (and at
+    /// the smallest depth) until an ordinary draft and a verify alone have been measured.
+    pub fn choose(&self, depths: std::ops::RangeInclusive<usize>, fixed: Option<usize>) -> Shape {
+        let depth = *depths.start();
+        let (Some(per_level), Some(alone)) = (self.draft_ms_per_level.0, self.verify_alone_ms.0)
+        else {
+            return Shape {
+                depth,
+                candidates: fixed.unwrap_or(0),
+            };
+        };
+        let beside = self.verify_beside_ms.0.unwrap_or(alone);
+        let a = self.alpha();
+        let mut best = (f64::MIN, Shape { depth, candidates: 0 });
+        for d in depths {
+            let tokens = (1.0 - a.powi(d as i32 + 1)) / (1.0 - a);
+            let draft = per_level * d as f64;
+            let ms: Vec<usize> = match fixed {
+                Some(m) => vec![m],
+                None => (0..=MAX_CANDIDATES).collect(),
+            };
+            for m in ms {
+                let ms = if m == 0 {
+                    draft + alone
+                } else {
+                    let hit = self.hit(d, m, a);
+                    beside.max(self.predraft_ms(d, m)) + (1.0 - hit) * draft
+                };
+                let rate = tokens / ms.max(1e-6);
+                if rate > best.0 {
+                    best = (rate, Shape { depth: d, candidates: m });
+                }
+            }
+        }
+        best.1
+    }
+
+    /// Probability that a pre-draft with `m` candidates per outcome holds the next round's
+    /// tree after a chain of depth `d`.
+    fn hit(&self, d: usize, m: usize, a: f64) -> f64 {
+        let reject: f64 = (0..d).map(|j| a.powi(j as i32) * (1.0 - a)).sum();
+        reject * self.hit_rate(m, false) + a.powi(d as i32) * self.hit_rate(m, true)
+    }
+
+    /// Estimated wall time of a pre-draft after a depth-`d` path with `m` candidates and trees
+    /// of `d` levels: the measured time per pass of its row count, else of the nearest smaller
+    /// measured row count (optimistic: more rows cost no less), else an ordinary draft's.
+    fn predraft_ms(&self, d: usize, m: usize) -> f64 {
+        let rows = bucket((d + 1) * m);
+        let per_pass = self
+            .pass_ms
+            .range(..=rows)
+            .next_back()
+            .and_then(|(_, e)| e.0)
+            .or(self.draft_ms_per_level.0)
+            .unwrap_or(0.0);
+        per_pass * passes(d) as f64
+    }
+}
+
+impl Default for PreDraftPlanner {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Passes of a pre-draft whose trees have `depth` levels: the path's, the candidates', and one
+/// per further level.
+fn passes(depth: usize) -> usize {
+    depth + 1
+}
+
+/// `rows` rounded up to a power of two.
+fn bucket(rows: usize) -> usize {
+    rows.max(1).next_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(alpha_rounds: &[(usize, usize)], draft_ms: f64, alone: f64) -> PreDraftPlanner {
+        let mut p = PreDraftPlanner::new();
+        for &(d, acc) in alpha_rounds {
+            p.observe_verify(d, acc, alone, false);
+            p.observe_draft(d, draft_ms * d as f64);
+        }
+        p
+    }
+
+    #[test]
+    fn no_pre_draft_before_the_costs_are_measured() {
+        let p = PreDraftPlanner::new();
+        assert_eq!(p.choose(4..=8, None), Shape { depth: 4, candidates: 0 });
+        assert_eq!(p.choose(4..=8, Some(2)), Shape { depth: 4, candidates: 2 });
+    }
+
+    #[test]
+    fn a_cheap_pre_draft_beside_a_slow_verify_is_chosen() {
+        // Draft 1 ms a level, verify 5 ms, a pre-draft pass 1 ms at any rows; acceptance ~0.8.
+        let mut p = measured(&[(4, 4), (4, 3), (4, 4), (4, 2), (4, 4)], 1.0, 5.0);
+        for m in 1..=4 {
+            for _ in 0..20 {
+                p.observe_predraft(4, m, 4, 5.0);
+            }
+        }
+        let s = p.choose(4..=4, None);
+        assert!(s.candidates > 0, "{s:?}");
+    }
+
+    #[test]
+    fn contention_turns_pre_drafting_off() {
+        // The same costs, but a verify beside a pre-draft takes twice as long (one GPU).
+        let mut p = measured(&[(4, 4), (4, 3), (4, 4), (4, 2), (4, 4)], 1.0, 5.0);
+        for m in 1..=4 {
+            for _ in 0..20 {
+                p.observe_predraft(4, m, 4, 5.0);
+                p.observe_verify(4, 3, 11.0, true);
+                p.observe_outcome(m, false, false);
+                p.observe_outcome(m, true, false);
+            }
+        }
+        assert_eq!(p.choose(4..=4, None).candidates, 0);
+        assert_eq!(p.choose(1..=8, None).candidates, 0);
+        assert_eq!(p.choose(4..=4, Some(3)).candidates, 3, "a fixed number holds");
+    }
+
+    #[test]
+    fn hit_rates_follow_observations_and_more_candidates_pay_when_they_hit() {
+        let mut p = measured(&[(4, 1), (4, 2), (4, 1), (4, 2)], 1.0, 5.0);
+        for _ in 0..40 {
+            p.observe_outcome(1, false, false);
+            p.observe_outcome(3, false, true);
+            p.observe_predraft(4, 1, 4, 4.0);
+            p.observe_predraft(4, 3, 4, 4.0);
+            p.observe_verify(4, 1, 5.0, true);
+        }
+        assert!(p.hit_rate(1, false) < 0.05 && p.hit_rate(3, false) > 0.95);
+        assert_eq!(p.choose(4..=4, None).candidates, 3);
+    }
+
+    #[test]
+    fn unmeasured_row_counts_borrow_the_nearest_smaller_measurement() {
+        let mut p = measured(&[(4, 4)], 1.0, 5.0);
+        p.observe_predraft(1, 1, 1, 4.0); // 2 rows, 2 passes: 2 ms a pass
+        assert!((p.predraft_ms(4, 2) - 2.0 * 5.0).abs() < 1e-9);
+        p.observe_predraft(4, 2, 4, 20.0); // 10 rows -> 16, 5 passes: 4 ms a pass
+        assert!((p.predraft_ms(4, 3) - 4.0 * 5.0).abs() < 1e-9);
+        assert!((p.predraft_ms(1, 1) - 2.0 * 2.0).abs() < 1e-9);
+    }
+}

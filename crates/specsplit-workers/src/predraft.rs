@@ -1,0 +1,480 @@
+//! Pre-drafting the outcomes of a verification in flight: while the target verifies a draft
+//! path, the draft worker drafts the next round's tree for every likely outcome (accepted
+//! length j and the target's token after it) in shared passes, so that the next round finds
+//! its tree ready whatever the verdict.
+//!
+//! One pass first brings the path into the cache and gives the draft's distribution at every
+//! position of it; the candidates for the target's token at position j are the draft's best
+//! tokens there other than the path's own (which a verdict ending at j rejected), and after the
+//! whole path its best bonus tokens. Every candidate starts a branch over the cached prefix and
+//! the path's first j tokens; one pass per level then grows all branches' trees together. The
+//! cache keeps the committed sequence and the path afterwards; every branch is freed.
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+use specsplit_core::tree::{full_tree_size, TokenTree};
+
+use crate::draft::{
+    top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest, Grow,
+};
+use crate::engine_session::common_prefix;
+use crate::EngineError;
+
+/// Which outcomes of a verification to pre-draft.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutcomeSet {
+    /// Tokens of the request's sequence the target has committed; the rest is the path under
+    /// verification.
+    pub committed: usize,
+    /// Candidate tokens per accepted length.
+    pub candidates: usize,
+    /// Accepted lengths to pre-draft (ascending, each at most the path's length); empty: all.
+    pub accepted_lengths: Vec<usize>,
+}
+
+impl OutcomeSet {
+    /// The accepted lengths pre-drafted for a path of `path_len` tokens.
+    pub fn lengths(&self, path_len: usize) -> Vec<usize> {
+        if self.accepted_lengths.is_empty() {
+            (0..=path_len).collect()
+        } else {
+            self.accepted_lengths.clone()
+        }
+    }
+
+    /// Nodes the pre-draft adds after the committed sequence for a path of `path_len` tokens
+    /// and trees of `widths`: the path, every candidate and every candidate's tree.
+    pub fn nodes(&self, path_len: usize, widths: &[usize]) -> usize {
+        let outcomes = self.lengths(path_len).len().saturating_mul(self.candidates);
+        path_len.saturating_add(outcomes.saturating_mul(1 + full_tree_size(widths)))
+    }
+}
+
+/// The tree drafted for one outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreDrafted {
+    /// Path tokens the outcome accepts.
+    pub accepted: usize,
+    /// The target's token after them that the outcome assumes.
+    pub token: u32,
+    /// The tree after committed sequence + accepted path tokens + `token`.
+    pub tree: TokenTree,
+}
+
+impl DraftEngine {
+    /// Pre-drafts the outcomes `set` of verifying the path `tokens[set.committed..]` after the
+    /// committed `tokens[..set.committed]`: for each, the tree of `p.widths` an ordinary draft
+    /// after that outcome's sequence would propose (the same tokens for greedy drafts; see the
+    /// module docs for how the passes are shared). The cache holds `tokens` afterwards.
+    pub fn predraft(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        set: &OutcomeSet,
+        p: &DraftParams,
+    ) -> Result<(Vec<PreDrafted>, DraftStats), EngineError> {
+        let committed = set.committed;
+        if committed == 0 || committed > tokens.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "the committed length {committed} must lie in 1..={} (the sequence's length)",
+                tokens.len()
+            )));
+        }
+        let path = &tokens[committed..];
+        let lengths = set.lengths(path.len());
+        if set.candidates == 0
+            || lengths.windows(2).any(|w| w[0] >= w[1])
+            || lengths.last().is_some_and(|&j| j > path.len())
+        {
+            return Err(EngineError::InvalidArgument(format!(
+                "an outcome set needs at least one candidate and ascending accepted lengths of \
+                 at most the path's {} tokens, got {} candidates and lengths {:?}",
+                path.len(),
+                set.candidates,
+                set.accepted_lengths
+            )));
+        }
+        if p.widths.is_empty() || p.widths.contains(&0) {
+            return Err(EngineError::InvalidArgument(format!(
+                "tree widths must be a non-empty list of positive numbers, got {:?}",
+                p.widths
+            )));
+        }
+        let nodes = set.nodes(path.len(), &p.widths);
+        if committed.saturating_add(nodes) > self.max_context() {
+            return Err(EngineError::InvalidArgument(format!(
+                "a sequence of {committed} committed tokens plus {nodes} pre-draft nodes \
+                 exceeds the draft context of {} tokens",
+                self.max_context()
+            )));
+        }
+        specsplit_core::device::bind_to_thread(self.model().device())?;
+        let result = self.predraft_passes(s, tokens, committed, &lengths, set.candidates, p);
+        if result.is_err() {
+            // Whatever a failed pass left in the cache is not trusted: start over.
+            s.cache.truncate(0)?;
+            s.tokens.clear();
+            s.last_logits = None;
+        }
+        result
+    }
+
+    fn predraft_passes(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        committed: usize,
+        lengths: &[usize],
+        m: usize,
+        p: &DraftParams,
+    ) -> Result<(Vec<PreDrafted>, DraftStats), EngineError> {
+        let mut stats = DraftStats::default();
+        let path = &tokens[committed..];
+        let dev = self.model().device().clone();
+
+        // Pass 0: the uncached tail of the committed sequence (at least its last token) and the
+        // path, causally; its rows from the committed sequence's last token on are the draft's
+        // distributions after every accepted length.
+        let t0 = Instant::now();
+        let keep = common_prefix(&s.tokens, tokens).min(committed - 1);
+        stats.cache_hit = keep > 0;
+        s.cache.truncate(keep)?;
+        s.tokens.truncate(keep);
+        s.last_logits = None;
+        let feed = &tokens[keep..];
+        let ids = Tensor::new(feed, &dev)?;
+        let pos: Vec<u32> = (keep as u32..tokens.len() as u32).collect();
+        let pos = Tensor::new(pos.as_slice(), &dev)?;
+        let first = (committed - 1 - keep) as u32;
+        let rows: Vec<u32> = (first..feed.len() as u32).collect();
+        let rows = Tensor::new(rows.as_slice(), &dev)?;
+        let at_lengths = self.model().forward(&ids, &pos, None, &mut s.cache, &rows)?;
+        stats.tokens_processed += feed.len();
+        s.tokens.extend_from_slice(feed);
+        let picks = top_w_on_device(&at_lengths, m + 1)?;
+        stats.model_time += t0.elapsed();
+
+        // The candidates of every outcome, then one branch per candidate.
+        let mut forest = Forest::new(committed);
+        let mut parent = None;
+        for &t in path {
+            parent = Some(forest.push(parent, t));
+        }
+        let mut outcomes = Vec::new();
+        for &j in lengths {
+            let own = path.get(j).copied();
+            let mut cands: Vec<u32> = picks[j]
+                .iter()
+                .map(|&(t, _)| t)
+                .filter(|&t| Some(t) != own)
+                .take(m)
+                .collect();
+            self.synthetic_candidates(&tokens[..committed + j], own, &mut cands, &mut s.rng);
+            for t in cands {
+                let node = forest.push(j.checked_sub(1), t);
+                outcomes.push((j, t, node));
+            }
+        }
+        let mut trees: Vec<TokenTree> = outcomes
+            .iter()
+            .map(|_| {
+                let mut t = TokenTree::new();
+                t.set_siblings_without_replacement(true);
+                t
+            })
+            .collect();
+        // Pass 1: every candidate, each over the prefix and its accepted path tokens.
+        let t0 = Instant::now();
+        let want: Vec<u32> = (0..outcomes.len() as u32).collect();
+        let logits = self.forward_forest(s, &forest, path.len(), &want, &dev)?;
+        stats.model_time += t0.elapsed();
+        stats.tokens_processed += outcomes.len();
+        let frontier = outcomes
+            .iter()
+            .enumerate()
+            .filter(|(_, &(_, t, _))| !self.eos().contains(&t))
+            .map(|(o, &(_, _, node))| Grow {
+                node: Some(node),
+                tree: o,
+                at: None,
+            })
+            .collect::<Vec<_>>();
+        if !frontier.is_empty() {
+            let rows: Vec<u32> = frontier
+                .iter()
+                .map(|g| (g.node.expect("a candidate node") - path.len()) as u32)
+                .collect();
+            let rows = Tensor::new(rows.as_slice(), &dev)?;
+            let logits = logits.index_select(&rows, 0)?;
+            // The branches' trees, one pass per level; the session's tokens stand for the
+            // forest's prefix while they grow.
+            let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
+            let grown = self.grow(s, &mut forest, &mut trees, frontier, logits, p, &mut stats);
+            s.tokens = saved;
+            grown?;
+        }
+        // Keep the committed sequence and the path; free every branch.
+        s.cache.truncate(tokens.len())?;
+        s.last_logits = Some(at_lengths.get(path.len())?);
+        let out = outcomes
+            .into_iter()
+            .zip(trees)
+            .map(|((accepted, token, _), tree)| PreDrafted {
+                accepted,
+                token,
+                tree,
+            })
+            .collect();
+        Ok((out, stats))
+    }
+
+    /// Where the engine has a synthetic proposer and it knows the target's token after
+    /// `context` (a rejected path token `own`, or the bonus when `own` is `None`): makes the
+    /// candidates hold it with the measured chance (see [`crate::draft::SyntheticOracle`]) and
+    /// not hold it otherwise. The bonus's first candidate is the draft's own next token, right
+    /// with the oracle's β like any drafted token.
+    fn synthetic_candidates(
+        &self,
+        context: &[u32],
+        own: Option<u32>,
+        cands: &mut Vec<u32>,
+        rng: &mut rand_chacha::ChaCha8Rng,
+    ) {
+        use rand::Rng;
+        let Some(o) = self.synthetic() else { return };
+        let Some(right) = o.next(context) else { return };
+        if own == Some(right) || cands.is_empty() {
+            // The target accepts the path's token here: this outcome cannot happen.
+            return;
+        }
+        let vocab = self.model().config().vocab_size as u32;
+        let m = cands.len();
+        // Slots that may hold the right token, and whether it goes there.
+        let (first, holds) = if own.is_none() {
+            if rng.random_bool(o.beta()) {
+                (0, true)
+            } else {
+                (1, rng.random_bool(o.coverage(m - 1)))
+            }
+        } else {
+            (0, rng.random_bool(o.coverage(m)))
+        };
+        // A token the candidates do not hold, for a slot that must not hold the right one.
+        let mut other = right;
+        let mut fresh = |cands: &[u32]| loop {
+            other = (other + 1) % vocab;
+            if other != right && Some(other) != own && !cands.contains(&other) {
+                return other;
+            }
+        };
+        for i in 0..m {
+            if cands[i] == right && (!holds || i < first) {
+                cands[i] = fresh(cands);
+            }
+        }
+        if holds && first < m && !cands[first..].contains(&right) {
+            let slot = rng.random_range(first..m);
+            cands[slot] = right;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device};
+    use specsplit_core::sampling::SamplingParams;
+    use specsplit_models::transformer::Transformer;
+
+    use super::*;
+    use crate::draft::SyntheticOracle;
+    use crate::engine_session::SessionEngine;
+
+    fn engine(static_chains: bool) -> DraftEngine {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 512;
+        let m = Transformer::random(cfg, 11, DType::F32, &Device::Cpu).unwrap();
+        DraftEngine::new(Arc::new(m), vec![], 400).with_static_chains(static_chains)
+    }
+
+    fn params(widths: &[usize]) -> DraftParams {
+        DraftParams {
+            widths: widths.to_vec(),
+            sampling: SamplingParams::default(),
+        }
+    }
+
+    fn all(committed: usize, candidates: usize) -> OutcomeSet {
+        OutcomeSet {
+            committed,
+            candidates,
+            accepted_lengths: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn every_greedy_pre_draft_is_the_draft_its_outcome_would_get() {
+        let e = engine(false);
+        let seq: Vec<u32> = vec![5, 99, 41, 7, 300, 12];
+        for widths in [vec![1, 1, 1], vec![2, 1]] {
+            let mut s = e.new_session(1).unwrap();
+            // The path under verification: the draft's own chain after `seq`.
+            let path = e.draft(&mut s, &seq, &params(&[1; 4])).unwrap().0;
+            let mut tokens = seq.clone();
+            tokens.extend_from_slice(path.tokens());
+            let (pre, _) = e
+                .predraft(&mut s, &tokens, &all(seq.len(), 3), &params(&widths))
+                .unwrap();
+            assert_eq!(pre.len(), 5 * 3, "every accepted length 0..=4, 3 candidates each");
+            // The candidates are the draft's best tokens other than the rejected one.
+            let fresh = engine(false);
+            for j in 0..=4 {
+                let mut ctx = seq.clone();
+                ctx.extend_from_slice(&path.tokens()[..j]);
+                let top = fresh
+                    .draft(&mut fresh.new_session(1).unwrap(), &ctx, &params(&[4]))
+                    .unwrap()
+                    .0;
+                let want: Vec<u32> = top
+                    .tokens()
+                    .iter()
+                    .copied()
+                    .filter(|&t| path.tokens().get(j) != Some(&t))
+                    .take(3)
+                    .collect();
+                let got: Vec<u32> = pre.iter().filter(|p| p.accepted == j).map(|p| p.token).collect();
+                assert_eq!(got, want, "accepted length {j}");
+            }
+            // Each tree is what an ordinary draft after its outcome proposes, token for token.
+            for p in &pre {
+                let mut ctx = seq.clone();
+                ctx.extend_from_slice(&path.tokens()[..p.accepted]);
+                ctx.push(p.token);
+                let want = fresh
+                    .draft(&mut fresh.new_session(1).unwrap(), &ctx, &params(&widths))
+                    .unwrap()
+                    .0;
+                assert_eq!(p.tree.tokens(), want.tokens(), "outcome ({}, {})", p.accepted, p.token);
+                assert_eq!(p.tree.parents(), want.parents());
+                for i in 0..want.len() {
+                    assert!((p.tree.log_prob(i) - want.log_prob(i)).abs() < 1e-4);
+                }
+            }
+            // The cache keeps the committed sequence and the path, every branch freed.
+            assert_eq!(s.tokens(), &tokens[..]);
+            assert_eq!(s.cache.len(), tokens.len());
+        }
+    }
+
+    #[test]
+    fn after_a_pre_draft_the_selected_outcome_drafts_as_a_fresh_session_would() {
+        for static_chains in [false, true] {
+            let e = engine(static_chains);
+            let mut s = e.new_session(1).unwrap();
+            let mut seq: Vec<u32> = vec![8, 16, 300, 2];
+            for round in 0..4 {
+                let path = e.draft(&mut s, &seq, &params(&[1; 3])).unwrap().0;
+                let mut tokens = seq.clone();
+                tokens.extend_from_slice(path.tokens());
+                let (pre, _) = e
+                    .predraft(&mut s, &tokens, &all(seq.len(), 2), &params(&[1, 1, 1]))
+                    .unwrap();
+                // The verdict: `round % 4` tokens accepted, the outcome's first candidate.
+                let pick = pre.iter().find(|p| p.accepted == round % 4).unwrap();
+                seq.extend_from_slice(&path.tokens()[..pick.accepted]);
+                seq.push(pick.token);
+                let fresh = engine(static_chains);
+                let want = fresh
+                    .draft(&mut fresh.new_session(1).unwrap(), &seq, &params(&[1; 3]))
+                    .unwrap()
+                    .0;
+                assert_eq!(pick.tree.tokens(), want.tokens(), "round {round}");
+                let again = e.draft(&mut s, &seq, &params(&[1; 3])).unwrap().0;
+                assert_eq!(again.tokens(), want.tokens(), "the session's cache is intact");
+            }
+        }
+    }
+
+    #[test]
+    fn chosen_lengths_only_and_bad_outcome_sets_are_refused() {
+        let e = engine(false);
+        let mut s = e.new_session(1).unwrap();
+        let tokens: Vec<u32> = vec![1, 2, 3, 4, 5, 6];
+        let set = OutcomeSet {
+            committed: 3,
+            candidates: 1,
+            accepted_lengths: vec![3],
+        };
+        let (pre, _) = e.predraft(&mut s, &tokens, &set, &params(&[1, 1])).unwrap();
+        assert_eq!(pre.len(), 1);
+        assert_eq!(pre[0].accepted, 3);
+        let bad = |committed, candidates, lengths: Vec<usize>| OutcomeSet {
+            committed,
+            candidates,
+            accepted_lengths: lengths,
+        };
+        for set in [
+            bad(0, 1, vec![]),
+            bad(7, 1, vec![]),
+            bad(3, 0, vec![]),
+            bad(3, 1, vec![2, 1]),
+            bad(3, 1, vec![4]),
+        ] {
+            let err = e.predraft(&mut s, &tokens, &set, &params(&[1])).unwrap_err();
+            assert!(matches!(err, EngineError::InvalidArgument(_)), "{set:?}: {err}");
+        }
+        // More nodes than the session holds.
+        let err = e
+            .predraft(&mut s, &tokens, &all(3, 4), &params(&[1; 40]))
+            .unwrap_err();
+        assert!(matches!(err, EngineError::InvalidArgument(_)), "{err}");
+    }
+
+    #[test]
+    fn the_synthetic_drafter_holds_a_rejected_token_only_as_often_as_its_coverage() {
+        let seq: Vec<u32> = vec![4, 8, 15, 16];
+        let reference: Vec<u32> = seq.iter().copied().chain([23, 42, 99, 100, 101]).collect();
+        // A path whose every token is wrong: the target's token at accepted length j is
+        // reference[4 + j] only for j = 0 (later lengths leave the reference).
+        let path = [400u32, 401, 402];
+        let mut tokens = seq.clone();
+        tokens.extend_from_slice(&path);
+        for (coverage, want) in [(1.0, 1.0), (0.0, 0.0), (0.5, 0.5)] {
+            let oracle = SyntheticOracle::new(vec![reference.clone()], 0.8)
+                .with_coverage(vec![coverage]);
+            let e = engine(false).with_synthetic(oracle);
+            let mut held = 0;
+            let n = 200;
+            for seed in 0..n {
+                let mut s = e.new_session(seed).unwrap();
+                let set = OutcomeSet {
+                    committed: seq.len(),
+                    candidates: 2,
+                    accepted_lengths: vec![0],
+                };
+                let (pre, _) = e.predraft(&mut s, &tokens, &set, &params(&[1])).unwrap();
+                assert_eq!(pre.len(), 2);
+                held += usize::from(pre.iter().any(|p| p.token == 23));
+            }
+            let rate = held as f64 / n as f64;
+            assert!((rate - want).abs() < 0.12, "coverage {coverage}: held {rate}");
+        }
+        // The bonus after a right path: its first candidate is right with β.
+        let oracle = SyntheticOracle::new(vec![reference.clone()], 1.0).with_coverage(vec![0.0]);
+        let e = engine(false).with_synthetic(oracle);
+        let mut right = seq.clone();
+        right.extend_from_slice(&[23, 42]);
+        let set = OutcomeSet {
+            committed: seq.len(),
+            candidates: 1,
+            accepted_lengths: vec![2],
+        };
+        let (pre, _) = e
+            .predraft(&mut e.new_session(3).unwrap(), &right, &set, &params(&[1, 1]))
+            .unwrap();
+        assert_eq!(pre[0].token, 99);
+        assert_eq!(pre[0].tree.tokens(), &[100, 101], "its tree follows the reference");
+    }
+}
