@@ -217,18 +217,25 @@ impl PreDraftPlanner {
     }
 
     /// Estimated wall time of a pre-draft after a depth-`d` path with `m` candidates and trees
-    /// of `d` levels: the measured time per pass of its row count, else of the nearest smaller
-    /// measured row count (optimistic: more rows cost no less), else an ordinary draft's.
+    /// of `d` levels: the measured time per pass of its row count; not measured yet, the least
+    /// of an ordinary draft's time per level and the measured times of fewer rows (optimistic,
+    /// so that it gets tried and measured).
     fn predraft_ms(&self, d: usize, m: usize) -> f64 {
         let rows = bucket((d + 1) * m);
-        let per_pass = self
-            .pass_ms
-            .range(..=rows)
-            .next_back()
-            .and_then(|(_, e)| e.0)
-            .or(self.draft_ms_per_level.0)
-            .unwrap_or(0.0);
-        per_pass * passes(d) as f64
+        let per_pass = match self.pass_ms.get(&rows).and_then(|e| e.0) {
+            Some(ms) => ms,
+            None => self
+                .pass_ms
+                .range(..rows)
+                .filter_map(|(_, e)| e.0)
+                .chain(self.draft_ms_per_level.0)
+                .fold(f64::INFINITY, f64::min),
+        };
+        if per_pass.is_finite() {
+            per_pass * passes(d) as f64
+        } else {
+            0.0
+        }
     }
 }
 
@@ -314,12 +321,15 @@ mod tests {
     }
 
     #[test]
-    fn unmeasured_row_counts_borrow_the_nearest_smaller_measurement() {
+    fn unmeasured_row_counts_are_estimated_optimistically() {
+        // An ordinary draft: 1 ms a level.
         let mut p = measured(&[(4, 4)], 1.0, 5.0);
         p.observe_predraft(1, 1, 1, 4.0); // 2 rows, 2 passes: 2 ms a pass
-        assert!((p.predraft_ms(4, 2) - 2.0 * 5.0).abs() < 1e-9);
+        assert!((p.predraft_ms(1, 1) - 2.0 * 2.0).abs() < 1e-9, "measured");
+        // 10 rows (bucket 16) not measured: the least of 2 ms (2 rows) and 1 ms (a draft level).
+        assert!((p.predraft_ms(4, 2) - 1.0 * 5.0).abs() < 1e-9);
         p.observe_predraft(4, 2, 4, 20.0); // 10 rows -> 16, 5 passes: 4 ms a pass
-        assert!((p.predraft_ms(4, 3) - 4.0 * 5.0).abs() < 1e-9);
-        assert!((p.predraft_ms(1, 1) - 2.0 * 2.0).abs() < 1e-9);
+        assert!((p.predraft_ms(4, 3) - 4.0 * 5.0).abs() < 1e-9, "15 rows: bucket 16");
+        assert!((p.predraft_ms(6, 4) - 1.0 * 7.0).abs() < 1e-9, "28 rows: not measured");
     }
 }

@@ -463,7 +463,7 @@ impl<'a> Run<'a> {
     /// Feeds the adaptive depth controller (and the pre-draft pipeline's cost model) a
     /// speculative round's acceptance and timings.
     fn adapt_depth(&mut self, round: &Round, verdict: &Verdict) {
-        if self.cfg.pipeline == Pipeline::Predraft && !round.drafted.tree.is_empty() {
+        if !round.drafted.tree.is_empty() {
             if let Ok(mut p) = self.o.planner.lock() {
                 let accepted = verdict.verified.accepted.len();
                 p.observe_verify(round.depth(), accepted, verdict.ms, round.beside);
@@ -534,7 +534,10 @@ impl<'a> Run<'a> {
                 let hit = tree.is_some();
                 if self.cfg.pipeline == Pipeline::Predraft {
                     if let Ok(mut p) = self.o.planner.lock() {
-                        p.observe_predraft(pre.path.len(), pre.candidates, pre.depth, d.ms);
+                        // A first round's pre-draft also feeds the prompt: not a pass cost.
+                        if !pre.path.is_empty() {
+                            p.observe_predraft(pre.path.len(), pre.candidates, pre.depth, d.ms);
+                        }
                         if on_path {
                             p.observe_outcome(pre.candidates, j == pre.path.len(), hit);
                         }
