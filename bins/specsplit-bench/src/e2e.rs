@@ -3,7 +3,7 @@
 //! set; optionally with a synthetic drafter of fixed per-token acceptance β.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -239,7 +239,17 @@ fn prompts(s: &E2eSettings, tok: &LoadedModel, random: bool, eos: &[u32]) -> Res
             .map(|i| util::random_ids(s.seed.wrapping_add(i as u64), s.prompt_len, vocab, eos))
             .collect());
     }
-    let texts: Vec<String> = match &s.prompts_file {
+    text_prompts(s.prompts_file.as_deref(), n, tok)
+}
+
+/// The token sequences of `n` text prompts (cycling through them): the lines of `file`, else
+/// the built-in set; wrapped in the model's chat template where its tokenizer has one.
+pub(crate) fn text_prompts(
+    file: Option<&Path>,
+    n: usize,
+    tok: &LoadedModel,
+) -> Result<Vec<Vec<u32>>> {
+    let texts: Vec<String> = match file {
         Some(p) => std::fs::read_to_string(p)
             .with_context(|| format!("reading {}", p.display()))?
             .lines()

@@ -6,10 +6,13 @@
 //!   synthetic drafter of fixed acceptance β;
 //! - `plot`: PNG plots from the JSON reports;
 //! - `rpc`: per-RPC cost on loopback beyond the workers' own handling time;
-//! - `kernels`: the batch-invariant CUDA kernels against cuBLAS, per projection and pass size.
+//! - `kernels`: the batch-invariant CUDA kernels against cuBLAS, per projection and pass size;
+//! - `coverage`: how often the target's greedy token is the draft's first choice, or among its
+//!   next best alternatives (teacher-forced, real models).
 //!
-//! Every subcommand writes `<out>/<name>.json` and `<out>/<name>.csv`.
+//! Every subcommand writes `<out>/<name>.json` (all but `coverage` also `<out>/<name>.csv`).
 
+mod coverage;
 mod e2e;
 mod forward;
 mod kernels;
@@ -44,6 +47,8 @@ enum Command {
     Rpc(rpc::RpcArgs),
     /// The batch-invariant CUDA kernels against cuBLAS, per projection and pass size.
     Kernels(kernels::KernelArgs),
+    /// How often the target's greedy token lies among the draft's top choices.
+    Coverage(coverage::CoverageArgs),
 }
 
 #[derive(Args, Debug)]
@@ -353,5 +358,6 @@ fn main() -> Result<()> {
         Command::Plot(a) => plot::run(&a.input, &a.out, a.font.as_deref()),
         Command::Rpc(a) => rpc::main(a),
         Command::Kernels(a) => kernels::main(a),
+        Command::Coverage(a) => coverage::main(a),
     }
 }
