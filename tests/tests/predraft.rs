@@ -45,7 +45,11 @@ async fn greedy_predraft_matches_target_only_and_uses_its_hits() {
                 ..Default::default()
             };
             let reference = orch.generate(prompt, &ar, |_| {}).await.unwrap();
-            let shape: &[usize] = if i % 2 == 0 { &[1, 1, 1, 1] } else { &[2, 1, 1] };
+            let shape: &[usize] = if i % 2 == 0 {
+                &[1, 1, 1, 1]
+            } else {
+                &[2, 1, 1]
+            };
             for candidates in [1, 2, 3, 0] {
                 let cfg = predraft(shape, candidates, 24);
                 let mut streamed = Vec::new();
@@ -76,7 +80,10 @@ async fn greedy_predraft_matches_target_only_and_uses_its_hits() {
         assert!(tried > 0, "{draft_model}: no pre-draft ran");
         if same {
             // A draft equal to the target: the bonus is always its first candidate.
-            assert!(hits * 10 >= tried * 9, "{draft_model}: {hits} hits of {tried}");
+            assert!(
+                hits * 10 >= tried * 9,
+                "{draft_model}: {hits} hits of {tried}"
+            );
         }
         assert_eq!(draft.sessions.len(), 0, "draft sessions leaked");
         draft.stop().await;
@@ -167,8 +174,16 @@ async fn a_pre_draft_for_another_outcome_is_never_used() {
         let tried = g.rounds.iter().filter(|r| r.predraft_hit.is_some()).count();
         assert!(tried > 0, "prompt {i}: no pre-draft ran");
         for r in &g.rounds {
-            assert_ne!(r.predraft_hit, Some(true), "prompt {i}: a relabelled pre-draft hit");
-            assert_ne!(r.overlap_hit, Some(true), "prompt {i}: a relabelled tree was used");
+            assert_ne!(
+                r.predraft_hit,
+                Some(true),
+                "prompt {i}: a relabelled pre-draft hit"
+            );
+            assert_ne!(
+                r.overlap_hit,
+                Some(true),
+                "prompt {i}: a relabelled tree was used"
+            );
         }
         // Garbled trees under the right keys are used, and the verifier rejects them.
         how.store(GARBLE, Ordering::Relaxed);

@@ -428,7 +428,9 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         .map(|r| r.predraft_candidates as f64)
         .collect();
     let mean_candidates = ratio(pre.iter().sum(), pre.len() as f64);
-    let by_accepted: Vec<Value> = (0..=depth).map(|j| predraft_hits(&rounds, Some(j))).collect();
+    let by_accepted: Vec<Value> = (0..=depth)
+        .map(|j| predraft_hits(&rounds, Some(j)))
+        .collect();
     let predraft = json!({
         "predraft_hit_rate": predraft_hits(&rounds, None),
         "predraft_hit_rate_by_accepted": by_accepted,
@@ -553,7 +555,11 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         s.depths
             .iter()
             .map(|&d| d + (d + 1) * m * (1 + d))
-            .chain(s.trees.iter().map(|w| w.len() + (w.len() + 1) * m * (1 + full_tree_size(w))))
+            .chain(
+                s.trees
+                    .iter()
+                    .map(|w| w.len() + (w.len() + 1) * m * (1 + full_tree_size(w))),
+            )
             .max()
             .unwrap_or(0)
     } else {
@@ -675,9 +681,8 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     for beta in drafters {
         let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context)
             .with_spare_sessions(s.spare_sessions);
-        let oracle = beta.map(|b| {
-            SyntheticOracle::new(references.clone(), b).with_coverage(s.coverage.clone())
-        });
+        let oracle = beta
+            .map(|b| SyntheticOracle::new(references.clone(), b).with_coverage(s.coverage.clone()));
         let label = match (&oracle, beta) {
             (Some(o), Some(b)) => {
                 engine = engine.with_synthetic(o.clone());

@@ -185,7 +185,13 @@ impl PreDraftPlanner {
         };
         let beside = self.verify_beside_ms.0.unwrap_or(alone);
         let a = self.alpha();
-        let mut best = (f64::MIN, Shape { depth, candidates: 0 });
+        let mut best = (
+            f64::MIN,
+            Shape {
+                depth,
+                candidates: 0,
+            },
+        );
         for d in depths {
             let tokens = (1.0 - a.powi(d as i32 + 1)) / (1.0 - a);
             let draft = per_level * d as f64;
@@ -202,7 +208,13 @@ impl PreDraftPlanner {
                 };
                 let rate = tokens / ms.max(1e-6);
                 if rate > best.0 {
-                    best = (rate, Shape { depth: d, candidates: m });
+                    best = (
+                        rate,
+                        Shape {
+                            depth: d,
+                            candidates: m,
+                        },
+                    );
                 }
             }
         }
@@ -272,8 +284,20 @@ mod tests {
     #[test]
     fn no_pre_draft_before_the_costs_are_measured() {
         let p = PreDraftPlanner::new();
-        assert_eq!(p.choose(4..=8, None), Shape { depth: 4, candidates: 0 });
-        assert_eq!(p.choose(4..=8, Some(2)), Shape { depth: 4, candidates: 2 });
+        assert_eq!(
+            p.choose(4..=8, None),
+            Shape {
+                depth: 4,
+                candidates: 0
+            }
+        );
+        assert_eq!(
+            p.choose(4..=8, Some(2)),
+            Shape {
+                depth: 4,
+                candidates: 2
+            }
+        );
     }
 
     #[test]
@@ -303,7 +327,11 @@ mod tests {
         }
         assert_eq!(p.choose(4..=4, None).candidates, 0);
         assert_eq!(p.choose(1..=8, None).candidates, 0);
-        assert_eq!(p.choose(4..=4, Some(3)).candidates, 3, "a fixed number holds");
+        assert_eq!(
+            p.choose(4..=4, Some(3)).candidates,
+            3,
+            "a fixed number holds"
+        );
     }
 
     #[test]
@@ -329,7 +357,13 @@ mod tests {
         // 10 rows (bucket 16) not measured: the least of 2 ms (2 rows) and 1 ms (a draft level).
         assert!((p.predraft_ms(4, 2) - 1.0 * 5.0).abs() < 1e-9);
         p.observe_predraft(4, 2, 4, 20.0); // 10 rows -> 16, 5 passes: 4 ms a pass
-        assert!((p.predraft_ms(4, 3) - 4.0 * 5.0).abs() < 1e-9, "15 rows: bucket 16");
-        assert!((p.predraft_ms(6, 4) - 1.0 * 7.0).abs() < 1e-9, "28 rows: not measured");
+        assert!(
+            (p.predraft_ms(4, 3) - 4.0 * 5.0).abs() < 1e-9,
+            "15 rows: bucket 16"
+        );
+        assert!(
+            (p.predraft_ms(6, 4) - 1.0 * 7.0).abs() < 1e-9,
+            "28 rows: not measured"
+        );
     }
 }

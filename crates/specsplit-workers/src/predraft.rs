@@ -149,7 +149,9 @@ impl DraftEngine {
         let first = (committed - 1 - keep) as u32;
         let rows: Vec<u32> = (first..feed.len() as u32).collect();
         let rows = Tensor::new(rows.as_slice(), &dev)?;
-        let at_lengths = self.model().forward(&ids, &pos, None, &mut s.cache, &rows)?;
+        let at_lengths = self
+            .model()
+            .forward(&ids, &pos, None, &mut s.cache, &rows)?;
         stats.tokens_processed += feed.len();
         s.tokens.extend_from_slice(feed);
         let picks = top_w_on_device(&at_lengths, m + 1)?;
@@ -207,12 +209,35 @@ impl DraftEngine {
                 .collect();
             let rows = Tensor::new(rows.as_slice(), &dev)?;
             let logits = logits.index_select(&rows, 0)?;
-            // The branches' trees, one pass per level; the session's tokens stand for the
-            // forest's prefix while they grow.
-            let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
-            let grown = self.grow(s, &mut forest, &mut trees, frontier, logits, p, &mut stats);
-            s.tokens = saved;
-            grown?;
+            if p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1) {
+                // Greedy chains: every level on the device, one copy back at the end.
+                let contexts: Vec<Vec<u32>> = frontier
+                    .iter()
+                    .map(|g| {
+                        let (j, t, _) = outcomes[g.tree];
+                        let mut ctx = tokens[..committed + j].to_vec();
+                        ctx.push(t);
+                        ctx
+                    })
+                    .collect();
+                self.grow_chains(
+                    s,
+                    &mut forest,
+                    &mut trees,
+                    &frontier,
+                    &contexts,
+                    logits,
+                    p.widths.len(),
+                    &mut stats,
+                )?;
+            } else {
+                // The branches' trees, one pass per level; the session's tokens stand for the
+                // forest's prefix while they grow.
+                let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
+                let grown = self.grow(s, &mut forest, &mut trees, frontier, logits, p, &mut stats);
+                s.tokens = saved;
+                grown?;
+            }
         }
         // Keep the committed sequence and the path; free every branch.
         s.cache.truncate(tokens.len())?;
@@ -227,6 +252,116 @@ impl DraftEngine {
             })
             .collect();
         Ok((out, stats))
+    }
+
+    /// Grows a greedy chain of `depth` tokens below each of `branches` (whose logits rows are
+    /// `logits`, one per branch) with every level on the device: each level's tokens feed the
+    /// next pass without a copy to the host, and all levels come back in one copy at the end
+    /// (a chain is cut after an end-of-sequence token there). A synthetic proposer's tokens
+    /// (decided on the host beforehand from each branch's context, as for chains drafted with
+    /// fixed-shape steps) replace the model's on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn grow_chains(
+        &self,
+        s: &mut DraftSession,
+        forest: &mut Forest,
+        trees: &mut [TokenTree],
+        branches: &[Grow],
+        contexts: &[Vec<u32>],
+        mut logits: Tensor,
+        depth: usize,
+        stats: &mut DraftStats,
+    ) -> Result<(), EngineError> {
+        use candle_core::DType;
+        let t0 = Instant::now();
+        let dev = self.model().device().clone();
+        let n = branches.len();
+        let decided: Vec<Vec<Option<u32>>> = contexts
+            .iter()
+            .map(|ctx| self.oracle_chain(ctx, depth, &mut s.rng))
+            .collect();
+        let mut nodes: Vec<usize> = branches
+            .iter()
+            .map(|g| g.node.expect("a candidate node"))
+            .collect();
+        let want: Vec<u32> = (0..n as u32).collect();
+        let (mut toks, mut lps) = (Vec::with_capacity(depth), Vec::with_capacity(depth));
+        for level in 0..depth {
+            let l = logits.to_dtype(DType::F32)?;
+            let lse = l.log_sum_exp(1)?;
+            let mut ids = l.argmax(1)?;
+            if decided.iter().any(|d| d[level].is_some()) {
+                let forced: Vec<u32> = decided.iter().map(|d| d[level].unwrap_or(0)).collect();
+                let on: Vec<u8> = decided
+                    .iter()
+                    .map(|d| u8::from(d[level].is_some()))
+                    .collect();
+                let forced = Tensor::new(forced.as_slice(), &dev)?;
+                ids = Tensor::new(on.as_slice(), &dev)?.where_cond(&forced, &ids)?;
+            }
+            let lp = (l.gather(&ids.unsqueeze(1)?, 1)?.squeeze(1)? - lse)?;
+            toks.push(ids.clone());
+            lps.push(lp);
+            if level + 1 == depth {
+                break;
+            }
+            let first = forest.len();
+            for node in &mut nodes {
+                // The token is on the device; the host copy is filled in below.
+                *node = forest.push(Some(*node), 0);
+            }
+            logits = self.forward_forest_ids(s, forest, first, &ids, &want, &dev)?;
+            stats.tokens_processed += n;
+        }
+        // Token ids are below 2^24, so f32 carries them exactly: one copy for all levels.
+        let ids = Tensor::stack(&toks, 1)?.to_dtype(DType::F32)?;
+        let packed: Vec<Vec<f32>> = Tensor::cat(&[&ids, &Tensor::stack(&lps, 1)?], 1)?.to_vec2()?;
+        for (g, row) in branches.iter().zip(&packed) {
+            let tree = &mut trees[g.tree];
+            let mut parent = None;
+            for level in 0..depth {
+                let (tok, lp) = (row[level] as u32, row[depth + level]);
+                let node = match parent {
+                    None => tree.push_root(tok, lp),
+                    Some(p) => tree.push_child(p, tok, lp),
+                }
+                .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
+                if self.eos().contains(&tok) {
+                    break;
+                }
+                parent = Some(node);
+            }
+        }
+        stats.model_time += t0.elapsed();
+        Ok(())
+    }
+
+    /// The synthetic proposer's tokens for the first levels of a chain after `context`: each
+    /// the reference's next token with probability β, else a wrong one, for as long as the
+    /// chain stays on a reference (`None` from there on, and without a synthetic proposer).
+    fn oracle_chain(
+        &self,
+        context: &[u32],
+        depth: usize,
+        rng: &mut rand_chacha::ChaCha8Rng,
+    ) -> Vec<Option<u32>> {
+        let mut out = vec![None; depth];
+        let Some(o) = self.synthetic() else {
+            return out;
+        };
+        let vocab = self.model().config().vocab_size as u32;
+        let mut ctx = context.to_vec();
+        for slot in &mut out {
+            let Some(right) = o.next(&ctx) else { break };
+            let tok = if rand::Rng::random_bool(rng, o.beta()) {
+                right
+            } else {
+                (right + 1) % vocab
+            };
+            *slot = Some(tok);
+            ctx.push(tok);
+        }
+        out
     }
 
     /// Where the engine has a synthetic proposer and it knows the target's token after
@@ -327,7 +462,11 @@ mod tests {
             let (pre, _) = e
                 .predraft(&mut s, &tokens, &all(seq.len(), 3), &params(&widths))
                 .unwrap();
-            assert_eq!(pre.len(), 5 * 3, "every accepted length 0..=4, 3 candidates each");
+            assert_eq!(
+                pre.len(),
+                5 * 3,
+                "every accepted length 0..=4, 3 candidates each"
+            );
             // The candidates are the draft's best tokens other than the rejected one.
             let fresh = engine(false);
             for j in 0..=4 {
@@ -344,7 +483,11 @@ mod tests {
                     .filter(|&t| path.tokens().get(j) != Some(&t))
                     .take(3)
                     .collect();
-                let got: Vec<u32> = pre.iter().filter(|p| p.accepted == j).map(|p| p.token).collect();
+                let got: Vec<u32> = pre
+                    .iter()
+                    .filter(|p| p.accepted == j)
+                    .map(|p| p.token)
+                    .collect();
                 assert_eq!(got, want, "accepted length {j}");
             }
             // Each tree is what an ordinary draft after its outcome proposes, token for token.
@@ -356,7 +499,13 @@ mod tests {
                     .draft(&mut fresh.new_session(1).unwrap(), &ctx, &params(&widths))
                     .unwrap()
                     .0;
-                assert_eq!(p.tree.tokens(), want.tokens(), "outcome ({}, {})", p.accepted, p.token);
+                assert_eq!(
+                    p.tree.tokens(),
+                    want.tokens(),
+                    "outcome ({}, {})",
+                    p.accepted,
+                    p.token
+                );
                 assert_eq!(p.tree.parents(), want.parents());
                 for i in 0..want.len() {
                     assert!((p.tree.log_prob(i) - want.log_prob(i)).abs() < 1e-4);
@@ -392,7 +541,11 @@ mod tests {
                     .0;
                 assert_eq!(pick.tree.tokens(), want.tokens(), "round {round}");
                 let again = e.draft(&mut s, &seq, &params(&[1; 3])).unwrap().0;
-                assert_eq!(again.tokens(), want.tokens(), "the session's cache is intact");
+                assert_eq!(
+                    again.tokens(),
+                    want.tokens(),
+                    "the session's cache is intact"
+                );
             }
         }
     }
@@ -422,8 +575,13 @@ mod tests {
             bad(3, 1, vec![2, 1]),
             bad(3, 1, vec![4]),
         ] {
-            let err = e.predraft(&mut s, &tokens, &set, &params(&[1])).unwrap_err();
-            assert!(matches!(err, EngineError::InvalidArgument(_)), "{set:?}: {err}");
+            let err = e
+                .predraft(&mut s, &tokens, &set, &params(&[1]))
+                .unwrap_err();
+            assert!(
+                matches!(err, EngineError::InvalidArgument(_)),
+                "{set:?}: {err}"
+            );
         }
         // More nodes than the session holds.
         let err = e
@@ -442,8 +600,8 @@ mod tests {
         let mut tokens = seq.clone();
         tokens.extend_from_slice(&path);
         for (coverage, want) in [(1.0, 1.0), (0.0, 0.0), (0.5, 0.5)] {
-            let oracle = SyntheticOracle::new(vec![reference.clone()], 0.8)
-                .with_coverage(vec![coverage]);
+            let oracle =
+                SyntheticOracle::new(vec![reference.clone()], 0.8).with_coverage(vec![coverage]);
             let e = engine(false).with_synthetic(oracle);
             let mut held = 0;
             let n = 200;
@@ -459,7 +617,10 @@ mod tests {
                 held += usize::from(pre.iter().any(|p| p.token == 23));
             }
             let rate = held as f64 / n as f64;
-            assert!((rate - want).abs() < 0.12, "coverage {coverage}: held {rate}");
+            assert!(
+                (rate - want).abs() < 0.12,
+                "coverage {coverage}: held {rate}"
+            );
         }
         // The bonus after a right path: its first candidate is right with β.
         let oracle = SyntheticOracle::new(vec![reference.clone()], 1.0).with_coverage(vec![0.0]);
@@ -472,9 +633,18 @@ mod tests {
             accepted_lengths: vec![2],
         };
         let (pre, _) = e
-            .predraft(&mut e.new_session(3).unwrap(), &right, &set, &params(&[1, 1]))
+            .predraft(
+                &mut e.new_session(3).unwrap(),
+                &right,
+                &set,
+                &params(&[1, 1]),
+            )
             .unwrap();
         assert_eq!(pre[0].token, 99);
-        assert_eq!(pre[0].tree.tokens(), &[100, 101], "its tree follows the reference");
+        assert_eq!(
+            pre[0].tree.tokens(),
+            &[100, 101],
+            "its tree follows the reference"
+        );
     }
 }

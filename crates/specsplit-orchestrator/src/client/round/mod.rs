@@ -304,8 +304,7 @@ impl<'a> Run<'a> {
         let first = no == 0
             && !widths.is_empty()
             && self.cfg.overlaps_first_round()
-            && (self.cfg.pipeline != Pipeline::Predraft
-                || self.plan(widths.len()).candidates > 0);
+            && (self.cfg.pipeline != Pipeline::Predraft || self.plan(widths.len()).candidates > 0);
         if first {
             no_draft = Some(NoDraft::FirstRound);
         }
@@ -440,7 +439,12 @@ impl<'a> Run<'a> {
                 depth,
                 candidates: 0,
             },
-            |p| p.choose(depths, (self.cfg.candidates > 0).then_some(self.cfg.candidates)),
+            |p| {
+                p.choose(
+                    depths,
+                    (self.cfg.candidates > 0).then_some(self.cfg.candidates),
+                )
+            },
         )
     }
 
