@@ -52,10 +52,10 @@ proptest! {
         let mask = TreeMask::from_parents(&parents).unwrap();
         prop_assert_eq!(mask.len(), parents.len());
         let positions = mask.positions(7);
-        for i in 0..parents.len() {
+        for (i, &pos) in positions.iter().enumerate() {
             let anc = brute_path(&parents, i);
             prop_assert_eq!(mask.ancestors_and_self(i), &anc[..]);
-            prop_assert_eq!(positions[i] as usize, 7 + anc.len() - 1);
+            prop_assert_eq!(pos as usize, 7 + anc.len() - 1);
         }
         let mut bad = parents.clone();
         bad.push(Some(parents.len()));

@@ -373,7 +373,7 @@ impl DraftEngine {
         &self,
         context: &[u32],
         own: Option<u32>,
-        cands: &mut Vec<u32>,
+        cands: &mut [u32],
         rng: &mut rand_chacha::ChaCha8Rng,
     ) {
         use rand::Rng;
