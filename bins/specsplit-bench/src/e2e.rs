@@ -731,6 +731,14 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let passes = t_engine.take_device_times();
             print_device_times(&passes);
             let depth = r.widths.len();
+            if r.pipeline == Pipeline::Predraft {
+                let plan = orch.predraft_planner();
+                eprintln!(
+                    "    cost model: {:?} (candidates at depth {depth}: {})",
+                    plan,
+                    plan.choose(depth..=depth, None).candidates
+                );
+            }
             let agg = merge(
                 aggregate(&gens, depth, &ar),
                 json!({

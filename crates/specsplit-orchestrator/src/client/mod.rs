@@ -48,6 +48,11 @@ pub struct Orchestrator {
 }
 
 impl Orchestrator {
+    /// The pre-draft pipeline's cost model as it stands (its measurements so far).
+    pub fn predraft_planner(&self) -> crate::PreDraftPlanner {
+        self.planner.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
     /// Connects to the workers (no draft for target-only decoding), pings both and checks that
     /// their vocabularies match.
     pub async fn connect(

@@ -10,7 +10,7 @@ use tonic::Code;
 
 use super::{DraftOutcome, Drafted, PreDraft, PreDrafts, Run};
 use crate::client::error::{rpc, short};
-use crate::client::tree::fit_tree_widths;
+use crate::client::tree::{fit_tree_widths, subtree};
 use crate::client::worker::{known, ServerTimes};
 use crate::client::{Orchestrator, OrchestratorError};
 use crate::GenerateConfig;
@@ -128,12 +128,21 @@ impl Run<'_> {
     /// Starts pre-drafting the outcomes `set` of verifying the end of `ctx` (trees of
     /// `widths`) on its own task, bounded by the draft deadline; the task answers `Err(())`
     /// when that passed.
+    ///
+    /// Without an outcome set it bets on one outcome, the whole path accepted: an ordinary
+    /// draft of `[1] + widths` after `ctx` (the draft's own next token as the bonus, then the
+    /// tree below it), answered as that outcome's pre-draft.
     pub(super) fn spawn_predraft(
         &mut self,
         ctx: Vec<u32>,
-        set: OutcomeSet,
+        set: Option<OutcomeSet>,
         widths: Vec<usize>,
     ) -> PreDraft {
+        let bet = set.is_none().then(|| ctx.len() - self.seq.len());
+        let widths = match bet {
+            Some(_) => std::iter::once(1).chain(widths).collect(),
+            None => widths,
+        };
         let o = self.o.clone();
         let (sess, secret, cfg, no) = (
             self.session.to_string(),
@@ -146,20 +155,19 @@ impl Run<'_> {
         let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
         tokio::spawn(async move {
             let call = async {
-                let (answer, (ms, server_ms, model_ms)) = draft_call_with(
-                    &o,
-                    &sess,
-                    &secret,
-                    &cfg,
-                    no,
-                    &ctx,
-                    &widths,
-                    &limits,
-                    Some(set),
-                )
-                .await?;
+                let (answer, (ms, server_ms, model_ms)) =
+                    draft_call_with(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits, set)
+                        .await?;
+                let trees = match (bet, answer.tree.roots().next()) {
+                    (Some(accepted), Some(r)) => vec![(
+                        accepted,
+                        answer.tree.token(r),
+                        subtree(&answer.tree, Some(r), usize::MAX),
+                    )],
+                    _ => answer.predrafts,
+                };
                 Ok(PreDrafts {
-                    trees: answer.predrafts,
+                    trees,
                     ms,
                     server_ms,
                     model_ms,

@@ -337,7 +337,8 @@ impl<'a> Run<'a> {
             }
             pre => match self.draft(round.no, &round.widths).await {
                 DraftOutcome::Tree(d) => {
-                    if let Ok(mut p) = self.o.planner.lock() {
+                    // A first draft also feeds the prompt: not a level's cost.
+                    if let (Some(_), Ok(mut p)) = (self.target_cached, self.o.planner.lock()) {
                         p.observe_draft(round.widths.len(), d.ms);
                     }
                     round.drafted = *d;
@@ -388,35 +389,36 @@ impl<'a> Run<'a> {
         if !((round.first || round.depth() > 0) && round.remaining > path.len() + 1) {
             return None;
         }
-        let (candidates, lengths, widths) = if pipeline == Pipeline::Predraft {
+        let committed = self.seq.len();
+        let mut ctx = self.seq.clone();
+        ctx.extend(path.iter().map(|&i| tree.token(i)));
+        let (candidates, set, widths) = if pipeline == Pipeline::Predraft {
             let shape = self.plan(round.widths.len());
             self.planned_depth = Some(shape.depth);
             if shape.candidates == 0 {
                 return None;
             }
             let widths = resize_widths(&self.cfg.widths, shape.depth);
-            (shape.candidates, Vec::new(), widths)
+            let nodes =
+                path.len() + (path.len() + 1) * shape.candidates * (1 + full_tree_size(&widths));
+            if !self.draft_accepts(ctx.len(), nodes, widths.len().max(path.len())) {
+                return None;
+            }
+            let set = specsplit_proto::OutcomeSet {
+                committed_length: committed as i32,
+                candidates: shape.candidates as i32,
+                accepted_lengths: Vec::new(),
+            };
+            (shape.candidates, Some(set), widths)
         } else {
-            (1, vec![path.len()], round.widths.clone())
+            // The overlapped pipeline's one bet: an ordinary draft of the bonus and the tree.
+            let widths = round.widths.clone();
+            if !self.draft_accepts(ctx.len(), 1 + full_tree_size(&widths), widths.len() + 1) {
+                return None;
+            }
+            (1, None, widths)
         };
-        let committed = self.seq.len();
-        let mut ctx = self.seq.clone();
-        ctx.extend(path.iter().map(|&i| tree.token(i)));
-        let outcomes = if lengths.is_empty() {
-            path.len() + 1
-        } else {
-            lengths.len()
-        };
-        let nodes = path.len() + outcomes * candidates * (1 + full_tree_size(&widths));
-        if !self.draft_accepts(ctx.len(), nodes, widths.len().max(path.len())) {
-            return None;
-        }
         let depth = widths.len();
-        let set = specsplit_proto::OutcomeSet {
-            committed_length: committed as i32,
-            candidates: candidates as i32,
-            accepted_lengths: lengths.iter().map(|&j| j as i32).collect(),
-        };
         let task = self.spawn_predraft(ctx, set, widths);
         round.beside = true;
         Some(PreDraftInFlight {
@@ -467,7 +469,8 @@ impl<'a> Run<'a> {
     /// Feeds the adaptive depth controller (and the pre-draft pipeline's cost model) a
     /// speculative round's acceptance and timings.
     fn adapt_depth(&mut self, round: &Round, verdict: &Verdict) {
-        if !round.drafted.tree.is_empty() {
+        // A round that sends the whole sequence (a prefill) says nothing about a verify's cost.
+        if !round.drafted.tree.is_empty() && self.target_cached.is_some() {
             if let Ok(mut p) = self.o.planner.lock() {
                 let accepted = verdict.verified.accepted.len();
                 p.observe_verify(round.depth(), accepted, verdict.ms, round.beside);
