@@ -512,3 +512,60 @@ async fn sessionless_requests_count_against_the_session_limits() {
     target.stop().await;
     draft.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcome_sets_are_bounded_before_allocation() {
+    let draft = start_draft(&config(MODEL, false)).await;
+    let mut d = DraftServiceClient::connect(draft.url.clone())
+        .await
+        .unwrap();
+    // The committed sequence [1, 2, 3] and the path [4, 5] under verification.
+    let req = |committed: i32, candidates: i32, lengths: Vec<i32>, widths: Vec<i32>| DraftRequest {
+        prompt_token_ids: vec![1, 2, 3, 4, 5],
+        tree_widths: widths,
+        session_id: "outcomes".into(),
+        outcomes: Some(specsplit_proto::OutcomeSet {
+            committed_length: committed,
+            candidates,
+            accepted_lengths: lengths,
+        }),
+        ..Default::default()
+    };
+    let cases = [
+        (req(0, 1, vec![], vec![1]), "committed_length is 0"),
+        (req(6, 1, vec![], vec![1]), "committed_length is 6"),
+        (req(3, 0, vec![], vec![1]), "candidates is 0"),
+        (req(3, -4, vec![], vec![1]), "candidates is -4"),
+        (req(3, 1, vec![1, 0], vec![1]), "accepted_lengths[1] is 0"),
+        (req(3, 1, vec![3], vec![1]), "accepted_lengths[0] is 3"),
+        (req(3, 1, vec![-1], vec![1]), "accepted_lengths[0] is -1"),
+        // 3 outcomes × i32::MAX candidates × a 2-node tree: refused from the sizes alone.
+        (req(3, i32::MAX, vec![], vec![1, 1]), "pre-draft nodes"),
+        (req(3, 20, vec![], vec![1; 3]), "pre-draft nodes"),
+        // A path longer than the deepest tree.
+        (
+            DraftRequest {
+                prompt_token_ids: (1..=70).collect(),
+                ..req(1, 1, vec![], vec![1])
+            },
+            "the path under verification is 69",
+        ),
+    ];
+    for (r, want) in cases {
+        let s = refused(d.generate_drafts(r).await, Code::InvalidArgument);
+        assert!(s.message().contains(want), "{want}: {}", s.message());
+    }
+    // A valid set: one pre-draft per (accepted length, candidate), and the worker serves on.
+    let ok = d
+        .generate_drafts(req(3, 2, vec![], vec![1, 1]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ok.draft_tree.is_empty());
+    assert_eq!(ok.predrafts.len(), 3 * 2);
+    for (i, p) in ok.predrafts.iter().enumerate() {
+        assert_eq!(p.accepted_length as usize, i / 2);
+        assert_eq!(p.draft_tree.len(), 1, "a chain");
+    }
+    draft.stop().await;
+}
