@@ -174,6 +174,17 @@ impl Forest {
         self.tokens.len() - 1
     }
 
+    /// Levels above `node` (0 for a node right after the prefix).
+    pub(crate) fn depth(&self, node: usize) -> usize {
+        let mut depth = 0;
+        let mut cur = self.parents[node];
+        while let Some(p) = cur {
+            depth += 1;
+            cur = self.parents[p];
+        }
+        depth
+    }
+
     /// Tokens from the first node after the prefix down to `node`, inclusive (none for `None`).
     pub(crate) fn path_tokens(&self, node: Option<usize>) -> Vec<u32> {
         let mut out = Vec::new();
@@ -494,19 +505,25 @@ impl DraftEngine {
         dev: &candle_core::Device,
     ) -> Result<Tensor, EngineError> {
         let ids = Tensor::new(&forest.tokens[first..], dev)?;
-        self.forward_forest_ids(s, forest, first, &ids, want, dev)
+        let positions: Vec<u32> = (first..forest.len())
+            .map(|i| (forest.prefix + forest.depth(i)) as u32)
+            .collect();
+        let pos = Tensor::new(positions.as_slice(), dev)?;
+        let want = Tensor::new(want, dev)?;
+        self.forward_forest_on_device(s, forest, first, &ids, &pos, &want)
     }
 
-    /// [`DraftEngine::forward_forest`] with the nodes' tokens given as `ids` (on the device:
-    /// the forest's own tokens for these nodes need not be known on the host).
-    pub(crate) fn forward_forest_ids(
+    /// [`DraftEngine::forward_forest`] with the nodes' tokens `ids`, their positions `pos` and
+    /// the rows `want` already on the device (the forest's own tokens for these nodes need not
+    /// be known on the host).
+    pub(crate) fn forward_forest_on_device(
         &self,
         s: &mut DraftSession,
         forest: &Forest,
         first: usize,
         ids: &Tensor,
-        want: &[u32],
-        dev: &candle_core::Device,
+        pos: &Tensor,
+        want: &Tensor,
     ) -> Result<Tensor, EngineError> {
         let mask = TreeMask::from_parents(&forest.parents)
             .expect("a forest node's parent is added before it");
@@ -515,12 +532,9 @@ impl DraftEngine {
             prefix: forest.prefix,
             first_row: first,
         };
-        let positions = mask.positions(forest.prefix);
-        let pos = Tensor::new(&positions[first..], dev)?;
-        let want = Tensor::new(want, dev)?;
         Ok(self
             .model
-            .forward_tree(ids, &pos, rows, &mut s.cache, &want)?)
+            .forward_tree(ids, pos, rows, &mut s.cache, want)?)
     }
 
     /// The synthetic proposer's token after `ctx`, if it has one (see [`SyntheticOracle`]).

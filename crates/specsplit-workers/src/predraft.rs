@@ -284,20 +284,41 @@ impl DraftEngine {
             .iter()
             .map(|g| g.node.expect("a candidate node"))
             .collect();
-        let want: Vec<u32> = (0..n as u32).collect();
+        // Every level's inputs go to the device before the first pass (an upload from host
+        // memory waits for the device's queue): the rows wanted, each level's positions (a
+        // level-l node sits one below its branch's level-(l-1) node) and the synthetic tokens.
+        let want = Tensor::new((0..n as u32).collect::<Vec<_>>().as_slice(), &dev)?;
+        let first_depth: Vec<usize> = nodes
+            .iter()
+            .map(|&c| forest.prefix + forest.depth(c) + 1)
+            .collect();
+        let levels = depth.saturating_sub(1).max(1);
+        let positions: Vec<u32> = (0..levels)
+            .flat_map(|l| first_depth.iter().map(move |&p| (p + l) as u32))
+            .collect();
+        let positions = Tensor::from_vec(positions, (levels, n), &dev)?;
+        let synthetic = decided.iter().any(|d| d.iter().any(Option::is_some));
+        let overrides = if synthetic {
+            let forced: Vec<u32> = (0..depth)
+                .flat_map(|l| decided.iter().map(move |d| d[l].unwrap_or(0)))
+                .collect();
+            let on: Vec<u8> = (0..depth)
+                .flat_map(|l| decided.iter().map(move |d| u8::from(d[l].is_some())))
+                .collect();
+            Some((
+                Tensor::from_vec(forced, (depth, n), &dev)?,
+                Tensor::from_vec(on, (depth, n), &dev)?,
+            ))
+        } else {
+            None
+        };
         let (mut toks, mut lps) = (Vec::with_capacity(depth), Vec::with_capacity(depth));
         for level in 0..depth {
             let l = logits.to_dtype(DType::F32)?;
             let lse = l.log_sum_exp(1)?;
             let mut ids = l.argmax(1)?;
-            if decided.iter().any(|d| d[level].is_some()) {
-                let forced: Vec<u32> = decided.iter().map(|d| d[level].unwrap_or(0)).collect();
-                let on: Vec<u8> = decided
-                    .iter()
-                    .map(|d| u8::from(d[level].is_some()))
-                    .collect();
-                let forced = Tensor::new(forced.as_slice(), &dev)?;
-                ids = Tensor::new(on.as_slice(), &dev)?.where_cond(&forced, &ids)?;
+            if let Some((forced, on)) = &overrides {
+                ids = on.get(level)?.where_cond(&forced.get(level)?, &ids)?;
             }
             let lp = (l.gather(&ids.unsqueeze(1)?, 1)?.squeeze(1)? - lse)?;
             toks.push(ids.clone());
@@ -310,7 +331,8 @@ impl DraftEngine {
                 // The token is on the device; the host copy is filled in below.
                 *node = forest.push(Some(*node), 0);
             }
-            logits = self.forward_forest_ids(s, forest, first, &ids, &want, &dev)?;
+            let pos = positions.get(level)?;
+            logits = self.forward_forest_on_device(s, forest, first, &ids, &pos, &want)?;
             stats.tokens_processed += n;
         }
         // Token ids are below 2^24, so f32 carries them exactly: one copy for all levels.
