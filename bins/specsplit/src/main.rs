@@ -366,11 +366,42 @@ async fn start_in_process(
     Ok((ip, draft, target, tok))
 }
 
+/// The generation was interrupted (Ctrl-C or SIGTERM): the process exits with 130.
+#[derive(Debug)]
+struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Generate(args) => generate(args).await,
+    };
+    if let Err(e) = &result {
+        if e.downcast_ref::<Interrupted>().is_some() {
+            eprintln!("interrupted");
+            std::process::exit(130);
+        }
+    }
+    result
+}
+
+/// Writes `text` to stdout; a reader that went away (`| head`) ends the output quietly.
+fn out(text: &str) -> Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
     }
 }
 
@@ -393,6 +424,7 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
     if std::env::var_os("RUST_LOG").is_none() {
         std::env::set_var("RUST_LOG", "warn");
     }
+    specsplit_workers::config::check_log_format(&s.log_format)?;
     init_logging(&s.log_format);
     let prompt_text = if args.prompt == "-" {
         let mut p = String::new();
@@ -483,7 +515,7 @@ async fn run(
     };
     let gen = tokio::select! {
         r = orch.generate(&prompt, gen_cfg, on_tokens) => r?,
-        _ = shutdown_signal() => bail!("interrupted"),
+        _ = shutdown_signal() => return Err(Interrupted.into()),
     };
     let text = tokenizer.decode(&gen.token_ids, true).unwrap_or_default();
     if json {
@@ -496,17 +528,17 @@ async fn run(
             "rounds": gen.rounds,
             "config": s,
         });
-        println!("{}", serde_json::to_string(&obj)?);
+        out(&format!("{}\n", serde_json::to_string(&obj)?))?;
     } else {
         let rest = decoder.finish(tokenizer).unwrap_or_default();
-        print!("{rest}");
+        out(&rest)?;
         let ends = if rest.is_empty() {
             ends_with_newline
         } else {
             rest.ends_with('\n')
         };
         if !ends {
-            println!();
+            out("\n")?;
         }
         let st = &gen.stats;
         eprintln!(

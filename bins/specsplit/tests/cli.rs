@@ -146,6 +146,8 @@ fn bad_input_is_a_clear_error() {
             &["generate", "x", "--target-model", "no-such-model"],
             "no-such-model",
         ),
+        (&["generate", "x", "--log-format", "yaml"], "\"yaml\""),
+        (&["generate", "x", "--candidates", "9"], "candidates"),
     ];
     for (args, needle) in cases {
         let out = specsplit(args);
@@ -182,4 +184,101 @@ fn help_explains_the_flags() {
     ] {
         assert!(help.contains(flag), "help lacks {flag}");
     }
+}
+
+#[test]
+fn a_misspelt_config_section_is_an_error() {
+    let dir = std::env::temp_dir().join(format!("specsplit-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("typo.toml");
+    std::fs::write(&file, "[orchestrater]\nmax_tokens = 3\n").unwrap();
+    let out = specsplit(&["generate", "x", "--config", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown section `orchestrater`"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_closed_stdout_ends_the_output_quietly() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+        .args([
+            "generate",
+            "Hello",
+            "--target-model",
+            "random:tiny:7",
+            "--draft-model",
+            "random:tiny:7",
+            "--no-chat-template",
+            "--max-tokens",
+            "40",
+        ])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one byte, then close the pipe, as `| head -c 1` does.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut one = [0u8; 1];
+    let _ = stdout.read(&mut one);
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+}
+
+#[cfg(unix)]
+#[test]
+fn an_interrupt_exits_130() {
+    use std::io::Read;
+    use std::process::Stdio;
+    // This seed's generation runs to max-tokens: long enough to be interrupted.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+        .args([
+            "generate",
+            "Hello",
+            "--target-model",
+            "random:tiny:2",
+            "--mode",
+            "ar",
+            "--no-chat-template",
+            "--max-tokens",
+            "100000",
+        ])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once text streams out the generation runs; then SIGINT, as Ctrl-C sends.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut one = [0u8; 1];
+    assert_eq!(stdout.read(&mut one).unwrap(), 1, "no output");
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut rest = Vec::new();
+    let _ = stdout.read_to_end(&mut rest);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+}
+
+#[test]
+fn the_predraft_pipeline_matches_target_only() {
+    let spec = generate_json(&["--pipeline", "predraft", "--candidates", "2"]);
+    let ar = generate_json(&["--mode", "ar"]);
+    assert_eq!(spec["token_ids"], ar["token_ids"]);
+    let rounds = spec["rounds"].as_array().unwrap();
+    assert!(
+        rounds.iter().any(|r| r["predraft_candidates"] == 2),
+        "no round pre-drafted: {rounds:?}"
+    );
 }

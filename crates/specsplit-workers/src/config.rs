@@ -96,6 +96,7 @@ impl WorkerConfig {
     /// max_context`, `max_tree_nodes < max_context` and `max_tree_depth <=`
     /// [`MAX_WIRE_TREE_DEPTH`]. Workers call it once at start-up.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        check_log_format(&self.log_format)?;
         let positive = [
             ("max_sessions", self.max_sessions),
             ("max_context", self.max_context),
@@ -159,6 +160,7 @@ where
                 path.display()
             )));
         }
+        check_sections(path)?;
         fig = fig.merge(Figment::from(Toml::file(path)).focus(section));
     }
     let env_prefix = format!("SPECSPLIT_{}__", section.to_ascii_uppercase());
@@ -166,6 +168,48 @@ where
         .merge(Env::prefixed(&env_prefix).map(|k| k.as_str().to_ascii_lowercase().into()))
         .merge(Serialized::defaults(overrides));
     fig.extract().map_err(|e| ConfigError(e.to_string()))
+}
+
+/// The sections a configuration file may hold, one per program.
+pub const SECTIONS: [&str; 3] = ["orchestrator", "draft", "target"];
+
+/// The log formats the programs write.
+pub const LOG_FORMATS: [&str; 2] = ["text", "json"];
+
+/// Checks that `format` is a log format the programs write.
+pub fn check_log_format(format: &str) -> Result<(), ConfigError> {
+    if LOG_FORMATS.contains(&format) {
+        Ok(())
+    } else {
+        Err(ConfigError(format!(
+            "log_format is \"{format}\"; it must be \"text\" or \"json\""
+        )))
+    }
+}
+
+/// Refuses a configuration file whose top level holds anything but the known sections (a
+/// misspelt `[orchestrater]` would otherwise be ignored without a word).
+fn check_sections(path: &Path) -> Result<(), ConfigError> {
+    let top: std::collections::BTreeMap<String, figment::value::Value> =
+        Figment::from(Toml::file(path))
+            .extract()
+            .map_err(|e| ConfigError(format!("config file {}: {e}", path.display())))?;
+    for (key, value) in &top {
+        let table = matches!(value, figment::value::Value::Dict(..));
+        if !table || !SECTIONS.contains(&key.as_str()) {
+            return Err(ConfigError(format!(
+                "config file {} has {} `{key}`; it may hold only the sections [orchestrator], \
+                 [draft] and [target]",
+                path.display(),
+                if table {
+                    "an unknown section"
+                } else {
+                    "a key outside any section:"
+                }
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -179,6 +223,39 @@ mod tests {
         max_sessions: Option<usize>,
         #[serde(skip_serializing_if = "Option::is_none")]
         model: Option<String>,
+    }
+
+    #[test]
+    fn unknown_sections_and_stray_keys_are_refused() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("typo.toml", "[targte]\nmodel = \"x\"\n")?;
+            jail.create_file("stray.toml", "model = \"x\"\n[target]\nmax_sessions = 2\n")?;
+            jail.create_file(
+                "ok.toml",
+                "[draft]\nmax_sessions = 3\n[target]\nmax_sessions = 2\n",
+            )?;
+            let load = |f: &str| {
+                load_section(
+                    "target",
+                    &WorkerConfig::target_defaults(),
+                    Some(Path::new(f)),
+                    &Flags::default(),
+                )
+            };
+            let e = load("typo.toml").unwrap_err().to_string();
+            assert!(e.contains("unknown section `targte`"), "{e}");
+            let e = load("stray.toml").unwrap_err().to_string();
+            assert!(e.contains("outside any section: `model`"), "{e}");
+            assert_eq!(load("ok.toml").unwrap().max_sessions, 2);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn only_text_and_json_logs() {
+        assert!(check_log_format("text").is_ok() && check_log_format("json").is_ok());
+        let e = check_log_format("yaml").unwrap_err().to_string();
+        assert!(e.contains("\"yaml\""), "{e}");
     }
 
     #[test]
