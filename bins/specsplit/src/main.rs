@@ -498,6 +498,16 @@ async fn run(
         .encode(&text_in, !s.chat_template)
         .context("tokenizing the prompt")?;
     let orch = Orchestrator::connect_with(draft_addr, target_addr, s.client_spin).await?;
+    // Token ids the tokenizer makes must mean the same on the target: a model's vocabulary
+    // may be padded past its tokenizer's, never the other way round.
+    if tokenizer.vocab_size() > orch.vocab_size() {
+        bail!(
+            "the tokenizer has {} tokens but the target serves a vocabulary of {}: set \
+             --tokenizer to the target's model",
+            tokenizer.vocab_size(),
+            orch.vocab_size()
+        );
+    }
     let mut decoder = tokenizer.stream_decoder(true);
     let mut ends_with_newline = true;
     let mut stdout = std::io::stdout();

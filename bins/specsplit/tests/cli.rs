@@ -147,6 +147,32 @@ fn bad_input_is_a_clear_error() {
             "no-such-model",
         ),
         (&["generate", "x", "--log-format", "yaml"], "\"yaml\""),
+        (
+            &[
+                "generate",
+                "x",
+                "--target-addr",
+                "ftp://127.0.0.1:1",
+                "--mode",
+                "ar",
+                "--tokenizer",
+                "random:tiny",
+            ],
+            "scheme `ftp`",
+        ),
+        (
+            &[
+                "generate",
+                "x",
+                "--target-addr",
+                "http://127.0.0.1:1",
+                "--mode",
+                "ar",
+                "--tokenizer",
+                "random:tiny",
+            ],
+            "Connection refused",
+        ),
         (&["generate", "x", "--candidates", "9"], "candidates"),
     ];
     for (args, needle) in cases {
@@ -281,4 +307,31 @@ fn the_predraft_pipeline_matches_target_only() {
         rounds.iter().any(|r| r["predraft_candidates"] == 2),
         "no round pre-drafted: {rounds:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_beyond_the_targets_vocabulary_is_refused() {
+    let target = specsplit_e2e::start_target(&specsplit_e2e::config("random:tiny:7", true)).await;
+    let url = target.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        specsplit(&[
+            "generate",
+            "x",
+            "--mode",
+            "ar",
+            "--target-addr",
+            &url,
+            "--tokenizer",
+            "random:qwen2.5-0.5b",
+        ])
+    })
+    .await
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("set --tokenizer to the target's model"),
+        "{err}"
+    );
+    target.stop().await;
 }

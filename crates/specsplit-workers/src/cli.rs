@@ -138,6 +138,22 @@ pub async fn shutdown_signal() {
     tracing::info!("shutdown requested; finishing in-flight requests");
 }
 
+/// `e` and its causes, outermost first, joined by ": " (a cause already at the end of the
+/// text is not repeated).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(c) = next {
+        let text = c.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = c.source();
+    }
+    out
+}
+
 /// The whole `main` of a worker binary.
 pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), String> {
     let cfg = args.resolve(kind).map_err(|e| e.to_string())?;
@@ -150,15 +166,15 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Strin
         tokio::task::spawn_blocking(move || launch::load(&cfg))
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?
+            .map_err(|e| error_chain(&e))?
     };
-    let (listener, addr) = launch::bind(&cfg).await.map_err(|e| e.to_string())?;
+    let (listener, addr) = launch::bind(&cfg).await.map_err(|e| error_chain(&e))?;
     tracing::info!(%addr, model = %model.name, "serving");
     let r = match kind {
         WorkerKind::Draft => launch::run_draft(&cfg, model, listener, shutdown_signal()).await,
         WorkerKind::Target => launch::run_target(&cfg, model, listener, shutdown_signal()).await,
     };
-    r.map_err(|e| format!("server failed: {e}"))?;
+    r.map_err(|e| format!("server failed: {}", error_chain(&e)))?;
     tracing::info!("stopped");
     Ok(())
 }

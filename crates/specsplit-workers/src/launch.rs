@@ -23,7 +23,7 @@ pub enum LaunchError {
     #[error("{0}")]
     Config(String),
     /// The model failed to load.
-    #[error("loading model '{spec}': {source}")]
+    #[error("loading model '{spec}'")]
     Model {
         /// The `--model` value.
         spec: String,
@@ -31,7 +31,7 @@ pub enum LaunchError {
         source: Box<specsplit_models::ModelError>,
     },
     /// The listen address could not be bound.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// The address.
         addr: String,

@@ -68,10 +68,14 @@ pub(super) async fn channel(
         addr: addr.to_string(),
         reason,
     };
-    let uri = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+    let uri = match addr.split_once("://") {
+        Some(("http" | "https", _)) => addr.to_string(),
+        Some((scheme, _)) => {
+            return Err(unreachable(format!(
+                "the address has scheme `{scheme}`; workers speak gRPC over http:// (or https://)"
+            )))
+        }
+        None => format!("http://{addr}"),
     };
     let endpoint = Endpoint::from_shared(uri)
         .map_err(|e| unreachable(format!("bad address: {e}")))?
@@ -80,7 +84,28 @@ pub(super) async fn channel(
     tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
         .await
         .map_err(|_| unreachable("no connection within 5 s".into()))?
-        .map_err(|e| unreachable(format!("{e} (is the worker running and listening there?)")))
+        .map_err(|e| {
+            unreachable(format!(
+                "{} (is the worker running and listening there?)",
+                causes(&e)
+            ))
+        })
+}
+
+/// An error and its causes, outermost first, e.g. "transport error: dns error: failed to
+/// lookup address information: Name or service not known".
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(c) = next {
+        let text = c.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = c.source();
+    }
+    out
 }
 
 /// A limit a worker reported, `usize::MAX` where it did not say (0).
