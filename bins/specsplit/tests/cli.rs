@@ -335,3 +335,32 @@ async fn a_tokenizer_beyond_the_targets_vocabulary_is_refused() {
     );
     target.stop().await;
 }
+
+#[test]
+fn json_logs_make_every_stderr_line_json() {
+    let out = specsplit(&[
+        "generate",
+        "Hello",
+        "--target-model",
+        "random:tiny:7",
+        "--draft-model",
+        "random:tiny:7",
+        "--no-chat-template",
+        "--max-tokens",
+        "8",
+        "--log-format",
+        "json",
+    ]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let events: Vec<Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect();
+    assert!(events.iter().any(|e| e["event"] == "loading"));
+    let stats = events
+        .iter()
+        .find(|e| e["event"] == "stats")
+        .expect("stats");
+    assert!(stats["stats"]["tokens"].as_u64().unwrap() > 0);
+}
