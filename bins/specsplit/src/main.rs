@@ -587,6 +587,19 @@ async fn run(
             ),
             serde_json::json!({"event": "stats", "stats": st, "stop_reason": stop}),
         );
+        if let Some(slow) = st.speed_switches.iter().find(|w| !w.speculate) {
+            notice(
+                &s.log_format,
+                &format!(
+                    "note: speculative rounds ran at {:.1} tok/s against {:.1} tok/s for the \
+                     target alone, so {} rounds ran target-only. With both models on the same \
+                     CPU or GPU they take turns; --mode ar runs the target alone, and a draft \
+                     worker on its own device (--draft-addr) can pay.",
+                    slow.spec_tokens_per_s, slow.target_only_tokens_per_s, st.target_only_rounds
+                ),
+                serde_json::json!({"event": "speculation_slower", "switch": slow}),
+            );
+        }
     }
     Ok(())
 }

@@ -364,3 +364,24 @@ fn json_logs_make_every_stderr_line_json() {
         .expect("stats");
     assert!(stats["stats"]["tokens"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn slow_speculation_is_reported() {
+    // A draft that never agrees with the target: speculation is measured slower and paused.
+    let out = specsplit(&[
+        "generate",
+        "hi",
+        "--target-model",
+        "random:tiny:2",
+        "--draft-model",
+        "random:tiny:8",
+        "--no-chat-template",
+        "--max-tokens",
+        "300",
+        "--depth",
+        "8",
+    ]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("note: speculative rounds ran at"), "{err}");
+}
