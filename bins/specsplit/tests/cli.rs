@@ -13,6 +13,18 @@ fn specsplit(args: &[&str]) -> std::process::Output {
         .expect("run specsplit")
 }
 
+/// `specsplit` with `args`, running, its stdout and stderr piped.
+fn spawn_streaming(args: &[&str]) -> std::process::Child {
+    use std::process::Stdio;
+    Command::new(env!("CARGO_BIN_EXE_specsplit"))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run specsplit")
+}
+
 fn generate_json(extra: &[&str]) -> Value {
     let mut args = vec![
         "generate",
@@ -228,24 +240,17 @@ fn a_misspelt_config_section_is_an_error() {
 #[test]
 fn a_closed_stdout_ends_the_output_quietly() {
     use std::io::Read;
-    use std::process::Stdio;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit"))
-        .args([
-            "generate",
-            "Hello",
-            "--target-model",
-            "random:tiny:7",
-            "--draft-model",
-            "random:tiny:7",
-            "--no-chat-template",
-            "--max-tokens",
-            "40",
-        ])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_streaming(&[
+        "generate",
+        "Hello",
+        "--target-model",
+        "random:tiny:7",
+        "--draft-model",
+        "random:tiny:7",
+        "--no-chat-template",
+        "--max-tokens",
+        "40",
+    ]);
     // Read one byte, then close the pipe, as `| head -c 1` does.
     let mut stdout = child.stdout.take().unwrap();
     let mut one = [0u8; 1];
@@ -261,25 +266,18 @@ fn a_closed_stdout_ends_the_output_quietly() {
 #[test]
 fn an_interrupt_exits_130() {
     use std::io::Read;
-    use std::process::Stdio;
     // This seed's generation runs to max-tokens: long enough to be interrupted.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit"))
-        .args([
-            "generate",
-            "Hello",
-            "--target-model",
-            "random:tiny:2",
-            "--mode",
-            "ar",
-            "--no-chat-template",
-            "--max-tokens",
-            "100000",
-        ])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_streaming(&[
+        "generate",
+        "Hello",
+        "--target-model",
+        "random:tiny:2",
+        "--mode",
+        "ar",
+        "--no-chat-template",
+        "--max-tokens",
+        "100000",
+    ]);
     // Once text streams out the generation runs; then SIGINT, as Ctrl-C sends.
     let mut stdout = child.stdout.take().unwrap();
     let mut one = [0u8; 1];

@@ -96,6 +96,7 @@ impl Run<'_> {
             &self.seq,
             widths,
             &limits,
+            None,
         );
         let call = async move {
             let (tree, times) = call.await?;
@@ -156,8 +157,7 @@ impl Run<'_> {
         tokio::spawn(async move {
             let call = async {
                 let (answer, (ms, server_ms, model_ms)) =
-                    draft_call_with(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits, set)
-                        .await?;
+                    draft_call(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits, set).await?;
                 let trees = match (bet, answer.tree.roots().next()) {
                     (Some(accepted), Some(r)) => vec![(
                         accepted,
@@ -188,29 +188,11 @@ pub(super) struct DraftAnswer {
 }
 
 /// Asks the draft worker for a tree of `widths` after `seq`, as request `request_no` of the
-/// session, and checks the tree it sends against `limits`; with the call's wall time and the
-/// worker's reported wall and model times, in ms.
+/// session, or for the pre-drafts of `outcomes` when given (then `seq` holds the committed
+/// sequence and the path under verification), and checks the trees it sends against `limits`;
+/// with the call's wall time and the worker's reported wall and model times, in ms.
 #[allow(clippy::too_many_arguments)]
 async fn draft_call(
-    o: &Orchestrator,
-    session: &str,
-    secret: &str,
-    cfg: &GenerateConfig,
-    request_no: u64,
-    seq: &[u32],
-    widths: &[usize],
-    limits: &TreeLimits,
-) -> Result<(DraftAnswer, (f64, f64, f64)), OrchestratorError> {
-    draft_call_with(
-        o, session, secret, cfg, request_no, seq, widths, limits, None,
-    )
-    .await
-}
-
-/// [`draft_call`], pre-drafting the outcomes `outcomes` when given (then `seq` holds the
-/// committed sequence and the path under verification).
-#[allow(clippy::too_many_arguments)]
-async fn draft_call_with(
     o: &Orchestrator,
     session: &str,
     secret: &str,
