@@ -77,7 +77,8 @@ struct GenerateArgs {
     #[arg(long, value_name = "SPEC")]
     #[serde(skip_serializing_if = "Option::is_none")]
     target_model: Option<String>,
-    /// Model whose tokenizer encodes the prompt (default: the target model).
+    /// Model whose tokenizer encodes the prompt with remote workers (default: the model the
+    /// target reports serving, where it is known here, else the target model).
     #[arg(long, value_name = "SPEC")]
     #[serde(skip_serializing_if = "Option::is_none")]
     tokenizer: Option<String>,
@@ -454,44 +455,51 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
     tracing::info!(settings = ?s, "configuration");
 
     let spec = gen_cfg.mode == Mode::Spec;
-    let (in_process, draft_addr, target_addr, tokenizer) = if s.target_addr.is_empty()
+    let (in_process, orch, tokenizer) = if s.target_addr.is_empty()
         && (s.draft_addr.is_empty() || !spec)
     {
         let (ip, d, t, tok) = start_in_process(&s, spec).await?;
-        (Some(ip), d, t, tok)
+        let orch = Orchestrator::connect_with(d.as_deref(), &t, s.client_spin).await?;
+        (Some(ip), orch, tok)
     } else {
         if s.target_addr.is_empty() || (spec && s.draft_addr.is_empty()) {
             bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
         }
-        let tok_spec = if s.tokenizer.is_empty() {
-            s.target_model.clone()
-        } else {
-            s.tokenizer.clone()
-        };
-        let tok = tokio::task::spawn_blocking(move || {
-            specsplit_models::source::resolve(&tok_spec)
-                .and_then(|r| specsplit_models::loader::load_tokenizer(&r))
-        })
-        .await?
-        .context("loading the tokenizer (set --tokenizer to the target's model)")?;
         let d = spec.then(|| s.draft_addr.clone());
-        (None, d, s.target_addr.clone(), tok)
+        let orch = Orchestrator::connect_with(d.as_deref(), &s.target_addr, s.client_spin).await?;
+        let tok = remote_tokenizer(&s, orch.target_model()).await?;
+        (None, orch, tok)
     };
 
-    let result = run(
-        &s,
-        &gen_cfg,
-        &prompt_text,
-        &tokenizer,
-        draft_addr.as_deref(),
-        &target_addr,
-        args.json,
-    )
-    .await;
+    let result = run(&s, &gen_cfg, &prompt_text, &tokenizer, &orch, args.json).await;
     if let Some(ip) = in_process {
         ip.shutdown().await;
     }
     result
+}
+
+/// The tokenizer for remote workers: `tokenizer` when set, else the model the target reports
+/// serving where it names one known here, else `target_model`.
+async fn remote_tokenizer(s: &Settings, served: &str) -> Result<TextTokenizer> {
+    let load = |spec: String| {
+        tokio::task::spawn_blocking(move || {
+            specsplit_models::source::resolve(&spec)
+                .and_then(|r| specsplit_models::loader::load_tokenizer(&r))
+        })
+    };
+    if s.tokenizer.is_empty() && !served.is_empty() {
+        if let Ok(tok) = load(served.to_string()).await? {
+            return Ok(tok);
+        }
+    }
+    let spec = if s.tokenizer.is_empty() {
+        s.target_model.clone()
+    } else {
+        s.tokenizer.clone()
+    };
+    load(spec)
+        .await?
+        .context("loading the tokenizer (set --tokenizer to the target's model)")
 }
 
 async fn run(
@@ -499,8 +507,7 @@ async fn run(
     gen_cfg: &GenerateConfig,
     prompt_text: &str,
     tokenizer: &TextTokenizer,
-    draft_addr: Option<&str>,
-    target_addr: &str,
+    orch: &Orchestrator,
     json: bool,
 ) -> Result<()> {
     let text_in = if s.chat_template {
@@ -511,7 +518,6 @@ async fn run(
     let prompt = tokenizer
         .encode(&text_in, !s.chat_template)
         .context("tokenizing the prompt")?;
-    let orch = Orchestrator::connect_with(draft_addr, target_addr, s.client_spin).await?;
     // Token ids the tokenizer makes must mean the same on the target: a model's vocabulary
     // may be padded past its tokenizer's, never the other way round.
     if tokenizer.vocab_size() > orch.vocab_size() {

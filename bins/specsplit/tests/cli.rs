@@ -383,3 +383,33 @@ fn slow_speculation_is_reported() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("note: speculative rounds ran at"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_workers_lend_the_tokenizer_of_the_model_they_serve() {
+    let target = specsplit_e2e::start_target(&specsplit_e2e::config("random:tiny:7", true)).await;
+    let url = target.url.clone();
+    // No --tokenizer: the target serves random:tiny:7, whose tokenizer is known here.
+    let out = tokio::task::spawn_blocking(move || {
+        specsplit(&[
+            "generate",
+            "Hello, speculative world!",
+            "--mode",
+            "ar",
+            "--target-addr",
+            &url,
+            "--no-chat-template",
+            "--max-tokens",
+            "20",
+            "--json",
+        ])
+    })
+    .await
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let remote: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let local = generate_json(&["--mode", "ar"]);
+    assert_eq!(remote["token_ids"], local["token_ids"]);
+    assert_eq!(remote["prompt_token_ids"], local["prompt_token_ids"]);
+    target.stop().await;
+}

@@ -35,6 +35,8 @@ pub struct Orchestrator {
     draft: Option<DraftServiceClient<Channel>>,
     target: TargetServiceClient<Channel>,
     target_addr: String,
+    /// The model the target reported serving.
+    target_model: String,
     eos: Vec<u32>,
     vocab_size: usize,
     /// The limits the target reported.
@@ -118,6 +120,7 @@ impl Orchestrator {
             draft,
             target,
             target_addr: target_addr.to_string(),
+            target_model: tp.model_name.clone(),
             eos,
             vocab_size: tp.vocab_size.max(0) as usize,
             target_limits: WorkerLimits::of(&tp),
@@ -130,6 +133,12 @@ impl Orchestrator {
     /// End-of-sequence ids reported by the workers.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos
+    }
+
+    /// The model the target reported serving (its name as the target resolved it: an alias,
+    /// a file stem, a directory or a repo name).
+    pub fn target_model(&self) -> &str {
+        &self.target_model
     }
 
     /// Vocabulary size reported by the target.
