@@ -19,5 +19,5 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     worker_main(WorkerKind::Draft, cli.args)
         .await
-        .map_err(anyhow::Error::msg)
+        .map_err(anyhow::Error::from_boxed)
 }

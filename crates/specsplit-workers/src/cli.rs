@@ -138,43 +138,28 @@ pub async fn shutdown_signal() {
     tracing::info!("shutdown requested; finishing in-flight requests");
 }
 
-/// `e` and its causes, outermost first, joined by ": " (a cause already at the end of the
-/// text is not repeated).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(c) = next {
-        let text = c.to_string();
-        if !out.ends_with(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        next = c.source();
-    }
-    out
-}
+/// Why a worker binary stopped with an error; its causes stay attached as sources, for the
+/// binary to print as a chain.
+pub type WorkerMainError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The whole `main` of a worker binary.
-pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), String> {
-    let cfg = args.resolve(kind).map_err(|e| e.to_string())?;
-    cfg.validate().map_err(|e| e.to_string())?;
+pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), WorkerMainError> {
+    let cfg = args.resolve(kind)?;
+    cfg.validate()?;
     init_logging(&cfg.log_format);
     tracing::info!(?kind, config = ?cfg, "effective configuration");
     tracing::info!(?kind, model = %cfg.model, device = %cfg.device, "loading model");
     let model = {
         let cfg = cfg.clone();
-        tokio::task::spawn_blocking(move || launch::load(&cfg))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| error_chain(&e))?
+        tokio::task::spawn_blocking(move || launch::load(&cfg)).await??
     };
-    let (listener, addr) = launch::bind(&cfg).await.map_err(|e| error_chain(&e))?;
+    let (listener, addr) = launch::bind(&cfg).await?;
     tracing::info!(%addr, model = %model.name, "serving");
     let r = match kind {
         WorkerKind::Draft => launch::run_draft(&cfg, model, listener, shutdown_signal()).await,
         WorkerKind::Target => launch::run_target(&cfg, model, listener, shutdown_signal()).await,
     };
-    r.map_err(|e| format!("server failed: {}", error_chain(&e)))?;
+    r?;
     tracing::info!("stopped");
     Ok(())
 }
