@@ -309,29 +309,14 @@ fn the_predraft_pipeline_matches_target_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tokenizer_beyond_the_targets_vocabulary_is_refused() {
-    let target = specsplit_e2e::start_target(&specsplit_e2e::config("random:tiny:7", true)).await;
-    let url = target.url.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        specsplit(&[
-            "generate",
-            "x",
-            "--mode",
-            "ar",
-            "--target-addr",
-            &url,
-            "--tokenizer",
-            "random:qwen2.5-0.5b",
-        ])
-    })
-    .await
-    .unwrap();
+    let out =
+        against_a_remote_target(&["generate", "x", "--tokenizer", "random:qwen2.5-0.5b"]).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(
         err.contains("set --tokenizer to the target's model"),
         "{err}"
     );
-    target.stop().await;
 }
 
 #[test]
@@ -386,30 +371,41 @@ fn slow_speculation_is_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_workers_lend_the_tokenizer_of_the_model_they_serve() {
-    let target = specsplit_e2e::start_target(&specsplit_e2e::config("random:tiny:7", true)).await;
-    let url = target.url.clone();
     // No --tokenizer: the target serves random:tiny:7, whose tokenizer is known here.
-    let out = tokio::task::spawn_blocking(move || {
-        specsplit(&[
-            "generate",
-            "Hello, speculative world!",
-            "--mode",
-            "ar",
-            "--target-addr",
-            &url,
-            "--no-chat-template",
-            "--max-tokens",
-            "20",
-            "--json",
-        ])
-    })
-    .await
-    .unwrap();
+    let out = against_a_remote_target(&[
+        "generate",
+        "Hello, speculative world!",
+        "--no-chat-template",
+        "--max-tokens",
+        "20",
+        "--json",
+    ])
+    .await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let remote: Value = serde_json::from_slice(&out.stdout).unwrap();
     let local = generate_json(&["--mode", "ar"]);
     assert_eq!(remote["token_ids"], local["token_ids"]);
     assert_eq!(remote["prompt_token_ids"], local["prompt_token_ids"]);
+}
+
+/// `specsplit` with `args`, target-only, against a target worker serving random:tiny:7
+/// started for the call.
+async fn against_a_remote_target(args: &[&str]) -> std::process::Output {
+    let target = specsplit_e2e::start_target(&specsplit_e2e::config("random:tiny:7", true)).await;
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend([
+        "--mode".into(),
+        "ar".into(),
+        "--target-addr".into(),
+        target.url.clone(),
+    ]);
+    let out = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        specsplit(&args)
+    })
+    .await
+    .unwrap();
     target.stop().await;
+    out
 }
