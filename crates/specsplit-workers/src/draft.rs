@@ -149,6 +149,7 @@ pub(crate) struct Forest {
     /// Cache slots before the first node.
     pub(crate) prefix: usize,
     parents: Vec<Option<usize>>,
+    depths: Vec<usize>,
     tokens: Vec<u32>,
 }
 
@@ -158,6 +159,7 @@ impl Forest {
         Self {
             prefix,
             parents: Vec::new(),
+            depths: Vec::new(),
             tokens: Vec::new(),
         }
     }
@@ -169,6 +171,7 @@ impl Forest {
 
     /// Adds a node holding `token` below `parent` (`None`: right after the prefix).
     pub(crate) fn push(&mut self, parent: Option<usize>, token: u32) -> usize {
+        self.depths.push(parent.map_or(0, |p| self.depths[p] + 1));
         self.parents.push(parent);
         self.tokens.push(token);
         self.tokens.len() - 1
@@ -176,13 +179,7 @@ impl Forest {
 
     /// Levels above `node` (0 for a node right after the prefix).
     pub(crate) fn depth(&self, node: usize) -> usize {
-        let mut depth = 0;
-        let mut cur = self.parents[node];
-        while let Some(p) = cur {
-            depth += 1;
-            cur = self.parents[p];
-        }
-        depth
+        self.depths[node]
     }
 
     /// Tokens from the first node after the prefix down to `node`, inclusive (none for `None`).
