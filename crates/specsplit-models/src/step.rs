@@ -11,7 +11,7 @@
 use candle_core::Tensor;
 use specsplit_core::cache::SessionCache;
 
-use crate::transformer::{ExactRows, StaticStep, Transformer};
+use crate::transformer::{ChainGrowth, ExactRows, StaticStep, Transformer};
 use crate::ModelError;
 
 /// A CUDA graph of one decode step, movable between threads.
@@ -321,12 +321,25 @@ fn rows_replay<'t>(
     }
 }
 
+/// A chain growth's buffers and its graph.
+struct ChainsReplay {
+    bufs: ChainGrowth,
+    replay: Replay,
+}
+
+/// The most chain growth shapes a stepper keeps graphs of (the oldest goes first).
+const MAX_CHAIN_SHAPES: usize = 6;
+
 /// Fixed-shape greedy decode steps over one session cache (see the module docs).
 pub struct DecodeStepper {
     bufs: StaticStep,
     replay: Replay,
     /// Multi-token feeds ([`DecodeStepper::feed`]), by row count.
     rows: Vec<Option<RowsReplay>>,
+    /// Passes with every row's logits ([`DecodeStepper::exact`]), made at first use.
+    exact: Option<ExactStepper>,
+    /// Chain growths ([`DecodeStepper::grow_chains`]), by shape.
+    chains: Vec<ChainsReplay>,
 }
 
 impl std::fmt::Debug for DecodeStepper {
@@ -345,7 +358,69 @@ impl DecodeStepper {
             bufs: model.static_step_buffers(capacity)?,
             replay: Replay::default(),
             rows: Vec::new(),
+            exact: None,
+            chains: Vec::new(),
         })
+    }
+
+    /// The batch-invariant passes over this stepper's cache that give every row's logits
+    /// ([`ExactStepper::step_chain`]), where the model runs them.
+    pub fn exact(&mut self, model: &Transformer) -> Result<&mut ExactStepper, ModelError> {
+        match &mut self.exact {
+            Some(e) => Ok(e),
+            none => Ok(none.insert(ExactStepper::new(model, self.bufs.capacity())?)),
+        }
+    }
+
+    /// Whether [`DecodeStepper::grow_chains`] runs `rows` chains for `model`.
+    pub fn grow_chains_fit(&self, model: &Transformer, rows: usize) -> bool {
+        model.grow_chains_fit(self.bufs.capacity(), rows)
+    }
+
+    /// Grows `roots.len()` greedy chains of `depth` tokens below a forest's roots on `cache`
+    /// ([`Transformer::grow_chains`]; see [`ChainGrowth::start`] for `leads`, `base` and
+    /// `forced`), replayed from a graph captured per shape, and returns the `(2·depth, rows)`
+    /// f32 tokens and log-probabilities (the stepper's own buffer, overwritten by the next
+    /// growth of that shape).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grow_chains(
+        &mut self,
+        model: &Transformer,
+        cache: &SessionCache,
+        roots: &[u32],
+        leads: &[usize],
+        base: usize,
+        depth: usize,
+        forced: &[Option<u32>],
+    ) -> Result<Tensor, ModelError> {
+        let rows = roots.len();
+        if !self.grow_chains_fit(model, rows) {
+            return Err(ModelError::Unsupported(format!(
+                "no {rows}-row chain growth for this model"
+            )));
+        }
+        specsplit_core::device::bind_to_thread(model.device())?;
+        let at = match self
+            .chains
+            .iter()
+            .position(|c| c.bufs.rows() == rows && c.bufs.depth() == depth)
+        {
+            Some(at) => at,
+            None => {
+                if self.chains.len() == MAX_CHAIN_SHAPES {
+                    self.chains.remove(0);
+                }
+                self.chains.push(ChainsReplay {
+                    bufs: model.chain_growth_buffers(self.bufs.capacity(), rows, depth)?,
+                    replay: Replay::default(),
+                });
+                self.chains.len() - 1
+            }
+        };
+        let ChainsReplay { bufs, replay } = &mut self.chains[at];
+        bufs.start(roots, leads, base, forced)?;
+        replay.run(model, || model.grow_chains(bufs, cache))?;
+        Ok(bufs.out.clone())
     }
 
     /// Feeds `tokens` (at least one) at cache slots `position..` of `cache` (the cache this

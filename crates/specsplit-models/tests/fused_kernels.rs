@@ -1366,3 +1366,67 @@ fn a_wide_pass_computes_what_the_batched_pass_computes() {
         );
     }
 }
+
+#[test]
+fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
+    let Some(dev) = gpu() else { return };
+    let m = small_model("qwen2.5-0.5b", 29, &dev);
+    let cap = 512;
+    let prompt: Vec<u32> = (0..120).map(|i| (i * 37 + 11) % 8192).collect();
+    let mut cache = m.new_cache(cap).unwrap();
+    forward_last(&m, &mut cache, &prompt);
+    let mut stepper = DecodeStepper::new(&m, cap).unwrap();
+    // Three roots: after 118, 120 and 120 of the cached tokens; chains of 4 from slot 120.
+    let (roots, leads, depth) = ([5u32, 6, 7], [118usize, 120, 120], 4);
+    // Each chain decoded alone, one token a forward pass on a cache of its own run.
+    let mut want_tokens = vec![vec![0u32; roots.len()]; depth];
+    let mut want_lps = vec![vec![0f32; roots.len()]; depth];
+    for (b, (&root, &lead)) in roots.iter().zip(&leads).enumerate() {
+        let mut alone = m.new_cache(cap).unwrap();
+        forward_last(&m, &mut alone, &prompt[..lead]);
+        let mut token = root;
+        for l in 0..depth {
+            let row = forward_last(&m, &mut alone, &[token]);
+            token = argmax(&row);
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln();
+            want_tokens[l][b] = token;
+            want_lps[l][b] = (row[token as usize] as f64 - lse) as f32;
+        }
+    }
+    // Eager, captured, replayed; then again with the middle chain's second token forced.
+    for run in 0..4 {
+        let forced: Vec<Option<u32>> = if run == 3 {
+            (0..depth * roots.len())
+                .map(|i| (i == roots.len() + 1).then_some(4321))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let out = stepper
+            .grow_chains(&m, &cache, &roots, &leads, prompt.len(), depth, &forced)
+            .unwrap();
+        let got: Vec<Vec<f32>> = out.to_vec2().unwrap();
+        for l in 0..depth {
+            for b in 0..roots.len() {
+                let tok = got[l][b] as u32;
+                if run == 3 && l == 1 && b == 1 {
+                    assert_eq!(tok, 4321, "the forced token replaces the greedy one");
+                    continue;
+                }
+                if run == 3 && b == 1 && l > 1 {
+                    continue; // that chain went on from the forced token
+                }
+                assert_eq!(tok, want_tokens[l][b], "run {run}: chain {b}, level {l}");
+                let lp = got[depth + l][b];
+                assert!(
+                    (lp - want_lps[l][b]).abs() < 1e-3,
+                    "run {run}: chain {b}, level {l}: log-prob {lp} vs {}",
+                    want_lps[l][b]
+                );
+            }
+        }
+        // The cache's length is left alone.
+        assert_eq!(cache.len(), prompt.len());
+    }
+}

@@ -47,7 +47,8 @@ pub enum Pipeline {
     /// Draft round N+1 while round N is verified, for every likely outcome (each accepted
     /// length and the draft's likeliest tokens for the target's next), in shared passes of the
     /// draft worker; the depth and the candidates per outcome come from a cost model of
-    /// measured times and hit rates, which turns pre-drafting off where it does not pay.
+    /// measured times and hit rates, which falls back to the overlapped pipeline's one bet, or
+    /// to drafting after the verdict, where pre-drafting every outcome does not pay.
     Predraft,
 }
 

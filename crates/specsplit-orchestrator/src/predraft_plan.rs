@@ -9,9 +9,12 @@
 //! likeliest). Per round, in steady state:
 //!
 //! - without pre-drafting: T = t_draft(d) + t_verify,alone;
-//! - with it: T = max(t_verify,beside, t_predraft(d, m)) + (1 − hit(d, m)) · t_draft(d),
+//! - with it: T = max(t_verify,beside, t_predraft(d, m)) + (1 − hit(d, m)) · t_draft(d);
+//! - with one bet (the overlapped pipeline's: an ordinary draft of d + 1 levels after the whole
+//!   path, the draft's own next token as the bonus): T = max(t_verify,beside, t_draft(d + 1)) +
+//!   (1 − α^d · c_bonus(1)) · t_draft(d),
 //!
-//! and the planner picks the (d, m) of the largest E(d) / T. Every input is measured: the
+//! and the planner picks the (d, m) or the bet of the largest E(d) / T. Every input is measured: the
 //! acceptance, an ordinary draft's time per level, a verify's time alone and beside a pre-draft
 //! (both models on one GPU contend, which shows here and turns pre-drafting off), a pre-draft's
 //! time per pass by rows, and each outcome kind's hit rate per m. A shape not measured yet is
@@ -65,6 +68,16 @@ pub struct Shape {
     pub depth: usize,
     /// Candidates per accepted length (0: none pre-drafted).
     pub candidates: usize,
+    /// With no candidates: whether the next round's tree is drafted beside the verify for one
+    /// outcome (the whole path accepted, the draft's own next token as the bonus).
+    pub bet: bool,
+}
+
+impl Shape {
+    /// Whether anything is drafted beside the verify: an outcome set or one bet.
+    pub fn beside(&self) -> bool {
+        self.candidates > 0 || self.bet
+    }
 }
 
 /// Most candidates per outcome a planner considers.
@@ -181,6 +194,7 @@ impl PreDraftPlanner {
             return Shape {
                 depth,
                 candidates: fixed.unwrap_or(0),
+                bet: false,
             };
         };
         let beside = self.verify_beside_ms.0.unwrap_or(alone);
@@ -190,6 +204,7 @@ impl PreDraftPlanner {
             Shape {
                 depth,
                 candidates: 0,
+                bet: false,
             },
         );
         for d in depths {
@@ -199,6 +214,11 @@ impl PreDraftPlanner {
                 Some(m) => vec![m],
                 None => (0..=MAX_CANDIDATES).collect(),
             };
+            let mut consider = |rate: f64, shape: Shape| {
+                if rate > best.0 {
+                    best = (rate, shape);
+                }
+            };
             for m in ms {
                 let ms = if m == 0 {
                     draft + alone
@@ -206,16 +226,22 @@ impl PreDraftPlanner {
                     let hit = self.hit(d, m, a);
                     beside.max(self.predraft_ms(d, m)) + (1.0 - hit) * draft
                 };
-                let rate = tokens / ms.max(1e-6);
-                if rate > best.0 {
-                    best = (
-                        rate,
-                        Shape {
-                            depth: d,
-                            candidates: m,
-                        },
-                    );
-                }
+                let shape = Shape {
+                    depth: d,
+                    candidates: m,
+                    bet: false,
+                };
+                consider(tokens / ms.max(1e-6), shape);
+            }
+            if fixed.is_none() {
+                let hit = a.powi(d as i32) * self.hit_rate(1, true);
+                let ms = beside.max(per_level * (d + 1) as f64) + (1.0 - hit) * draft;
+                let shape = Shape {
+                    depth: d,
+                    candidates: 0,
+                    bet: true,
+                };
+                consider(tokens / ms.max(1e-6), shape);
             }
         }
         best.1
@@ -288,14 +314,16 @@ mod tests {
             p.choose(4..=8, None),
             Shape {
                 depth: 4,
-                candidates: 0
+                candidates: 0,
+                bet: false,
             }
         );
         assert_eq!(
             p.choose(4..=8, Some(2)),
             Shape {
                 depth: 4,
-                candidates: 2
+                candidates: 2,
+                bet: false,
             }
         );
     }
@@ -327,6 +355,8 @@ mod tests {
         }
         assert_eq!(p.choose(4..=4, None).candidates, 0);
         assert_eq!(p.choose(1..=8, None).candidates, 0);
+        // The one bet contends as much: drafting after the verdict is the better choice.
+        assert!(!p.choose(4..=4, None).bet);
         assert_eq!(
             p.choose(4..=4, Some(3)).candidates,
             3,
@@ -365,5 +395,31 @@ mod tests {
             (p.predraft_ms(6, 4) - 1.0 * 7.0).abs() < 1e-9,
             "28 rows: not measured"
         );
+    }
+
+    #[test]
+    fn one_bet_is_chosen_where_pre_drafting_every_outcome_costs_more_than_a_verify() {
+        // Draft 1 ms a level, verify 5 ms alone and beside; a pre-draft pass 2 ms (10 ms for
+        // depth 4: twice a verify); acceptance 0.8 and the draft's bonus right 9 times in 10.
+        let rounds = [(4, 4), (4, 3), (4, 4), (4, 2), (4, 4)];
+        let mut p = measured(&rounds, 1.0, 5.0);
+        for _ in 0..40 {
+            for m in 1..=4 {
+                p.observe_predraft(4, m, 4, 10.0);
+            }
+            p.observe_verify(4, 4, 5.0, true);
+            p.observe_outcome(1, true, true);
+        }
+        let s = p.choose(4..=4, None);
+        assert_eq!((s.candidates, s.bet), (0, true), "{s:?}");
+        // A fixed number of candidates is never replaced by the bet.
+        assert!(!p.choose(4..=4, Some(2)).bet);
+        // When the bonus is never the draft's own token and a verify beside a draft is slower
+        // than alone, the bet cannot pay.
+        for _ in 0..80 {
+            p.observe_outcome(1, true, false);
+            p.observe_verify(4, 4, 6.0, true);
+        }
+        assert!(!p.choose(4..=4, None).bet);
     }
 }

@@ -265,6 +265,12 @@ impl DraftEngine {
         self
     }
 
+    /// Whether greedy chains are drafted with fixed-shape steps replayed from CUDA graphs
+    /// (see [`DraftEngine::with_static_chains`]).
+    pub fn static_chains(&self) -> bool {
+        self.static_chains
+    }
+
     /// This engine with a synthetic proposer (benchmarks only).
     pub fn with_synthetic(mut self, oracle: SyntheticOracle) -> Self {
         self.synthetic = Some(oracle);

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use specsplit_core::tree::{full_tree_size, TokenTree};
+use specsplit_models::step::DecodeStepper;
 
 use crate::draft::{
     top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest, Grow,
@@ -143,15 +144,8 @@ impl DraftEngine {
         s.tokens.truncate(keep);
         s.last_logits = None;
         let feed = &tokens[keep..];
-        let ids = Tensor::new(feed, &dev)?;
-        let pos: Vec<u32> = (keep as u32..tokens.len() as u32).collect();
-        let pos = Tensor::new(pos.as_slice(), &dev)?;
-        let first = (committed - 1 - keep) as u32;
-        let rows: Vec<u32> = (first..feed.len() as u32).collect();
-        let rows = Tensor::new(rows.as_slice(), &dev)?;
-        let at_lengths = self
-            .model()
-            .forward(&ids, &pos, None, &mut s.cache, &rows)?;
+        let first = committed - 1 - keep;
+        let at_lengths = self.causal_rows(s, feed, keep, first)?;
         stats.tokens_processed += feed.len();
         s.tokens.extend_from_slice(feed);
         let picks = top_w_on_device(&at_lengths, m + 1)?;
@@ -186,57 +180,68 @@ impl DraftEngine {
                 t
             })
             .collect();
-        // Pass 1: every candidate, each over the prefix and its accepted path tokens.
-        let t0 = Instant::now();
-        let want: Vec<u32> = (0..outcomes.len() as u32).collect();
-        let logits = self.forward_forest(s, &forest, path.len(), &want, &dev)?;
-        stats.model_time += t0.elapsed();
-        stats.tokens_processed += outcomes.len();
-        let frontier = outcomes
-            .iter()
-            .enumerate()
-            .filter(|(_, &(_, t, _))| !self.eos().contains(&t))
-            .map(|(o, &(_, _, node))| Grow {
-                node: Some(node),
-                tree: o,
-                at: None,
-            })
-            .collect::<Vec<_>>();
-        if !frontier.is_empty() {
-            let rows: Vec<u32> = frontier
+        let greedy_chains = p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1);
+        let depth = p.widths.len();
+        if greedy_chains && self.chains_replayable(s, tokens.len(), outcomes.len(), depth) {
+            // Every candidate and every level of its chain, replayed from one graph.
+            let t0 = Instant::now();
+            self.grow_chains_replayed(s, tokens, committed, &outcomes, &mut trees, depth)?;
+            stats.model_time += t0.elapsed();
+            stats.tokens_processed += outcomes.len() * depth;
+        } else {
+            // Pass 1: every candidate, each over the prefix and its accepted path tokens.
+            let t0 = Instant::now();
+            let want: Vec<u32> = (0..outcomes.len() as u32).collect();
+            let logits = self.forward_forest(s, &forest, path.len(), &want, &dev)?;
+            stats.model_time += t0.elapsed();
+            stats.tokens_processed += outcomes.len();
+            let frontier = outcomes
                 .iter()
-                .map(|g| (g.node.expect("a candidate node") - path.len()) as u32)
-                .collect();
-            let rows = Tensor::new(rows.as_slice(), &dev)?;
-            let logits = logits.index_select(&rows, 0)?;
-            if p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1) {
-                // Greedy chains: every level on the device, one copy back at the end.
-                let contexts: Vec<Vec<u32>> = frontier
+                .enumerate()
+                .filter(|(_, &(_, t, _))| !self.eos().contains(&t))
+                .map(|(o, &(_, _, node))| Grow {
+                    node: Some(node),
+                    tree: o,
+                    at: None,
+                })
+                .collect::<Vec<_>>();
+            if !frontier.is_empty() {
+                let rows: Vec<u32> = frontier
                     .iter()
-                    .map(|g| {
-                        let (j, t, _) = outcomes[g.tree];
-                        let mut ctx = tokens[..committed + j].to_vec();
-                        ctx.push(t);
-                        ctx
-                    })
+                    .map(|g| (g.node.expect("a candidate node") - path.len()) as u32)
                     .collect();
-                self.grow_chains(
-                    s,
-                    &mut forest,
-                    &mut trees,
-                    &frontier,
-                    &contexts,
-                    logits,
-                    p.widths.len(),
-                    &mut stats,
-                )?;
-            } else {
-                // The branches' trees, one pass per level; the session's tokens stand for the
-                // forest's prefix while they grow.
-                let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
-                let grown = self.grow(s, &mut forest, &mut trees, frontier, logits, p, &mut stats);
-                s.tokens = saved;
-                grown?;
+                let rows = Tensor::new(rows.as_slice(), &dev)?;
+                let logits = logits.index_select(&rows, 0)?;
+                if p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1) {
+                    // Greedy chains: every level on the device, one copy back at the end.
+                    let contexts: Vec<Vec<u32>> = frontier
+                        .iter()
+                        .map(|g| {
+                            let (j, t, _) = outcomes[g.tree];
+                            let mut ctx = tokens[..committed + j].to_vec();
+                            ctx.push(t);
+                            ctx
+                        })
+                        .collect();
+                    self.grow_chains(
+                        s,
+                        &mut forest,
+                        &mut trees,
+                        &frontier,
+                        &contexts,
+                        logits,
+                        p.widths.len(),
+                        &mut stats,
+                    )?;
+                } else {
+                    // The branches' trees, one pass per level; the session's tokens stand for the
+                    // forest's prefix while they grow.
+                    let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
+                    let grown =
+                        self.grow(s, &mut forest, &mut trees, frontier, logits, p, &mut stats);
+                    s.tokens = saved;
+                    grown?;
+                }
             }
         }
         // Keep the committed sequence and the path; free every branch.
@@ -252,6 +257,128 @@ impl DraftEngine {
             })
             .collect();
         Ok((out, stats))
+    }
+
+    /// Pass 0: `feed` after the `keep` cached tokens, causally, into the cache; the logits of
+    /// its rows `first..`. Replayed from a graph per row count where the model has exact rows
+    /// passes (bf16 on CUDA with the fused kernels), else an eager forward.
+    fn causal_rows(
+        &self,
+        s: &mut DraftSession,
+        feed: &[u32],
+        keep: usize,
+        first: usize,
+    ) -> Result<Tensor, EngineError> {
+        let model = self.model();
+        let cap = s.cache.capacity();
+        if self.static_chains() && model.exact_rows_fit(cap, feed.len()) {
+            let stepper = match &mut s.stepper {
+                Some(st) => st,
+                none => none.insert(DecodeStepper::new(model, cap)?),
+            };
+            let logits = stepper
+                .exact(model)?
+                .step_chain(model, feed, &mut s.cache)?;
+            // A copy: the stepper's buffer is overwritten by its next pass of this length.
+            return Ok(logits.narrow(0, first, feed.len() - first)?.copy()?);
+        }
+        let dev = model.device();
+        let ids = Tensor::new(feed, dev)?;
+        let pos: Vec<u32> = (keep as u32..(keep + feed.len()) as u32).collect();
+        let pos = Tensor::new(pos.as_slice(), dev)?;
+        let rows: Vec<u32> = (first as u32..feed.len() as u32).collect();
+        let rows = Tensor::new(rows.as_slice(), dev)?;
+        Ok(model.forward(&ids, &pos, None, &mut s.cache, &rows)?)
+    }
+
+    /// Whether `n` greedy chains of `depth` tokens grow from one replayed graph
+    /// ([`DecodeStepper::grow_chains`]) after a sequence of `len` tokens.
+    fn chains_replayable(&self, s: &DraftSession, len: usize, n: usize, depth: usize) -> bool {
+        let cap = s.cache.capacity();
+        self.static_chains()
+            && n > 0
+            && self.model().grow_chains_fit(cap, n)
+            && len.saturating_add(n.saturating_mul(depth)) <= cap
+    }
+
+    /// The greedy chain of `depth` tokens below every outcome's candidate, all levels in one
+    /// graph replay and one copy back: the candidates' nodes, then each level's, sit after the
+    /// sequence `tokens` (committed + path) in the cache, and outcome `(j, t)` sees the
+    /// committed tokens and the path's first `j`. A synthetic proposer's tokens (decided on the
+    /// host from each outcome's context) replace the model's on the device. A chain is cut
+    /// after an end-of-sequence token; a candidate that is one gets no tree.
+    fn grow_chains_replayed(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        committed: usize,
+        outcomes: &[(usize, u32, usize)],
+        trees: &mut [TokenTree],
+        depth: usize,
+    ) -> Result<(), EngineError> {
+        let roots: Vec<u32> = outcomes.iter().map(|&(_, t, _)| t).collect();
+        let leads: Vec<usize> = outcomes.iter().map(|&(j, _, _)| committed + j).collect();
+        let mut forced = Vec::new();
+        if self.synthetic().is_some() {
+            let decided: Vec<Vec<Option<u32>>> = outcomes
+                .iter()
+                .map(|&(j, t, _)| {
+                    let mut ctx = tokens[..committed + j].to_vec();
+                    ctx.push(t);
+                    self.oracle_chain(&ctx, depth, &mut s.rng)
+                })
+                .collect();
+            forced = (0..depth)
+                .flat_map(|l| decided.iter().map(move |d| d[l]))
+                .collect();
+        }
+        let model = self.model();
+        let cap = s.cache.capacity();
+        let stepper = match &mut s.stepper {
+            Some(st) => st,
+            none => none.insert(DecodeStepper::new(model, cap)?),
+        };
+        let out = stepper.grow_chains(
+            model,
+            &s.cache,
+            &roots,
+            &leads,
+            tokens.len(),
+            depth,
+            &forced,
+        )?;
+        // Rows: each level's tokens, then their log-probabilities; one copy for all.
+        let packed: Vec<Vec<f32>> = out.to_vec2()?;
+        for (o, &(_, root, _)) in outcomes.iter().enumerate() {
+            if self.eos().contains(&root) {
+                continue;
+            }
+            let chain = (0..depth).map(|l| (packed[l][o] as u32, packed[depth + l][o]));
+            self.push_chain(&mut trees[o], chain)?;
+        }
+        Ok(())
+    }
+
+    /// Appends a greedy chain of `(token, log-probability)` to the empty `tree`, cut after an
+    /// end-of-sequence token.
+    fn push_chain(
+        &self,
+        tree: &mut TokenTree,
+        chain: impl Iterator<Item = (u32, f32)>,
+    ) -> Result<(), EngineError> {
+        let mut parent = None;
+        for (tok, lp) in chain {
+            let node = match parent {
+                None => tree.push_root(tok, lp),
+                Some(p) => tree.push_child(p, tok, lp),
+            }
+            .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
+            if self.eos().contains(&tok) {
+                break;
+            }
+            parent = Some(node);
+        }
+        Ok(())
     }
 
     /// Grows a greedy chain of `depth` tokens below each of `branches` (whose logits rows are
@@ -339,20 +466,8 @@ impl DraftEngine {
         let ids = Tensor::stack(&toks, 1)?.to_dtype(DType::F32)?;
         let packed: Vec<Vec<f32>> = Tensor::cat(&[&ids, &Tensor::stack(&lps, 1)?], 1)?.to_vec2()?;
         for (g, row) in branches.iter().zip(&packed) {
-            let tree = &mut trees[g.tree];
-            let mut parent = None;
-            for level in 0..depth {
-                let (tok, lp) = (row[level] as u32, row[depth + level]);
-                let node = match parent {
-                    None => tree.push_root(tok, lp),
-                    Some(p) => tree.push_child(p, tok, lp),
-                }
-                .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
-                if self.eos().contains(&tok) {
-                    break;
-                }
-                parent = Some(node);
-            }
+            let chain = (0..depth).map(|l| (row[l] as u32, row[depth + l]));
+            self.push_chain(&mut trees[g.tree], chain)?;
         }
         stats.model_time += t0.elapsed();
         Ok(())

@@ -39,21 +39,21 @@ extern "C" __global__ void specsplit_qkv_rope_cache_bf16(
 
 // The n rows of one pass: row r's fused Q|K|V (heads + 2 * kv heads of hd values, rows
 // contiguous) → rotary on Q and K at positions[r], Q written to q_out (heads, n, hd), K and V
-// written into the caches (kv, cap, hd) at slot past + r, or at slot positions[r] when past is
-// negative (a chain after the cached sequence, its slots read on the device so that a captured
-// graph serves every round). Grid (heads + 2 * kv, n), hd / 2 threads. Each value is computed
+// written into the caches (kv, cap, hd) at slot past + r, or at slot slots[r] when past is
+// negative (slots read on the device, so that a captured graph serves every round: a chain's
+// slots are its positions, a forest's nodes sit at slots apart from their positions). Grid (heads + 2 * kv, n), hd / 2 threads. Each value is computed
 // from its own row alone.
 extern "C" __global__ void specsplit_qkv_rope_rows_bf16(
     const bf16* __restrict__ qkv, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
-    const uint32_t* __restrict__ positions, bf16* __restrict__ kc, bf16* __restrict__ vc,
-    bf16* __restrict__ q_out, int heads, int kv, int hd, int cap, int n, int past,
-    int interleaved) {
+    const uint32_t* __restrict__ positions, const uint32_t* __restrict__ slots,
+    bf16* __restrict__ kc, bf16* __restrict__ vc, bf16* __restrict__ q_out, int heads, int kv,
+    int hd, int cap, int n, int past, int interleaved) {
     pdl_enter();
     const int h = blockIdx.x, r = blockIdx.y;
     const int half = hd / 2;
     const int i = threadIdx.x;
     if (i >= half) return;
-    const int slot = past >= 0 ? past + r : (int)positions[r];
+    const int slot = past >= 0 ? past + r : (int)slots[r];
     if (slot < 0 || slot >= cap) return;  // the host checks capacity; never write past it
     const bf16* src = qkv + ((size_t)r * (heads + 2 * kv) + h) * hd;
     if (h >= heads + kv) {

@@ -108,22 +108,39 @@ impl PassKeys {
     /// lead return at once, so each row gets the same bits as with [`PassKeys::new`].
     pub fn device_rows(meta: Tensor, capacity: usize) -> Result<Self> {
         let rows = meta.dims().first().copied().unwrap_or(0);
+        let extra = Tensor::zeros((rows.max(1), 1), candle_core::DType::U32, meta.device())?;
+        Self::device_listed(meta, extra, capacity)
+    }
+
+    /// [`PassKeys::device_rows`] with listed slots: `meta` `(n, 2)` u32 holds `[lead_r,
+    /// listed_r]` per row and `extra` `(n, max_extra)` u32 row `r`'s `listed_r` slots after its
+    /// lead (ascending, at or past it, below `capacity`), both written by the caller before
+    /// each launch: the rows of a tree or a forest whose nodes sit at slots apart from the
+    /// sequence. A row's bits are those [`PassKeys::new`] gives it.
+    pub fn device_listed(meta: Tensor, extra: Tensor, capacity: usize) -> Result<Self> {
+        let rows = meta.dims().first().copied().unwrap_or(0);
+        let max_extra = extra.dims().get(1).copied().unwrap_or(0);
         if meta.dims() != [rows, 2]
             || rows == 0
             || meta.dtype() != candle_core::DType::U32
+            || extra.dims() != [rows, max_extra]
+            || max_extra == 0
+            || extra.dtype() != candle_core::DType::U32
             || capacity == 0
         {
             return Err(candle_core::Error::Msg(format!(
-                "device rows need an (n, 2) u32 meta buffer and a capacity, got {:?} {:?} and {capacity}",
+                "device rows need (n, 2) and (n, listed) u32 buffers and a capacity, got {:?} \
+                 {:?}, {:?} {:?} and {capacity}",
                 meta.dims(),
-                meta.dtype()
+                meta.dtype(),
+                extra.dims(),
+                extra.dtype()
             )));
         }
-        let extra = Tensor::zeros((rows, 1), candle_core::DType::U32, meta.device())?;
         Ok(Self {
             meta,
             extra,
-            max_extra: 1,
+            max_extra,
             rows,
             end: capacity,
             max_len: capacity,

@@ -354,7 +354,7 @@ pub(super) fn qkv_rope_rows(
     positions: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    past: Option<usize>,
+    slots: super::RowSlots<'_>,
     s: AttnShape,
     interleaved: bool,
     l: super::Launch,
@@ -369,11 +369,21 @@ pub(super) fn qkv_rope_rows(
         positions.dims() == [n] && positions.dtype() == DType::U32,
         || format!("positions {:?} for {n} rows", positions.dims()),
     )?;
-    check(past.is_none_or(|p| p + n <= s.capacity), || {
-        format!("{n} rows after {past:?} do not fit {} slots", s.capacity)
-    })?;
-    // The kernel reads a negative `past` as "the slots are the positions".
-    let past = past.map_or(-1, |p| p as i64);
+    // The kernel reads a negative `past` as "the slots are listed".
+    let (past, listed) = match slots {
+        super::RowSlots::After(p) => {
+            check(p + n <= s.capacity, || {
+                format!("{n} rows after {p} do not fit {} slots", s.capacity)
+            })?;
+            (p as i64, positions)
+        }
+        super::RowSlots::Listed(l) => {
+            check(l.dims() == [n] && l.dtype() == DType::U32, || {
+                format!("slots {:?} for {n} rows", l.dims())
+            })?;
+            (-1, l)
+        }
+    };
     check(past < i64::from(i32::MAX), || format!("slot {past}"))?;
     for t in [cos, sin] {
         check(
@@ -384,7 +394,7 @@ pub(super) fn qkv_rope_rows(
     check_cache(k_cache, s)?;
     check_cache(v_cache, s)?;
     let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
-    let mut args = pointers(&[qkv, cos, sin, positions, k_cache, v_cache, &q])?;
+    let mut args = pointers(&[qkv, cos, sin, positions, listed, k_cache, v_cache, &q])?;
     args.extend([s.heads, s.kv, hd, s.capacity, n].map(|v| I(v as i32)));
     args.extend([I(past as i32), I(interleaved as i32)]);
     let grid = ((s.heads + 2 * s.kv) as u32, n as u32);

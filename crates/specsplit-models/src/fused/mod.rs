@@ -50,7 +50,7 @@ pub use gemv::{gemv, gemv_fits, gemv_rows, gemv_rows_fits, GEMV_MAX_ROWS};
 pub use launch::{decode_attention_splits, BiTuning, Launch, PDL_AVAILABLE, RA_STAGE};
 pub use norm::add_rmsnorm;
 pub use options::KernelOptions;
-pub use rope::{qkv_rope_cache, qkv_rope_rows};
+pub use rope::{qkv_rope_cache, qkv_rope_rows, RowSlots};
 #[cfg(feature = "cuda")]
 pub use scratch::{carving, counting, Scratch, ScratchNeed};
 

@@ -46,7 +46,7 @@ pub(super) fn qkv_rope_rows(
     _: &Tensor,
     _: &Tensor,
     _: &Tensor,
-    _: Option<usize>,
+    _: super::RowSlots<'_>,
     _: AttnShape,
     _: bool,
     _: super::Launch,

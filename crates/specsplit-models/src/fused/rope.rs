@@ -36,12 +36,20 @@ pub fn qkv_rope_cache(
     )
 }
 
+/// Where the K/V of a pass's rows are written in the caches.
+#[derive(Debug, Clone, Copy)]
+pub enum RowSlots<'a> {
+    /// Slots `past..past + n`, after `past` cached entries.
+    After(usize),
+    /// The slots a `(n,)` u32 device buffer lists (read on the device, so a captured graph
+    /// serves any cache length; the caller keeps them below the capacity).
+    Listed(&'a Tensor),
+}
+
 /// [`qkv_rope_cache`] for the `n` rows of one pass: the fused Q|K|V rows `(n, (heads + 2 kv) *
 /// head_dim)`, rotary at the positions `(n,)` u32 (each below the tables' length), K and V
-/// written into the caches at slots `past..past + n`, or with `past` `None` at the slots the
-/// positions name (read on the device, so a captured graph serves any cache length; the
-/// caller keeps them below the capacity); returns the rotated Q as `(1, heads, n, head_dim)`,
-/// the layout [`rows_attention`](super::rows_attention) reads.
+/// written into the caches at `slots`; returns the rotated Q as `(1, heads, n, head_dim)`, the
+/// layout [`rows_attention`](super::rows_attention) reads.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_rows(
     qkv: &Tensor,
@@ -50,7 +58,7 @@ pub fn qkv_rope_rows(
     positions: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    past: Option<usize>,
+    slots: RowSlots<'_>,
     shape: AttnShape,
     interleaved: bool,
     launch: Launch,
@@ -65,7 +73,7 @@ pub fn qkv_rope_rows(
         positions,
         k_cache,
         v_cache,
-        past,
+        slots,
         shape,
         interleaved,
         launch,

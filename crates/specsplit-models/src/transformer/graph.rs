@@ -343,7 +343,7 @@ impl Transformer {
                 &b.positions,
                 kb,
                 vb,
-                None,
+                fused::RowSlots::Listed(&b.positions),
                 shape,
                 self.rope_interleaved,
                 launch,

@@ -8,12 +8,14 @@
 //! copy (the inner dimension of the K/V views is contiguous). Nothing in the forward pass reads
 //! values back to the host.
 
+mod forest;
 mod graph;
 mod linear;
 mod load;
 mod plan;
 mod stack;
 
+pub use forest::ChainGrowth;
 pub use graph::{ExactRows, StaticStep};
 pub use plan::{ForwardPath, Pass};
 

@@ -48,7 +48,7 @@ impl Transformer {
                 positions,
                 kb,
                 vb,
-                Some(past),
+                fused::RowSlots::After(past),
                 shape,
                 self.rope_interleaved,
                 launch,

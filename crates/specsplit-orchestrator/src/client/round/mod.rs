@@ -78,6 +78,8 @@ struct PreDraftInFlight {
     candidates: usize,
     /// Levels of the pre-drafted trees.
     depth: usize,
+    /// Whether it is one bet (an ordinary draft after the whole path), not an outcome set.
+    bet: bool,
 }
 
 /// What a round's pre-draft cost it and what it held (all 0 / `None` without one).
@@ -304,7 +306,7 @@ impl<'a> Run<'a> {
         let first = no == 0
             && !widths.is_empty()
             && self.cfg.overlaps_first_round()
-            && (self.cfg.pipeline != Pipeline::Predraft || self.plan(widths.len()).candidates > 0);
+            && (self.cfg.pipeline != Pipeline::Predraft || self.plan(widths.len()).beside());
         if first {
             no_draft = Some(NoDraft::FirstRound);
         }
@@ -392,12 +394,14 @@ impl<'a> Run<'a> {
         let committed = self.seq.len();
         let mut ctx = self.seq.clone();
         ctx.extend(path.iter().map(|&i| tree.token(i)));
-        let (candidates, set, widths) = if pipeline == Pipeline::Predraft {
-            let shape = self.plan(round.widths.len());
+        let shape = (pipeline == Pipeline::Predraft).then(|| self.plan(round.widths.len()));
+        if let Some(shape) = shape {
             self.planned_depth = Some(shape.depth);
-            if shape.candidates == 0 {
+            if !shape.beside() {
                 return None;
             }
+        }
+        let (candidates, set, widths) = if let Some(shape) = shape.filter(|s| s.candidates > 0) {
             let widths = resize_widths(&self.cfg.widths, shape.depth);
             let nodes =
                 path.len() + (path.len() + 1) * shape.candidates * (1 + full_tree_size(&widths));
@@ -411,14 +415,19 @@ impl<'a> Run<'a> {
             };
             (shape.candidates, Some(set), widths)
         } else {
-            // The overlapped pipeline's one bet: an ordinary draft of the bonus and the tree.
-            let widths = round.widths.clone();
+            // One bet (the overlapped pipeline's, or the cost model's choice): an ordinary
+            // draft of the bonus and the tree.
+            let widths = match shape {
+                Some(s) => resize_widths(&self.cfg.widths, s.depth),
+                None => round.widths.clone(),
+            };
             if !self.draft_accepts(ctx.len(), 1 + full_tree_size(&widths), widths.len() + 1) {
                 return None;
             }
             (1, None, widths)
         };
         let depth = widths.len();
+        let set_none = set.is_none();
         let task = self.spawn_predraft(ctx, set, widths);
         round.beside = true;
         Some(PreDraftInFlight {
@@ -426,6 +435,7 @@ impl<'a> Run<'a> {
             path,
             candidates,
             depth,
+            bet: set_none,
         })
     }
 
@@ -440,6 +450,7 @@ impl<'a> Run<'a> {
             crate::Shape {
                 depth,
                 candidates: 0,
+                bet: false,
             },
             |p| {
                 p.choose(
@@ -541,12 +552,20 @@ impl<'a> Run<'a> {
                 let hit = tree.is_some();
                 if self.cfg.pipeline == Pipeline::Predraft {
                     if let Ok(mut p) = self.o.planner.lock() {
-                        // A first round's pre-draft also feeds the prompt: not a pass cost.
-                        if !pre.path.is_empty() {
-                            p.observe_predraft(pre.path.len(), pre.candidates, pre.depth, d.ms);
-                        }
-                        if on_path {
-                            p.observe_outcome(pre.candidates, j == pre.path.len(), hit);
+                        let bonus = j == pre.path.len();
+                        if pre.bet {
+                            // One bet holds only the bonus outcome: the draft's own next token.
+                            if on_path && bonus {
+                                p.observe_outcome(1, true, hit);
+                            }
+                        } else {
+                            // A first round's pre-draft also feeds the prompt: not a pass cost.
+                            if !pre.path.is_empty() {
+                                p.observe_predraft(pre.path.len(), pre.candidates, pre.depth, d.ms);
+                            }
+                            if on_path {
+                                p.observe_outcome(pre.candidates, bonus, hit);
+                            }
                         }
                     }
                 }

@@ -1,0 +1,288 @@
+//! Greedy chains grown below the roots of a forest, every level one pass of all the chains,
+//! with no shape that depends on the cache's length: [`Transformer::grow_chains`], which a
+//! captured CUDA graph replays (a draft worker pre-drafting every outcome of a round).
+//!
+//! Root `b` sees the cached slots `0..lead_b` (a run of the sequence) and sits at position
+//! `lead_b`; the node at level `l` below it sits at position `lead_b + l` and slot `base + l·n +
+//! b`, and sees its lead run, its root and the nodes above it. Every input is written in one
+//! upload ([`ChainGrowth::start`]); the chains' tokens and log-probabilities come back in one
+//! `(2·depth, n)` buffer.
+
+use super::Transformer;
+use crate::fused::{self, PassKeys};
+use crate::ModelError;
+use candle_core::{DType, Tensor};
+use specsplit_core::cache::SessionCache;
+
+/// Device buffers of [`Transformer::grow_chains`] for `rows` chains of `depth` tokens.
+pub struct ChainGrowth {
+    /// u32: everything [`ChainGrowth::start`] writes, in one upload.
+    io: Tensor,
+    /// `(rows,)`: the roots' tokens.
+    roots: Tensor,
+    /// `(depth, rows)`: each level's positions.
+    positions: Tensor,
+    /// `(depth, rows)`: each level's cache slots.
+    slots: Tensor,
+    /// Each level's visible slots.
+    keys: Vec<PassKeys>,
+    /// `(depth, rows)`: a token that replaces the greedy one where `forced_on` is 1.
+    forced: Tensor,
+    /// `(depth, rows)`: 1 where `forced` holds.
+    forced_on: Tensor,
+    /// `(2 depth, rows)` f32: level `l`'s greedy tokens in row `l` (exact in f32: ids are below
+    /// 2^24), their log-probabilities in row `depth + l`.
+    pub out: Tensor,
+    rows: usize,
+    depth: usize,
+    capacity: usize,
+}
+
+impl ChainGrowth {
+    /// Sets the next growth's input (one upload): the roots' tokens `roots`, the length of
+    /// each root's visible run `leads` (its position), the slot `base` the first level's nodes
+    /// start at, and `forced` (`depth × rows`, level-major, or empty): tokens that replace the
+    /// greedy ones (a synthetic proposer's).
+    pub fn start(
+        &self,
+        roots: &[u32],
+        leads: &[usize],
+        base: usize,
+        forced: &[Option<u32>],
+    ) -> Result<(), ModelError> {
+        let (n, depth) = (self.rows, self.depth);
+        if roots.len() != n || leads.len() != n || !(forced.is_empty() || forced.len() == depth * n)
+        {
+            return Err(ModelError::Input(format!(
+                "{n} chains of {depth} were given {} roots, {} leads and {} forced tokens",
+                roots.len(),
+                leads.len(),
+                forced.len()
+            )));
+        }
+        let end = base + depth * n;
+        let longest = leads.iter().max().copied().unwrap_or(0) + depth;
+        if end > self.capacity || longest > self.capacity || leads.iter().any(|&l| l > base) {
+            return Err(ModelError::Input(format!(
+                "{n} chains of {depth} at slot {base} after runs of up to {} tokens do not fit \
+                 {} slots",
+                longest - depth,
+                self.capacity
+            )));
+        }
+        let mut io = Vec::with_capacity(self.io.elem_count());
+        io.extend_from_slice(roots);
+        for l in 0..depth {
+            io.extend(leads.iter().map(|&lead| (lead + l) as u32));
+        }
+        let slot = |l: usize, b: usize| (base + l * n + b) as u32;
+        for l in 0..depth {
+            io.extend((0..n).map(|b| slot(l, b)));
+        }
+        for l in 0..depth {
+            for &lead in leads {
+                io.extend([lead as u32, l as u32 + 1]);
+            }
+        }
+        for l in 0..depth {
+            for b in 0..n {
+                io.extend((0..depth).map(|i| if i <= l { slot(i, b) } else { 0 }));
+            }
+        }
+        let forced_at = |i: usize| forced.get(i).copied().flatten();
+        io.extend((0..depth * n).map(|i| forced_at(i).unwrap_or(0)));
+        io.extend((0..depth * n).map(|i| u32::from(forced_at(i).is_some())));
+        Ok(fused::write_u32(&self.io, &io)?)
+    }
+
+    /// Chains grown at once.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Tokens per chain.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+}
+
+impl Transformer {
+    /// Whether [`Transformer::grow_chains`] runs for this model with `rows` chains over caches
+    /// of `capacity` slots: [`Transformer::exact_rows_fit`].
+    pub fn grow_chains_fit(&self, capacity: usize, rows: usize) -> bool {
+        self.exact_rows_fit(capacity, rows)
+    }
+
+    /// Device buffers for [`Transformer::grow_chains`]: `rows` chains of `depth` tokens over
+    /// caches of `capacity` slots.
+    pub fn chain_growth_buffers(
+        &self,
+        capacity: usize,
+        rows: usize,
+        depth: usize,
+    ) -> Result<ChainGrowth, ModelError> {
+        specsplit_core::device::bind_to_thread(&self.device)?;
+        let (n, d) = (rows, depth);
+        if n == 0 || n > fused::BI_MAX_ROWS || d == 0 || d * n > capacity {
+            return Err(ModelError::Input(format!(
+                "chain growth takes 1 to {} chains of at least one token within {capacity} \
+                 slots, not {n} of {d}",
+                fused::BI_MAX_ROWS
+            )));
+        }
+        let len = n + 2 * d * n + 2 * d * n + d * n * d + 2 * d * n;
+        let io = Tensor::zeros(len, DType::U32, &self.device)?;
+        let mut at = 0;
+        let mut part = |size: usize| {
+            let t = io.narrow(0, at, size);
+            at += size;
+            t
+        };
+        let roots = part(n)?;
+        let positions = part(d * n)?.reshape((d, n))?;
+        let slots = part(d * n)?.reshape((d, n))?;
+        let metas = part(2 * d * n)?.reshape((d, n, 2))?;
+        let extras = part(d * n * d)?.reshape((d, n, d))?;
+        let forced = part(d * n)?.reshape((d, n))?;
+        let forced_on = part(d * n)?.reshape((d, n))?;
+        let keys = (0..d)
+            .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(ChainGrowth {
+            roots,
+            positions,
+            slots,
+            keys,
+            forced,
+            forced_on,
+            io,
+            out: Tensor::zeros((2 * d, n), DType::F32, &self.device)?,
+            rows: n,
+            depth: d,
+            capacity,
+        })
+    }
+
+    /// Grows `b.rows()` greedy chains of `b.depth()` tokens below the roots set by
+    /// [`ChainGrowth::start`], one batch-invariant pass a level (each row's logits
+    /// bit-identical to a [`Transformer::forward_tree`] of the same forest), with every input
+    /// read on the device, so a captured CUDA graph serves every round: writes each node's K/V
+    /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
+    /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.
+    pub fn grow_chains(&self, b: &ChainGrowth, cache: &SessionCache) -> Result<(), ModelError> {
+        let cap = b.capacity;
+        if cache.capacity() != cap || *cache.spec() != self.cache_spec(cap) {
+            return Err(ModelError::Input(format!(
+                "chain growth buffers are for {cap} entries, the cache is {:?}",
+                cache.spec()
+            )));
+        }
+        let layers = match self.fused_layers() {
+            Ok(l) if self.grow_chains_fit(cap, b.rows) => l,
+            _ => {
+                return Err(ModelError::Unsupported(format!(
+                    "no {}-row chain growth for this model (needs bf16 on CUDA with the fused \
+                     batch-invariant kernels)",
+                    b.rows
+                )))
+            }
+        };
+        let (shape, scale) = self.fused_attn_shape(cap);
+        let launch = self.kernels.launch();
+        let product =
+            |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| fused::bi_matmul(x, w, bias, launch);
+        let mut ids = b.roots.clone();
+        for level in 0..b.depth {
+            let (positions, slots) = (b.positions.get(level)?, b.slots.get(level)?);
+            let keys = &b.keys[level];
+            let (h, head) = self.fused_stack(&layers, &ids, &product, |i, qkv| {
+                let (kb, vb) = cache.buffers(i)?;
+                let q = fused::qkv_rope_rows(
+                    qkv,
+                    &self.cos,
+                    &self.sin,
+                    &positions,
+                    kb,
+                    vb,
+                    fused::RowSlots::Listed(&slots),
+                    shape,
+                    self.rope_interleaved,
+                    launch,
+                )?;
+                Ok(fused::rows_attention(
+                    &q, kb, vb, keys, shape, scale, launch,
+                )?)
+            })?;
+            let logits = product(&h, head, None)?.to_dtype(DType::F32)?;
+            let lse = logits.log_sum_exp(1)?;
+            let greedy = logits.argmax(1)?;
+            let picked = b
+                .forced_on
+                .get(level)?
+                .where_cond(&b.forced.get(level)?, &greedy)?;
+            let lp = (logits.gather(&picked.unsqueeze(1)?, 1)?.squeeze(1)? - lse)?;
+            b.out
+                .slice_set(&picked.to_dtype(DType::F32)?.unsqueeze(0)?, 0, level)?;
+            b.out.slice_set(&lp.unsqueeze(0)?, 0, b.depth + level)?;
+            ids = picked;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use candle_core::Device;
+
+    #[test]
+    fn chain_inputs_place_each_level_after_the_last_and_list_each_nodes_ancestors() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let b = m.chain_growth_buffers(32, 2, 3).unwrap();
+        // Two roots after runs of 5 and 7 cached tokens; levels from slot 9.
+        b.start(
+            &[40, 41],
+            &[5, 7],
+            9,
+            &[None, Some(3), None, None, None, Some(4)],
+        )
+        .unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+        #[rustfmt::skip]
+        let want = [
+            40, 41,                             // roots
+            5, 7, 6, 8, 7, 9,                   // positions by level
+            9, 10, 11, 12, 13, 14,              // slots by level
+            5, 1, 7, 1, 5, 2, 7, 2, 5, 3, 7, 3, // runs and listed counts by level
+            9, 0, 0, 10, 0, 0,                  // level 0: each root's slot
+            9, 11, 0, 10, 12, 0,                // level 1: the root's, then its own
+            9, 11, 13, 10, 12, 14,              // level 2
+            0, 3, 0, 0, 0, 4,                   // forced tokens
+            0, 1, 0, 0, 0, 1,                   // where forced
+        ];
+        assert_eq!(v(&b.io), want);
+        assert_eq!(v(&b.slots), [9, 10, 11, 12, 13, 14]);
+        // The forced tokens replace the greedy ones where set.
+        let greedy = Tensor::new(&[7u32, 8], &Device::Cpu).unwrap();
+        let picked = b
+            .forced_on
+            .get(0)
+            .unwrap()
+            .where_cond(&b.forced.get(0).unwrap(), &greedy)
+            .unwrap();
+        assert_eq!(v(&picked), [7, 3]);
+        // Wrong counts, a run past the base and levels past the capacity are refused.
+        assert!(b.start(&[1], &[5, 7], 9, &[]).is_err());
+        assert!(b.start(&[1, 2], &[5, 10], 9, &[]).is_err());
+        assert!(b.start(&[1, 2], &[5, 7], 27, &[]).is_err());
+        b.start(&[1, 2], &[5, 7], 26, &[]).unwrap();
+        assert!(m.chain_growth_buffers(32, 0, 3).is_err());
+        assert!(m.chain_growth_buffers(8, 3, 3).is_err());
+        // Off CUDA there is no chain growth.
+        let cache = m.new_cache(32).unwrap();
+        assert!(!m.grow_chains_fit(32, 2));
+        assert!(m.grow_chains(&b, &cache).is_err());
+    }
+}
