@@ -64,6 +64,8 @@ pub enum StopReason {
     /// The target's context is full: the sequence holds every token its sessions can hold
     /// (the last token is the target's prediction after a full cache).
     Context,
+    /// The caller stopped it (see [`Orchestrator::generate_until`]), e.g. on a stop string.
+    Stopped,
 }
 
 /// Settings of one generation.
