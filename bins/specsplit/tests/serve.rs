@@ -359,7 +359,7 @@ async fn errors_have_openais_shape_and_status() {
         ),
         (
             "/v1/chat/completions",
-            format!(r#"{{"model":"x","messages":[{{"role":"user","content":"hi"}}]}}"#),
+            r#"{"model":"x","messages":[{"role":"user","content":"hi"}]}"#.to_string(),
             404,
             Some("model"),
         ),
