@@ -46,7 +46,8 @@ struct GenerateArgs {
     /// Stop before this text (repeatable); it is not printed.
     #[arg(long, value_name = "STRING")]
     stop: Vec<String>,
-    /// Print one JSON object (text, token_ids, stats, rounds, config) instead of streaming.
+    /// Print one JSON object (text, token_ids, token_logprobs, stats, rounds, config) instead
+    /// of streaming.
     #[arg(long)]
     json: bool,
 }
@@ -114,7 +115,8 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
     if let Some(bad) = args.stop.iter().find(|s| s.is_empty()) {
         bail!("--stop {bad:?}: a stop string must not be empty");
     }
-    let gen_cfg = s.generate_config();
+    let mut gen_cfg = s.generate_config();
+    gen_cfg.logprobs = args.json;
     tracing::info!(settings = ?s, "configuration");
 
     let c = workers::connect(&s).await?;
@@ -187,6 +189,7 @@ async fn run(
         let obj = serde_json::json!({
             "text": text,
             "token_ids": gen.token_ids,
+            "token_logprobs": gen.token_logprobs,
             "prompt_token_ids": prompt,
             "stop_reason": gen.stop_reason,
             "stats": gen.stats,

@@ -259,6 +259,7 @@ impl Settings {
             seed: self.seed,
             deadline_ms: self.deadline_ms,
             stop_token_ids: Vec::new(),
+            logprobs: false,
             rpc_timeout_ms: self.rpc_timeout_ms,
             draft_timeout_ms: self.draft_timeout_ms,
             draft_retry_rounds: self.draft_retry_rounds,

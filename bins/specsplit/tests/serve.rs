@@ -1,6 +1,6 @@
 //! `specsplit serve` against a real OpenAI client library (async-openai): completions and chat
 //! completions, streamed and not, equal to `specsplit generate --mode ar`; stop strings;
-//! errors in OpenAI's shape with their HTTP status; concurrent requests.
+//! log-probabilities; errors in OpenAI's shape with their HTTP status; concurrent requests.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -304,6 +304,72 @@ async fn post(url: &str, path: &str, body: String) -> (u16, Value) {
     (status, r.json().await.unwrap())
 }
 
+fn close(got: &[f32], want: &Value) {
+    let want: Vec<f64> = want
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(got.len(), want.len(), "{got:?} against {want:?}");
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            *w <= 0.0 && (*g as f64 - w).abs() < 1e-4,
+            "{got:?} against {want:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_the_targets_for_each_generated_token() {
+    let prompt = "The quick brown fox";
+    let raw = reference(prompt, &["--no-chat-template"]);
+    let chat_ref = reference(prompt, &[]);
+    // `generate --json` holds one log-probability per token.
+    assert_eq!(count(&raw, "token_logprobs"), count(&raw, "token_ids"));
+    let serve = Serve::start(&[]);
+    let client = serve.client();
+
+    let req = CreateCompletionRequestArgs::default()
+        .model(MODEL)
+        .prompt(prompt)
+        .max_tokens(MAX_TOKENS)
+        .temperature(0.0)
+        .logprobs(0u8)
+        .build()
+        .unwrap();
+    let r = client.completions().create(req.clone()).await.unwrap();
+    let lp = r.choices[0].logprobs.clone().expect("logprobs");
+    let values: Vec<f32> = lp.token_logprobs.iter().map(|v| v.unwrap()).collect();
+    close(&values, &raw["token_logprobs"]);
+    assert_eq!(lp.tokens.len(), values.len());
+    assert_eq!(r.usage.unwrap().completion_tokens, values.len() as u32);
+
+    let mut stream = client.completions().create_stream(req).await.unwrap();
+    let mut streamed = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        for c in chunk.expect("a chunk").choices {
+            if let Some(lp) = c.logprobs {
+                streamed.extend(lp.token_logprobs.iter().map(|v| v.unwrap()));
+            }
+        }
+    }
+    close(&streamed, &raw["token_logprobs"]);
+
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages(vec![user(prompt)])
+        .max_completion_tokens(MAX_TOKENS)
+        .temperature(0.0)
+        .logprobs(true)
+        .build()
+        .unwrap();
+    let r = client.chat().create(req).await.unwrap();
+    let content = r.choices[0].logprobs.clone().unwrap().content.unwrap();
+    let values: Vec<f32> = content.iter().map(|t| t.logprob).collect();
+    close(&values, &chat_ref["token_logprobs"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_have_openais_shape_and_status() {
     let serve = Serve::start(&["--http-max-body-bytes", "4096"]);
@@ -350,6 +416,14 @@ async fn errors_have_openais_shape_and_status() {
             format!(r#"{{"model":"{MODEL}","prompt":"hi","logprobs":1}}"#),
             400,
             Some("logprobs"),
+        ),
+        (
+            "/v1/chat/completions",
+            format!(
+                r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"logprobs":true,"top_logprobs":2}}"#
+            ),
+            400,
+            Some("top_logprobs"),
         ),
         (
             "/v1/chat/completions",

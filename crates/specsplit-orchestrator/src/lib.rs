@@ -102,6 +102,9 @@ pub struct GenerateConfig {
     pub deadline_ms: u64,
     /// Stop at these tokens (besides the workers' own EOS ids).
     pub stop_token_ids: Vec<u32>,
+    /// Ask the target for the log-probability of each generated token
+    /// ([`Generation::token_logprobs`]).
+    pub logprobs: bool,
     /// Most milliseconds one request to the target may take (never past the deadline); a
     /// target that does not answer in time is retried until the reconnect window (30 s) ends,
     /// then the generation fails.
@@ -140,6 +143,7 @@ impl Default for GenerateConfig {
             seed: 0,
             deadline_ms: 0,
             stop_token_ids: Vec::new(),
+            logprobs: false,
             rpc_timeout_ms: 30_000,
             draft_timeout_ms: 5_000,
             draft_retry_rounds: 2,
@@ -228,6 +232,11 @@ impl GenerateConfig {
 pub struct Generation {
     /// Generated token ids (not including the prompt).
     pub token_ids: Vec<u32>,
+    /// With [`GenerateConfig::logprobs`]: the target model's natural-log probability of each
+    /// token of `token_ids` (log-softmax of its logits, before temperature and truncation);
+    /// empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub token_logprobs: Vec<f32>,
     /// Why it stopped.
     pub stop_reason: StopReason,
     /// Summary statistics.

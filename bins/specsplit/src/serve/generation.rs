@@ -47,10 +47,25 @@ pub struct Job {
     stops: Vec<String>,
 }
 
+/// A generated token's text and the target's log-probability of it.
+#[derive(Debug, Clone)]
+pub struct Scored {
+    /// The token decoded on its own.
+    pub token: String,
+    /// Its natural-log probability under the target model.
+    pub logprob: f32,
+}
+
 /// What a running generation sends.
 pub enum Event {
-    /// The next piece of text.
-    Text(String),
+    /// The next piece of text and, when asked for, the scores of the tokens generated since the
+    /// last piece (the text may lag behind them while a possible stop string is held back).
+    Piece {
+        /// Text safe to send.
+        text: String,
+        /// The tokens' scores.
+        scored: Vec<Scored>,
+    },
     /// The generation ended.
     Done {
         /// `stop` (an end token or a stop string) or `length`.
@@ -116,6 +131,7 @@ impl Server {
         prompt: Vec<u32>,
         sampling: &mut Sampling,
         prompt_param: &'static str,
+        logprobs: bool,
     ) -> Result<Job, ApiError> {
         if sampling.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
@@ -145,6 +161,7 @@ impl Server {
             }
         }
         let mut cfg = self.defaults.clone();
+        cfg.logprobs = logprobs;
         let asked = sampling.max_completion_tokens.or(sampling.max_tokens);
         let max_tokens = match asked {
             Some(0) => {
@@ -238,18 +255,27 @@ impl Server {
         let tok = &self.tokenizer;
         let mut decoder = tok.stream_decoder(true);
         let mut stop = StopText::new(&job.stops);
-        let on_tokens = |ids: &[u32]| {
-            if let Ok(piece) = decoder.push(tok, ids) {
-                let text = stop.push(&piece);
-                if !text.is_empty() {
-                    let _ = tx.send(Event::Text(text));
-                }
+        let on_tokens = |ids: &[u32], logprobs: &[f32]| {
+            let text = match decoder.push(tok, ids) {
+                Ok(piece) => stop.push(&piece),
+                Err(_) => String::new(),
+            };
+            let scored: Vec<Scored> = ids
+                .iter()
+                .zip(logprobs)
+                .map(|(&id, &logprob)| Scored {
+                    token: tok.decode(&[id], false).unwrap_or_default(),
+                    logprob,
+                })
+                .collect();
+            if !text.is_empty() || !scored.is_empty() {
+                let _ = tx.send(Event::Piece { text, scored });
             }
             !stop.stopped() && !tx.is_closed()
         };
         let gen = match self
             .orch
-            .generate_until(&job.prompt, &job.cfg, on_tokens)
+            .generate_scored(&job.prompt, &job.cfg, on_tokens)
             .await
         {
             Ok(g) => g,
@@ -260,7 +286,10 @@ impl Server {
             let mut text = stop.push(&rest);
             text.push_str(&stop.finish());
             if !text.is_empty() {
-                let _ = tx.send(Event::Text(text));
+                let _ = tx.send(Event::Piece {
+                    text,
+                    scored: Vec::new(),
+                });
             }
         }
         let finish_reason = match gen.stop_reason {

@@ -17,7 +17,7 @@ use specsplit_models::tokenizer::ChatMessage;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::generation::{Event, Server};
+use super::generation::{Event, Scored, Server};
 use super::openai::{ApiError, ChatRequest, CompletionRequest, Content, Message, Prompt, Usage};
 
 /// `GET /v1/models`: the one model served.
@@ -91,9 +91,17 @@ async fn complete(
 ) -> Result<Response, ApiError> {
     let mut req: CompletionRequest = parse(&server, body)?;
     server.check_model(&req.model)?;
-    if req.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(logprobs_unsupported());
-    }
+    let logprobs = match &req.logprobs {
+        None | Some(Value::Null) => false,
+        Some(v) if v.as_u64() == Some(0) => true,
+        Some(v) if v.as_u64().is_some() => return Err(top_logprobs_unsupported("logprobs")),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "logprobs must be a number of alternatives (0 to 5)",
+                Some("logprobs"),
+            ))
+        }
+    };
     if req.echo {
         return Err(ApiError::bad_request("echo is not supported", Some("echo")));
     }
@@ -103,7 +111,7 @@ async fn complete(
         Prompt::Tokens(ids) => ids,
         Prompt::TokenLists(v) => one(v)?,
     };
-    let job = server.job(prompt, &mut req.sampling, "prompt")?;
+    let job = server.job(prompt, &mut req.sampling, "prompt", logprobs)?;
     let usage = req
         .sampling
         .stream_options
@@ -114,6 +122,7 @@ async fn complete(
         created: server.created,
         model: server.model.clone(),
         chat: false,
+        logprobs,
     };
     respond(server.start(job), shape, req.sampling.stream, usage).await
 }
@@ -124,8 +133,8 @@ async fn chat(
 ) -> Result<Response, ApiError> {
     let mut req: ChatRequest = parse(&server, body)?;
     server.check_model(&req.model)?;
-    if req.logprobs {
-        return Err(logprobs_unsupported());
+    if req.top_logprobs.is_some_and(|n| n > 0) {
+        return Err(top_logprobs_unsupported("top_logprobs"));
     }
     let messages = req
         .messages
@@ -143,7 +152,7 @@ async fn chat(
         .render_chat(&messages, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
     let prompt = server.encode(&text, false)?;
-    let job = server.job(prompt, &mut req.sampling, "messages")?;
+    let job = server.job(prompt, &mut req.sampling, "messages", req.logprobs)?;
     let usage = req
         .sampling
         .stream_options
@@ -154,6 +163,7 @@ async fn chat(
         created: server.created,
         model: server.model.clone(),
         chat: true,
+        logprobs: req.logprobs,
     };
     respond(server.start(job), shape, req.sampling.stream, usage).await
 }
@@ -170,12 +180,15 @@ fn one<T>(mut batch: Vec<T>) -> Result<T, ApiError> {
     }
 }
 
-fn logprobs_unsupported() -> ApiError {
+/// A 400 for alternatives per token: the target reports the sampled tokens' only.
+fn top_logprobs_unsupported(param: &'static str) -> ApiError {
     ApiError {
-        code: Some("logprobs_not_supported"),
+        code: Some("top_logprobs_not_supported"),
         ..ApiError::bad_request(
-            "logprobs not supported: the target worker does not report token probabilities",
-            Some("logprobs"),
+            "alternative tokens' log probabilities are not supported: the target reports those \
+             of the sampled tokens only (completions: logprobs 0; chat: logprobs true without \
+             top_logprobs)",
+            Some(param),
         )
     }
 }
@@ -219,6 +232,8 @@ struct Shape {
     created: u64,
     model: String,
     chat: bool,
+    /// Whether choices carry the tokens' log probabilities.
+    logprobs: bool,
 }
 
 impl Shape {
@@ -244,23 +259,65 @@ impl Shape {
         v
     }
 
+    /// The `logprobs` of a choice holding `scored`, `offset` characters into the text.
+    fn logprobs(&self, scored: &[Scored], mut offset: usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        if self.chat {
+            let content: Vec<Value> = scored
+                .iter()
+                .map(|s| json!({"token": s.token, "logprob": s.logprob, "bytes": null, "top_logprobs": []}))
+                .collect();
+            return json!({"content": content});
+        }
+        let text_offset: Vec<usize> = scored
+            .iter()
+            .map(|s| {
+                let at = offset;
+                offset += s.token.chars().count();
+                at
+            })
+            .collect();
+        json!({
+            "tokens": scored.iter().map(|s| s.token.as_str()).collect::<Vec<_>>(),
+            "token_logprobs": scored.iter().map(|s| s.logprob).collect::<Vec<_>>(),
+            "top_logprobs": vec![Value::Null; scored.len()],
+            "text_offset": text_offset,
+        })
+    }
+
     /// The whole answer.
-    fn full(&self, text: String, finish_reason: &str, usage: Usage) -> Value {
+    fn full(&self, text: String, scored: &[Scored], finish_reason: &str, usage: Usage) -> Value {
+        let logprobs = self.logprobs(scored, 0);
         let choice = if self.chat {
             json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             })
         } else {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason})
+            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
         };
         self.wrap(false, json!([choice]), Some(usage))
     }
 
-    /// One streamed chunk: `text` (chat: with the role first), or the end.
-    fn chunk(&self, text: Option<&str>, role: bool, finish_reason: Option<&str>) -> Value {
+    /// One streamed chunk: `text` (chat: with the role first) and the scores of its tokens,
+    /// `offset` characters into the text; or the end.
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        scored: &[Scored],
+        offset: usize,
+        role: bool,
+        finish_reason: Option<&str>,
+    ) -> Value {
+        let logprobs = if scored.is_empty() {
+            Value::Null
+        } else {
+            self.logprobs(scored, offset)
+        };
         let choice = if self.chat {
             let mut delta = json!({});
             if role {
@@ -269,12 +326,12 @@ impl Shape {
             if let Some(t) = text {
                 delta["content"] = json!(t);
             }
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         } else {
             json!({
                 "index": 0,
                 "text": text.unwrap_or_default(),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             })
         };
@@ -298,15 +355,18 @@ async fn respond(
         return Err(e);
     }
     if !stream {
-        let mut text = String::new();
+        let (mut text, mut all) = (String::new(), Vec::new());
         let mut next = Some(first);
         while let Some(event) = next.take() {
             match event {
-                Event::Text(t) => text.push_str(&t),
+                Event::Piece { text: t, scored } => {
+                    text.push_str(&t);
+                    all.extend(scored);
+                }
                 Event::Done {
                     finish_reason,
                     usage,
-                } => return Ok(Json(shape.full(text, finish_reason, usage)).into_response()),
+                } => return Ok(Json(shape.full(text, &all, finish_reason, usage)).into_response()),
                 Event::Failed(e) => return Err(e),
             }
             next = events.recv().await;
@@ -316,23 +376,28 @@ async fn respond(
     let (tx, rx) = mpsc::unbounded_channel::<Result<Sse, Infallible>>();
     tokio::spawn(async move {
         let send = |v: Value| tx.send(Ok(Sse::default().data(v.to_string()))).is_ok();
-        if shape.chat && !send(shape.chunk(Some(""), true, None)) {
+        if shape.chat && !send(shape.chunk(Some(""), &[], 0, true, None)) {
             return;
         }
+        let mut offset = 0;
         let mut next = Some(first);
         while let Some(event) = next.take() {
             match event {
-                Event::Text(t) => {
-                    if !send(shape.chunk(Some(&t), false, None)) {
+                Event::Piece { text, scored } => {
+                    if !send(shape.chunk(Some(&text), &scored, offset, false, None)) {
                         // The client went away: dropping `events` stops the generation.
                         return;
                     }
+                    offset += scored
+                        .iter()
+                        .map(|s| s.token.chars().count())
+                        .sum::<usize>();
                 }
                 Event::Done {
                     finish_reason,
                     usage,
                 } => {
-                    send(shape.chunk(None, false, Some(finish_reason)));
+                    send(shape.chunk(None, &[], 0, false, Some(finish_reason)));
                     if include_usage {
                         send(shape.wrap(true, json!([]), Some(usage)));
                     }

@@ -173,7 +173,7 @@ pub struct CompletionRequest {
     pub model: String,
     /// The prompt.
     pub prompt: Prompt,
-    /// Log probabilities of the likeliest tokens (not served).
+    /// Log probabilities of the sampled tokens (with 0 alternatives; more are not served).
     pub logprobs: Option<serde_json::Value>,
     /// Echo the prompt (not served when true).
     #[serde(default)]
@@ -220,9 +220,11 @@ pub struct ChatRequest {
     pub model: String,
     /// The conversation.
     pub messages: Vec<Message>,
-    /// Log probabilities of the sampled tokens (not served when true).
+    /// Log probabilities of the sampled tokens.
     #[serde(default)]
     pub logprobs: bool,
+    /// Alternatives per token with their log probabilities (only 0 is served).
+    pub top_logprobs: Option<u64>,
     /// Sampling and length.
     #[serde(flatten)]
     pub sampling: Sampling,
