@@ -485,3 +485,33 @@ async fn concurrent_requests_all_complete_with_correct_outputs() {
         assert_eq!(t.await.unwrap(), want[i % prompts.len()], "request {i}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_target_keeps_no_session_and_its_loss_is_a_503() {
+    let target = specsplit_e2e::start_target(&specsplit_e2e::config(MODEL, true)).await;
+    let serve = Serve::start(&["--mode", "ar", "--target-addr", &target.url]);
+    let client = serve.client();
+    let prompt = "The quick brown fox";
+    let full = text_of(&reference(prompt, &["--no-chat-template"]));
+    let (text, _, _) = complete(&client, prompt, &[]).await.unwrap();
+    assert_eq!(text, full);
+    // A stop string cancels the generation: its session is ended all the same.
+    let stop = stop_in_middle(&full);
+    let (text, finish, _) = complete(&client, prompt, &[&stop]).await.unwrap();
+    assert_eq!(text, full[..full.find(&stop).unwrap()]);
+    assert_eq!(finish, Some(CompletionFinishReason::Stop));
+    let (streamed, _) = complete_streaming(&client, prompt, &[&stop]).await;
+    assert_eq!(streamed, text);
+    assert_eq!(target.sessions.len(), 0, "a session was left on the target");
+
+    // Without its target the server answers 503 in OpenAI's shape (after the orchestrator's
+    // reconnect window).
+    target.stop().await;
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hi","max_tokens":4}}"#);
+    let (status, v) = post(&serve.url, "/v1/completions", body).await;
+    assert_eq!(status, 503, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("target"),
+        "{v}"
+    );
+}
