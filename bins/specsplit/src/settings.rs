@@ -40,165 +40,165 @@ pub struct OrchestratorArgs {
     /// TOML configuration file (section [orchestrator]).
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Draft worker address, e.g. http://127.0.0.1:50051 (empty: start one in-process).
     #[arg(long, value_name = "URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub draft_addr: Option<String>,
+    pub(crate) draft_addr: Option<String>,
     /// Target worker address, e.g. http://127.0.0.1:50052 (empty: start one in-process).
     #[arg(long, value_name = "URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub target_addr: Option<String>,
+    pub(crate) target_addr: Option<String>,
     /// Draft model for the in-process draft worker.
     #[arg(long, value_name = "SPEC")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub draft_model: Option<String>,
+    pub(crate) draft_model: Option<String>,
     /// Target model for the in-process target worker (and the tokenizer by default).
     #[arg(long, value_name = "SPEC")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub target_model: Option<String>,
+    pub(crate) target_model: Option<String>,
     /// Model whose tokenizer encodes the prompt with remote workers (default: the model the
     /// target reports serving, where it is known here, else the target model).
     #[arg(long, value_name = "SPEC")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tokenizer: Option<String>,
+    pub(crate) tokenizer: Option<String>,
     /// Device of in-process workers: cpu, cuda or cuda:N.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub device: Option<String>,
+    pub(crate) device: Option<String>,
     /// Dtype of in-process workers: f32, f16 or bf16.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub dtype: Option<String>,
+    pub(crate) dtype: Option<String>,
     /// Most new tokens to generate (`serve`: when a request does not say).
     #[arg(long, short = 'n', value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<usize>,
+    pub(crate) max_tokens: Option<usize>,
     /// Draft depth as a chain (same as --widths 1,1,…,1 of this length).
     #[arg(long, value_name = "K", conflicts_with = "widths")]
     #[serde(skip)]
-    pub depth: Option<usize>,
+    pub(crate) depth: Option<usize>,
     /// Draft tree widths per depth, e.g. 4,2,1,1 (a chain when all are 1).
     #[arg(long, value_name = "W,W,…", value_delimiter = ',')]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub widths: Option<Vec<usize>>,
+    pub(crate) widths: Option<Vec<usize>>,
     /// Adapt the depth to measured acceptance and timings.
     #[arg(long)]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub adaptive_depth: bool,
+    pub(crate) adaptive_depth: bool,
     /// Sampling temperature (0 = greedy).
     #[arg(long, short = 't')]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub temperature: Option<f32>,
+    pub(crate) temperature: Option<f32>,
     /// Keep only the k most likely tokens when sampling (0 = off).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<usize>,
+    pub(crate) top_k: Option<usize>,
     /// Nucleus sampling threshold (1 = off).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub top_p: Option<f32>,
+    pub(crate) top_p: Option<f32>,
     /// Random seed (0 = random).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// Stop after this many milliseconds (0 = none).
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub deadline_ms: Option<u64>,
+    pub(crate) deadline_ms: Option<u64>,
     /// Most milliseconds one request to the target may take (retried within 30 s, then an
     /// error; never past the deadline).
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub rpc_timeout_ms: Option<u64>,
+    pub(crate) rpc_timeout_ms: Option<u64>,
     /// Most milliseconds a round waits for the draft before it goes on target-only.
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub draft_timeout_ms: Option<u64>,
+    pub(crate) draft_timeout_ms: Option<u64>,
     /// Target-only rounds after a failed draft request before the draft is tried again
     /// (doubling with each failure in a row).
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub draft_retry_rounds: Option<usize>,
+    pub(crate) draft_retry_rounds: Option<usize>,
     /// Longest wait, in rounds, between tries of a failing draft.
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub draft_retry_max_rounds: Option<usize>,
+    pub(crate) draft_retry_max_rounds: Option<usize>,
     /// When speculation measures slower than target-only decoding, run this many target-only
     /// rounds before trying it again (0 = never switch).
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub spec_probe_rounds: Option<usize>,
+    pub(crate) spec_probe_rounds: Option<usize>,
     /// Send the prompt as is, without the model's chat template.
     #[arg(long)]
     #[serde(skip)]
-    pub no_chat_template: bool,
+    pub(crate) no_chat_template: bool,
     /// spec: speculative decoding; ar: the target alone (the reference).
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub mode: Option<ModeArg>,
+    pub(crate) mode: Option<ModeArg>,
     /// sequential, overlapped or predraft rounds.
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pipeline: Option<PipelineArg>,
+    pub(crate) pipeline: Option<PipelineArg>,
     /// Candidate tokens per outcome the predraft pipeline pre-drafts: 0 (the default) lets
     /// its cost model choose (up to 4, or none where pre-drafting does not pay); 1–4 fixes it.
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub candidates: Option<usize>,
+    pub(crate) candidates: Option<usize>,
     /// Draft the first round beside the target's prefill: true or false (default: with the
     /// overlapped pipeline only).
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub first_round_overlap: Option<bool>,
+    pub(crate) first_round_overlap: Option<bool>,
     /// Busy-poll the client's sockets while a request is in flight: auto (once a worker reports
     /// a CUDA device), always or never.
     #[arg(long, value_name = "auto|always|never")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub client_spin: Option<ClientSpin>,
+    pub(crate) client_spin: Option<ClientSpin>,
     /// Log format: text or json (filter with RUST_LOG; default warn).
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub log_format: Option<String>,
+    pub(crate) log_format: Option<String>,
 }
 
 /// The `[orchestrator]` section: where the workers are and how to generate.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Settings {
-    pub draft_addr: String,
-    pub target_addr: String,
-    pub draft_model: String,
-    pub target_model: String,
-    pub tokenizer: String,
-    pub device: String,
-    pub dtype: String,
-    pub chat_template: bool,
-    pub log_format: String,
-    pub mode: Mode,
-    pub pipeline: Pipeline,
-    pub candidates: usize,
-    pub max_tokens: usize,
-    pub widths: Vec<usize>,
-    pub adaptive_depth: bool,
-    pub min_depth: usize,
-    pub max_depth: usize,
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub seed: u64,
-    pub deadline_ms: u64,
-    pub rpc_timeout_ms: u64,
-    pub draft_timeout_ms: u64,
-    pub draft_retry_rounds: usize,
-    pub draft_retry_max_rounds: usize,
-    pub spec_probe_rounds: usize,
+    pub(crate) draft_addr: String,
+    pub(crate) target_addr: String,
+    pub(crate) draft_model: String,
+    pub(crate) target_model: String,
+    pub(crate) tokenizer: String,
+    pub(crate) device: String,
+    pub(crate) dtype: String,
+    pub(crate) chat_template: bool,
+    pub(crate) log_format: String,
+    pub(crate) mode: Mode,
+    pub(crate) pipeline: Pipeline,
+    pub(crate) candidates: usize,
+    pub(crate) max_tokens: usize,
+    pub(crate) widths: Vec<usize>,
+    pub(crate) adaptive_depth: bool,
+    pub(crate) min_depth: usize,
+    pub(crate) max_depth: usize,
+    pub(crate) temperature: f32,
+    pub(crate) top_k: usize,
+    pub(crate) top_p: f32,
+    pub(crate) seed: u64,
+    pub(crate) deadline_ms: u64,
+    pub(crate) rpc_timeout_ms: u64,
+    pub(crate) draft_timeout_ms: u64,
+    pub(crate) draft_retry_rounds: usize,
+    pub(crate) draft_retry_max_rounds: usize,
+    pub(crate) spec_probe_rounds: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub first_round_overlap: Option<bool>,
-    pub client_spin: ClientSpin,
-    pub http_listen: String,
-    pub http_max_body_bytes: usize,
-    pub max_concurrent: usize,
+    pub(crate) first_round_overlap: Option<bool>,
+    pub(crate) client_spin: ClientSpin,
+    pub(crate) http_listen: String,
+    pub(crate) http_max_body_bytes: usize,
+    pub(crate) max_concurrent: usize,
 }
 
 impl Default for Settings {

@@ -515,3 +515,44 @@ async fn a_remote_target_keeps_no_session_and_its_loss_is_a_503() {
         "{v}"
     );
 }
+
+#[test]
+fn serve_takes_the_worker_flags_of_generate_and_refuses_bad_settings() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_specsplit"))
+            .args(args)
+            .env("RUST_LOG", "error")
+            .output()
+            .unwrap()
+    };
+    let help = run(&["serve", "--help"]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--http-listen",
+        "--http-max-body-bytes",
+        "--max-concurrent",
+        "--draft-addr",
+        "--target-addr",
+        "--target-model",
+        "--mode",
+        "--max-tokens",
+    ] {
+        assert!(
+            text.contains(flag),
+            "{flag} missing in serve --help:\n{text}"
+        );
+    }
+    let cases: &[(&[&str], &str)] = &[
+        (&["--max-concurrent", "0"], "max_concurrent"),
+        (&["--http-listen", "not-an-address"], "not-an-address"),
+        (&["--temperature=-1"], "temperature"),
+    ];
+    for (args, want) in cases {
+        let mut all = vec!["serve", "--target-model", MODEL, "--mode", "ar"];
+        all.extend_from_slice(args);
+        let out = run(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
