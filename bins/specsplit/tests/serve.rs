@@ -445,6 +445,13 @@ async fn errors_have_openais_shape_and_status() {
         ),
         ("/v1/nothing", "{}".into(), 404, None),
     ];
+    // A known path with the wrong method.
+    let r = reqwest::get(format!("{}/v1/completions", serve.url))
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
     for (path, body, status, param) in cases {
         let (got, v) = post(&serve.url, path, body.clone()).await;
         let short: String = body.chars().take(60).collect();

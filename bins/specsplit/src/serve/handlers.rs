@@ -45,6 +45,16 @@ pub async fn not_found() -> ApiError {
     }
 }
 
+/// A known path with another method: a 405 in OpenAI's error shape.
+pub async fn method_not_allowed() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "method not allowed: /v1/models takes GET, the completions endpoints POST".into(),
+        param: None,
+        code: None,
+    }
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(server): State<Arc<Server>>,

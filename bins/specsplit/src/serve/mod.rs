@@ -91,6 +91,7 @@ fn router(server: Arc<Server>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(handlers::completions))
         .route("/v1/chat/completions", post(handlers::chat_completions))
         .fallback(handlers::not_found)
+        .method_not_allowed_fallback(handlers::method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(server)
 }

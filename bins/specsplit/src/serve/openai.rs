@@ -71,9 +71,10 @@ impl ApiError {
     /// OpenAI's `type` for the status.
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::NOT_FOUND | StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => {
-                "invalid_request_error"
-            }
+            StatusCode::NOT_FOUND
+            | StatusCode::BAD_REQUEST
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
             _ => "server_error",
         }
