@@ -70,6 +70,20 @@ fn json_output_has_the_documented_fields_and_matches_target_only() {
         assert!(spec.get(key).is_some(), "missing {key}: {spec}");
     }
     assert_eq!(spec["token_ids"], ar["token_ids"]);
+    // The target's log-probability of each token, the same through a tree as token by token.
+    let logprobs = |v: &Value| -> Vec<f64> {
+        let lp = v["token_logprobs"].as_array().expect("token_logprobs");
+        lp.iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    let (spec_lp, ar_lp) = (logprobs(&spec), logprobs(&ar));
+    assert_eq!(spec_lp.len(), spec["token_ids"].as_array().unwrap().len());
+    assert_eq!(spec_lp.len(), ar_lp.len());
+    for (s, a) in spec_lp.iter().zip(&ar_lp) {
+        assert!(
+            *a <= 0.0 && (s - a).abs() < 1e-4,
+            "{spec_lp:?} against {ar_lp:?}"
+        );
+    }
     let n = spec["token_ids"].as_array().unwrap().len();
     assert!(n > 0 && n <= 20);
     assert_eq!(spec["stats"]["tokens"].as_u64().unwrap() as usize, n);

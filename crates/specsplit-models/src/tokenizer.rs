@@ -57,7 +57,28 @@ pub struct TextTokenizer {
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     chat_format: ChatFormat,
+    /// The model's own Jinja chat template, when it ships one.
+    chat_template: Option<String>,
     vocab_size: usize,
+}
+
+/// One message of a conversation, as chat templates see it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message of `role` with `content`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_string(),
+            content: content.to_string(),
+        }
+    }
 }
 
 fn tok_err(context: &str, e: impl std::fmt::Display) -> ModelError {
@@ -184,6 +205,21 @@ fn config_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
     }
 }
 
+/// A `tokenizer_config.json` `chat_template`: a string, or a list of `{name, template}` of
+/// which the one named `default` is used.
+fn config_template(value: &serde_json::Value) -> Option<String> {
+    match value {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(items) => items
+            .iter()
+            .find(|i| i.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|i| i.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
 fn read_json(path: &Path) -> Option<serde_json::Value> {
     let text = std::fs::read_to_string(path).ok()?;
     serde_json::from_str(&text).ok()
@@ -208,6 +244,7 @@ impl TextTokenizer {
             bos_token_id,
             eos_token_ids: Vec::new(),
             chat_format,
+            chat_template: None,
             vocab_size,
         };
         t.add_eos_token_ids(&eos_token_ids);
@@ -237,9 +274,10 @@ impl TextTokenizer {
         let template = cfg
             .as_ref()
             .and_then(|c| c.get("chat_template"))
-            .and_then(|t| t.as_str());
-        let chat_format = detect_chat_format(&inner, template, model_type.as_deref());
+            .and_then(config_template);
+        let chat_format = detect_chat_format(&inner, template.as_deref(), model_type.as_deref());
         let mut t = Self::new(inner, bos, eos, chat_format);
+        t.chat_template = template;
         t.add_conventional_eos();
         Ok(t)
     }
@@ -372,6 +410,7 @@ impl TextTokenizer {
         let family = meta_str(ct, "general.architecture");
         let chat_format = detect_chat_format(&inner, template, family);
         let mut t = Self::new(inner, bos, eos, chat_format);
+        t.chat_template = template.map(str::to_string);
         t.vocab_size = t.vocab_size.max(tokens.len());
         t.add_conventional_eos();
         Ok(t)
@@ -505,27 +544,109 @@ impl TextTokenizer {
         &self.inner
     }
 
-    /// Formats one user message as a generation prompt in the model's chat format, e.g. for
+    /// The model's own Jinja chat template, if it ships one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Replaces the model's Jinja chat template (`None`: use the built-in [`ChatFormat`]).
+    pub fn set_chat_template(&mut self, template: Option<String>) {
+        self.chat_template = template;
+    }
+
+    /// Formats one user message as a generation prompt: [`TextTokenizer::render_chat`] of that
+    /// message, or the built-in format where the model's template fails to render, e.g. for
     /// ChatML `<|im_start|>system\n{default}<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n
     /// <|im_start|>assistant\n`.
     pub fn apply_chat_template(&self, user_message: &str) -> String {
+        let messages = [ChatMessage::new("user", user_message)];
+        self.render_chat(&messages, true)
+            .unwrap_or_else(|_| self.render_builtin(&messages, true))
+    }
+
+    /// Renders a conversation as a prompt: with the model's own Jinja template (rendered as
+    /// Hugging Face does, with `messages`, `add_generation_prompt`, `bos_token` and
+    /// `eos_token`, blocks trimmed), else in the built-in [`ChatFormat`]. With
+    /// `add_generation_prompt` the prompt ends where the assistant's reply begins.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        match &self.chat_template {
+            Some(template) => self.render_jinja(template, messages, add_generation_prompt),
+            None => Ok(self.render_builtin(messages, add_generation_prompt)),
+        }
+    }
+
+    fn render_jinja(
+        &self,
+        template: &str,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        let err = |e: minijinja::Error| tok_err("chat template", e);
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, _> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        });
+        env.add_template("chat", template).map_err(err)?;
+        let token = |id: Option<u32>| id.and_then(|i| self.id_to_token(i)).unwrap_or_default();
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => token(self.bos_token_id),
+            eos_token => token(self.eos_token_ids.first().copied()),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(err)
+    }
+
+    /// A conversation in the built-in [`ChatFormat`] (for models without a template).
+    fn render_builtin(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
+        let mut s = String::new();
         match &self.chat_format {
             ChatFormat::ChatMl { system_prompt } => {
-                let mut s = String::new();
                 if let Some(sys) = system_prompt {
-                    s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
+                    if messages.first().is_none_or(|m| m.role != "system") {
+                        s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
+                    }
                 }
-                s.push_str(&format!(
-                    "<|im_start|>user\n{user_message}<|im_end|>\n<|im_start|>assistant\n"
-                ));
-                s
+                for m in messages {
+                    s.push_str(&format!(
+                        "<|im_start|>{}\n{}<|im_end|>\n",
+                        m.role, m.content
+                    ));
+                }
+                if add_generation_prompt {
+                    s.push_str("<|im_start|>assistant\n");
+                }
             }
-            ChatFormat::Llama3 => format!(
-                "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{user_message}\
-                 <|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-            ),
-            ChatFormat::Plain => user_message.to_string(),
+            ChatFormat::Llama3 => {
+                s.push_str("<|begin_of_text|>");
+                for m in messages {
+                    s.push_str(&format!(
+                        "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
+                        m.role, m.content
+                    ));
+                }
+                if add_generation_prompt {
+                    s.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
+                }
+            }
+            ChatFormat::Plain => {
+                let parts: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+                s = parts.join("\n\n");
+            }
         }
+        s
     }
 
     /// A fresh incremental detokenizer for this tokenizer.
@@ -620,5 +741,98 @@ impl StreamDecoder {
             Some(rest) => rest.to_string(),
             None => now,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shape of Qwen2.5's template: a default system turn unless the conversation opens
+    /// with one, ChatML turns, Python string methods (`strip`) and `raise_exception`.
+    const QWEN_STYLE_TEMPLATE: &str = r#"{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'].strip() + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message.role) }}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"#;
+
+    fn with_template(template: Option<&str>) -> TextTokenizer {
+        let mut t = TextTokenizer::byte_level(300).unwrap();
+        t.set_chat_template(template.map(str::to_string));
+        t
+    }
+
+    #[test]
+    fn a_qwen_style_template_renders_system_and_multi_turn_conversations() {
+        let t = with_template(Some(QWEN_STYLE_TEMPLATE));
+        let chat = [
+            ChatMessage::new("system", "  Be brief.  "),
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "Hello!"),
+            ChatMessage::new("user", "2+2?"),
+        ];
+        assert_eq!(
+            t.render_chat(&chat, true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        assert_eq!(
+            t.render_chat(&chat[1..2], false).unwrap(),
+            format!(
+                "<|im_start|>system\n{QWEN_DEFAULT_SYSTEM_PROMPT}<|im_end|>\n\
+                 <|im_start|>user\nHi<|im_end|>\n"
+            )
+        );
+        assert_eq!(
+            t.apply_chat_template("Hi"),
+            t.render_chat(&chat[1..2], true).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_template_that_raises_is_an_error_naming_its_message() {
+        let t = with_template(Some(QWEN_STYLE_TEMPLATE));
+        let err = t
+            .render_chat(&[ChatMessage::new("tool", "x")], true)
+            .unwrap_err();
+        assert!(err.to_string().contains("unknown role tool"), "{err}");
+        let broken = with_template(Some("{% if %}"));
+        assert!(broken
+            .render_chat(&[ChatMessage::new("user", "x")], true)
+            .is_err());
+    }
+
+    #[test]
+    fn without_a_template_the_builtin_format_is_used() {
+        let mut t = with_template(None);
+        let chat = [
+            ChatMessage::new("system", "S"),
+            ChatMessage::new("user", "U"),
+        ];
+        assert_eq!(t.render_chat(&chat, true).unwrap(), "S\n\nU");
+        t.set_chat_format(ChatFormat::ChatMl {
+            system_prompt: Some("D".into()),
+        });
+        assert_eq!(
+            t.render_chat(&chat, true).unwrap(),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            t.render_chat(&chat[1..], false).unwrap(),
+            "<|im_start|>system\nD<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        );
     }
 }

@@ -65,6 +65,8 @@ pub enum StopReason {
     /// The target's context is full: the sequence holds every token its sessions can hold
     /// (the last token is the target's prediction after a full cache).
     Context,
+    /// The caller stopped it (see [`Orchestrator::generate_until`]), e.g. on a stop string.
+    Stopped,
 }
 
 /// Settings of one generation.
@@ -101,6 +103,9 @@ pub struct GenerateConfig {
     pub deadline_ms: u64,
     /// Stop at these tokens (besides the workers' own EOS ids).
     pub stop_token_ids: Vec<u32>,
+    /// Ask the target for the log-probability of each generated token
+    /// ([`Generation::token_logprobs`]).
+    pub logprobs: bool,
     /// Most milliseconds one request to the target may take (never past the deadline); a
     /// target that does not answer in time is retried until the reconnect window (30 s) ends,
     /// then the generation fails.
@@ -139,6 +144,7 @@ impl Default for GenerateConfig {
             seed: 0,
             deadline_ms: 0,
             stop_token_ids: Vec::new(),
+            logprobs: false,
             rpc_timeout_ms: 30_000,
             draft_timeout_ms: 5_000,
             draft_retry_rounds: 2,
@@ -227,6 +233,11 @@ impl GenerateConfig {
 pub struct Generation {
     /// Generated token ids (not including the prompt).
     pub token_ids: Vec<u32>,
+    /// With [`GenerateConfig::logprobs`]: the target model's natural-log probability of each
+    /// token of `token_ids` (log-softmax of its logits, before temperature and truncation);
+    /// empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub token_logprobs: Vec<f32>,
     /// Why it stopped.
     pub stop_reason: StopReason,
     /// Summary statistics.

@@ -65,6 +65,9 @@ pub struct VerifyOutcome {
     pub enqueue_time: Duration,
     /// Tokens that went through the model.
     pub tokens_processed: usize,
+    /// When asked for: the model's log-probability (log-softmax of its logits, before
+    /// temperature and truncation) of each accepted token, then of the next token.
+    pub logprobs: Vec<f32>,
 }
 
 /// The most pass timings a [`TargetEngine`] keeps until they are taken.
@@ -218,6 +221,18 @@ impl TargetEngine {
         tree: &TokenTree,
         params: &SamplingParams,
     ) -> Result<VerifyOutcome, EngineError> {
+        self.verify_scored(s, prefix, tree, params, false)
+    }
+
+    /// [`TargetEngine::verify`], with [`VerifyOutcome::logprobs`] filled in when `logprobs`.
+    pub fn verify_scored(
+        &self,
+        s: &mut TargetSession,
+        prefix: Prefix,
+        tree: &TokenTree,
+        params: &SamplingParams,
+        logprobs: bool,
+    ) -> Result<VerifyOutcome, EngineError> {
         let (keep, new, cache_hit) = match prefix {
             Prefix::Full(seq) => {
                 if seq.is_empty() {
@@ -299,6 +314,11 @@ impl TargetEngine {
         s.tokens.extend_from_slice(&verdict.accepted_tokens);
         let last_row = verdict.accepted_nodes.last().map_or(0, |&i| i + 1);
         s.last_logits = Some(logits.get(last_row)?);
+        let logprobs = if logprobs {
+            emitted_logprobs(&logits, &verdict)?
+        } else {
+            Vec::new()
+        };
         Ok(VerifyOutcome {
             cached_len: s.tokens.len(),
             cache_hit,
@@ -306,6 +326,7 @@ impl TargetEngine {
             enqueue_time,
             tokens_processed: new.len() + tree.len(),
             verdict,
+            logprobs,
         })
     }
 
@@ -454,6 +475,27 @@ impl TargetEngine {
         };
         verified.map_err(|e| EngineError::InvalidArgument(e.to_string()))
     }
+}
+
+/// The log-probability of each token `verdict` emits (the accepted ones, then the next) under
+/// the logits rows that predicted it: row 0 (after the sequence) for the first, the row of
+/// each accepted node for the token after it. Computed on the device; only the values are
+/// copied.
+fn emitted_logprobs(logits: &Tensor, verdict: &Verdict) -> Result<Vec<f32>, EngineError> {
+    let rows: Vec<u32> = std::iter::once(0)
+        .chain(verdict.accepted_nodes.iter().map(|&i| i as u32 + 1))
+        .collect();
+    let mut tokens = verdict.accepted_tokens.clone();
+    tokens.push(verdict.next_token);
+    let dev = logits.device();
+    let x = logits
+        .index_select(&Tensor::new(rows.as_slice(), dev)?, 0)?
+        .to_dtype(DType::F32)?;
+    let shifted = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?;
+    let log_total = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let ids = Tensor::new(tokens.as_slice(), dev)?.unsqueeze(1)?;
+    let picked = shifted.gather(&ids, 1)?.broadcast_sub(&log_total)?;
+    Ok(picked.squeeze(1)?.to_vec1()?)
 }
 
 /// Whether `tree` is one chain: a single root, each later node the child of the one before.

@@ -146,6 +146,17 @@ impl Orchestrator {
         self.vocab_size
     }
 
+    /// Most tokens (prompt and generated) a target session holds, where the target reported
+    /// it.
+    pub fn max_context(&self) -> Option<usize> {
+        (self.target_limits.max_context > 0).then_some(self.target_limits.max_context)
+    }
+
+    /// Longest prompt the target accepts, where it reported it.
+    pub fn max_prompt_len(&self) -> Option<usize> {
+        (self.target_limits.max_prompt_len > 0).then_some(self.target_limits.max_prompt_len)
+    }
+
     /// Generates up to `cfg.max_tokens` tokens after `prompt`, calling `on_tokens` with each
     /// round's emitted tokens as soon as they are known (in the caller's task, in order, all
     /// before this returns; the round loop does not wait for it). Both workers' sessions are
@@ -154,7 +165,36 @@ impl Orchestrator {
         &self,
         prompt: &[u32],
         cfg: &GenerateConfig,
-        on_tokens: impl FnMut(&[u32]),
+        mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, OrchestratorError> {
+        self.generate_until(prompt, cfg, move |t| {
+            on_tokens(t);
+            true
+        })
+        .await
+    }
+
+    /// [`Orchestrator::generate`], where `on_tokens` says whether to go on: once it returns
+    /// `false` the round loop is cancelled, both sessions are ended, and the generation holds
+    /// the tokens passed so far with [`StopReason::Stopped`](crate::StopReason::Stopped) and
+    /// their count as its only statistic.
+    pub async fn generate_until(
+        &self,
+        prompt: &[u32],
+        cfg: &GenerateConfig,
+        mut on_tokens: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Generation, OrchestratorError> {
+        self.generate_scored(prompt, cfg, move |t, _| on_tokens(t))
+            .await
+    }
+
+    /// [`Orchestrator::generate_until`], with each round's tokens passed together with their
+    /// log-probabilities (empty without [`GenerateConfig::logprobs`]).
+    pub async fn generate_scored(
+        &self,
+        prompt: &[u32],
+        cfg: &GenerateConfig,
+        on_tokens: impl FnMut(&[u32], &[f32]) -> bool,
     ) -> Result<Generation, OrchestratorError> {
         cfg.validate().map_err(OrchestratorError::Config)?;
         if prompt.is_empty() {
@@ -182,20 +222,45 @@ impl Orchestrator {
         // The round loop runs on the client runtime's thread, where the channels' tasks run
         // (see `ClientRuntime`), whatever polls the caller. The caller still calls `on_tokens`
         // itself, with every round's tokens, in order, before the result.
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u32>>();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Vec<u32>, Vec<f32>)>();
         let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
+        let (session2, secret2) = (session.clone(), secret.clone());
         let body = async move {
-            run_and_end(&o, &session, &secret, &cfg, &prompt, move |t| {
+            run_and_end(&o, &session2, &secret2, &cfg, &prompt, move |t, lp| {
                 // The receiver is gone only when the caller was dropped (and aborts us).
-                let _ = tx.send(t.to_vec());
+                let _ = tx.send((t.to_vec(), lp.to_vec()));
             })
             .await
         };
         let task = self.rt.spawn(body);
         let mut on_tokens = on_tokens;
+        let (mut passed, mut passed_logprobs) = (Vec::new(), Vec::new());
         // The channel closes when the round loop returns (the sender is dropped with it).
-        while let Some(t) = rx.recv().await {
-            on_tokens(&t);
+        while let Some((t, lp)) = rx.recv().await {
+            passed.extend_from_slice(&t);
+            passed_logprobs.extend_from_slice(&lp);
+            if !on_tokens(&t, &lp) {
+                task.cancel().await;
+                let o = self.clone();
+                let _ = self
+                    .rt
+                    .spawn(async move {
+                        o.end_sessions(&session, &secret).await;
+                        Ok(())
+                    })
+                    .join()
+                    .await;
+                return Ok(Generation {
+                    stats: crate::GenerationStats {
+                        tokens: passed.len(),
+                        ..Default::default()
+                    },
+                    token_ids: passed,
+                    token_logprobs: passed_logprobs,
+                    stop_reason: crate::StopReason::Stopped,
+                    rounds: Vec::new(),
+                });
+            }
         }
         task.join().await
     }
@@ -226,7 +291,7 @@ async fn run_and_end(
     secret: &str,
     cfg: &GenerateConfig,
     prompt: &[u32],
-    on_tokens: impl FnMut(&[u32]),
+    on_tokens: impl FnMut(&[u32], &[f32]),
 ) -> Result<Generation, OrchestratorError> {
     let result = Run::new(o, session, secret, cfg)
         .run(prompt, on_tokens)

@@ -199,6 +199,12 @@ impl<T> AbortOnDrop<T> {
             ))),
         }
     }
+
+    /// Aborts the task and waits until it is gone (its pending requests dropped).
+    pub(super) async fn cancel(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
 }
 
 impl<T> Drop for AbortOnDrop<T> {

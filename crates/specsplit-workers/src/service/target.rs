@@ -60,9 +60,10 @@ impl TargetService for TargetWorker {
             }
             (Prefix::Full(_), false) => (self.named_session(id, secret.as_ref(), seed)?, None),
         };
+        let logprobs = r.return_logprobs;
         let out = self
             .run(session, move |engine, s| {
-                engine.verify(s, prefix, &tree, &sampling)
+                engine.verify_scored(s, prefix, &tree, &sampling, logprobs)
             })
             .await?;
         let v = &out.verdict;
@@ -77,6 +78,7 @@ impl TargetService for TargetWorker {
             has_correction: true,
             cached_length: out.cached_len as i32,
             accepted_node_indices: v.accepted_nodes.iter().map(|&i| i as i32).collect(),
+            token_logprobs: out.logprobs,
         }))
     }
 

@@ -169,6 +169,8 @@ pub(super) struct Run<'a> {
     switches: Vec<SpeedSwitch>,
     /// The depth the pre-draft pipeline's last shape chose for the next round.
     planned_depth: Option<usize>,
+    /// The target's log-probability of each token of `out` (with `cfg.logprobs`).
+    logprobs: Vec<f32>,
 }
 
 /// Milliseconds since `t`.
@@ -207,14 +209,16 @@ impl<'a> Run<'a> {
             draft_failures: 0,
             switches: Vec::new(),
             planned_depth: None,
+            logprobs: Vec::new(),
         }
     }
 
-    /// Generates after `prompt`, round by round, calling `on_tokens` with each round's tokens.
+    /// Generates after `prompt`, round by round, calling `on_tokens` with each round's tokens
+    /// and their log-probabilities (empty without `cfg.logprobs`).
     pub(super) async fn run(
         mut self,
         prompt: &[u32],
-        mut on_tokens: impl FnMut(&[u32]),
+        mut on_tokens: impl FnMut(&[u32], &[f32]),
     ) -> Result<Generation, OrchestratorError> {
         self.start = Instant::now();
         self.deadline = (self.cfg.deadline_ms > 0)
@@ -242,7 +246,8 @@ impl<'a> Run<'a> {
                 self.ttft_ms = ms_since(self.start);
             }
             // The tokens go out before the wait for a pre-draft running beside the verify.
-            on_tokens(&emitted);
+            let lp = &verdict.verified.logprobs;
+            on_tokens(&emitted, &lp[..emitted.len().min(lp.len())]);
             let predraft = self.reconcile(round.no, pre, &verdict.verified).await?;
             let prefill = self.advance(&emitted, &verdict.verified);
             self.record(round, &verdict, predraft, emitted, prefill);
@@ -592,6 +597,8 @@ impl<'a> Run<'a> {
     fn advance(&mut self, emitted: &[u32], v: &Verified) -> bool {
         let prefill = self.target_cached.is_none();
         self.out.extend_from_slice(emitted);
+        self.logprobs
+            .extend(v.logprobs.iter().take(emitted.len()).copied());
         self.seq.extend_from_slice(emitted);
         self.pending = vec![v.next];
         self.target_cached = Some(v.cached_len);
@@ -680,6 +687,7 @@ impl<'a> Run<'a> {
         Generation {
             stats,
             token_ids: self.out,
+            token_logprobs: self.logprobs,
             stop_reason: stop,
             rounds: self.rounds,
         }

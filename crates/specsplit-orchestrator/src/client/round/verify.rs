@@ -51,6 +51,7 @@ impl Run<'_> {
                 temperature: self.cfg.temperature,
                 sampling: Some(self.cfg.sampling()),
                 session_secret: self.secret.to_string(),
+                return_logprobs: self.cfg.logprobs,
                 ..Default::default()
             };
             self.request_no += 1;
@@ -94,7 +95,7 @@ impl Run<'_> {
                         .observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
                     let server = ServerTimes::of(r.telemetry.as_ref());
                     return Ok(Some(Verdict {
-                        verified: Verified::from_response(&r, tree)?,
+                        verified: Verified::from_response(&r, tree, self.cfg.logprobs)?,
                         ms,
                         server,
                     }));
@@ -136,14 +137,17 @@ pub(super) struct Verified {
     pub(super) next: u32,
     /// How many tokens of the sequence the target's session now caches.
     pub(super) cached_len: usize,
+    /// The target's log-probability of each accepted token, then of `next` (when asked for).
+    pub(super) logprobs: Vec<f32>,
 }
 
 impl Verified {
     /// The verdict in `r` on `tree`; the accepted path is recovered from the tokens where the
-    /// target sent no node indices.
+    /// target sent no node indices. With `logprobs` the target must have sent one per token.
     fn from_response(
         r: &specsplit_proto::VerifyResponse,
         tree: &TokenTree,
+        logprobs: bool,
     ) -> Result<Self, OrchestratorError> {
         let accepted: Vec<u32> = r.accepted_token_ids.iter().map(|&t| t as u32).collect();
         let accepted_nodes: Vec<usize> = if r.accepted_node_indices.len() == accepted.len() {
@@ -162,11 +166,20 @@ impl Verified {
                 "the target returned no next token".into(),
             ));
         }
+        if logprobs && r.token_logprobs.len() != accepted.len() + 1 {
+            return Err(OrchestratorError::Protocol(format!(
+                "the target sent {} token log-probabilities for {} tokens (a target that \
+                 predates them sends none)",
+                r.token_logprobs.len(),
+                accepted.len() + 1
+            )));
+        }
         Ok(Self {
             accepted,
             accepted_nodes,
             next: r.correction_token_id as u32,
             cached_len: r.cached_length.max(0) as usize,
+            logprobs: r.token_logprobs.clone(),
         })
     }
 }
