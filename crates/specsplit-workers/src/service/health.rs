@@ -1,26 +1,38 @@
 //! The standard gRPC health service (`grpc.health.v1.Health`) of a worker.
 
+use std::sync::Arc;
+
 use specsplit_proto::health::health_check_response::ServingStatus;
 use specsplit_proto::health::{HealthCheckRequest, HealthCheckResponse};
 use tonic::{Request, Response, Status};
+
+use super::Lifecycle;
 
 /// Largest health-check message accepted (a service name).
 pub(super) const MAX_HEALTH_MESSAGE_BYTES: usize = 4 << 10;
 
 /// The standard gRPC health service (`grpc.health.v1.Health`): the worker's service and the
-/// server as a whole (`""`) are serving while the server runs; other names are NOT_FOUND.
+/// server as a whole (`""`) are SERVING while the server runs and NOT_SERVING while it drains
+/// (see [`Lifecycle`]); other names are NOT_FOUND.
 /// Generated with [`specsplit_proto::codec::SpecCodec`], so an undecodable request is
 /// INVALID_ARGUMENT like on the worker's own service.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Health {
     /// The worker's own service name.
     pub(super) service: &'static str,
+    /// Whether the worker serves or drains.
+    pub(super) lifecycle: Arc<Lifecycle>,
 }
 
 impl Health {
     fn status(&self, service: &str) -> Option<HealthCheckResponse> {
+        let status = if self.lifecycle.is_serving() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
         (service.is_empty() || service == self.service).then_some(HealthCheckResponse {
-            status: ServingStatus::Serving as i32,
+            status: status as i32,
         })
     }
 }
@@ -44,8 +56,8 @@ impl specsplit_proto::health::health_server::Health for Health {
         &self,
         request: Request<HealthCheckRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        // The status never changes while the server runs: send it once, then keep the call
-        // open until the server stops.
+        // The status as it is when asked, then the call stays open until the server stops
+        // (a watcher learns of draining from a new check).
         let first = self
             .status(&request.into_inner().service)
             .unwrap_or(HealthCheckResponse {
