@@ -7,9 +7,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use specsplit_models::tokenizer::TextTokenizer;
-use specsplit_orchestrator::{ClientSpin, GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{
+    AuthToken, ClientSpin, ClientTls, ConnectOptions, GenerateConfig, Mode, Orchestrator, Pipeline,
+};
 use specsplit_workers::cli::{init_logging, shutdown_signal};
-use specsplit_workers::config::{load_section, WorkerConfig};
+use specsplit_workers::config::{load_section, Secret, WorkerConfig};
 use specsplit_workers::launch;
 
 /// Speculative decoding split across a draft worker and a target worker.
@@ -184,6 +186,27 @@ struct GenerateArgs {
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_format: Option<String>,
+    /// PEM CA certificates the remote workers' certificates must chain to: connect over TLS.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_ca: Option<PathBuf>,
+    /// PEM client certificate for workers requiring mutual TLS (with --tls-key).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_key: Option<PathBuf>,
+    /// The name the workers' certificates must carry [default: the host of each address].
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_domain: Option<String>,
+    /// File holding the bearer token sent to the workers; the token may also come from
+    /// SPECSPLIT_ORCHESTRATOR__AUTH_TOKEN or the config file.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    auth_token_file: Option<PathBuf>,
 }
 
 /// The `[orchestrator]` section: where the workers are and how to generate.
@@ -220,6 +243,18 @@ struct Settings {
     #[serde(skip_serializing_if = "Option::is_none")]
     first_round_overlap: Option<bool>,
     client_spin: ClientSpin,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_ca: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_key: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_domain: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    auth_token_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    auth_token: Option<Secret>,
 }
 
 impl Default for Settings {
@@ -255,11 +290,44 @@ impl Default for Settings {
             spec_probe_rounds: g.spec_probe_rounds,
             first_round_overlap: g.first_round_overlap,
             client_spin: ClientSpin::default(),
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_domain: None,
+            auth_token_file: None,
+            auth_token: None,
         }
     }
 }
 
 impl Settings {
+    /// How to connect to remote workers: TLS and the bearer token as configured.
+    fn connect_options(&self) -> Result<ConnectOptions> {
+        let tls = match &self.tls_ca {
+            Some(ca) => {
+                let mut tls =
+                    ClientTls::from_files(ca, self.tls_cert.as_deref(), self.tls_key.as_deref())?;
+                tls.domain = self.tls_domain.clone();
+                Some(tls)
+            }
+            None if self.tls_cert.is_some() || self.tls_domain.is_some() => {
+                bail!("tls_cert and tls_domain need tls_ca (the CA the workers' certificates chain to)")
+            }
+            None => None,
+        };
+        let token = match (&self.auth_token, &self.auth_token_file) {
+            (Some(_), Some(_)) => bail!("auth_token and auth_token_file are both set; set one"),
+            (Some(t), None) => Some(AuthToken::new(t.expose())?),
+            (None, Some(f)) => Some(AuthToken::from_file(f)?),
+            (None, None) => None,
+        };
+        Ok(ConnectOptions {
+            spin: self.client_spin,
+            tls,
+            token,
+        })
+    }
+
     fn generate_config(&self) -> GenerateConfig {
         GenerateConfig {
             mode: self.mode,
@@ -466,7 +534,8 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
             bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
         }
         let d = spec.then(|| s.draft_addr.clone());
-        let orch = Orchestrator::connect_with(d.as_deref(), &s.target_addr, s.client_spin).await?;
+        let opts = s.connect_options()?;
+        let orch = Orchestrator::connect_with_options(d.as_deref(), &s.target_addr, &opts).await?;
         let tok = remote_tokenizer(&s, orch.target_model()).await?;
         (None, orch, tok)
     };
