@@ -59,7 +59,14 @@ where
         Ok(Err(status)) if status.code() == tonic::Code::Unauthenticated => {
             Err(OrchestratorError::Rpc { worker, status })
         }
-        Ok(Err(s)) => Err(unreachable(short(s.message()))),
+        Ok(Err(s)) => {
+            // A failed TLS handshake shows only in the status's causes.
+            let reason = match std::error::Error::source(&s) {
+                Some(cause) => format!("{}: {}", s.message(), causes(cause)),
+                None => s.message().to_string(),
+            };
+            Err(unreachable(short(&reason)))
+        }
         Err(_) => Err(unreachable(format!(
             "no answer to a ping within {} s",
             CONNECT_TIMEOUT.as_secs()
