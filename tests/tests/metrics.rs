@@ -166,7 +166,10 @@ async fn metrics_count_the_generations_run() {
     let nodes: usize = drafted.iter().map(|r| r.tree_nodes).sum();
     assert_eq!(spec("num_draft_tokens"), nodes as f64);
     let accepted: usize = drafted.iter().map(|r| r.accepted).sum();
-    assert!(accepted > 0, "the draft is the target: it should be accepted");
+    assert!(
+        accepted > 0,
+        "the draft is the target: it should be accepted"
+    );
     assert_eq!(spec("num_accepted_tokens"), accepted as f64);
     let per_pos: Vec<f64> = (0..3)
         .map(|p| {
@@ -199,12 +202,19 @@ async fn metrics_count_the_generations_run() {
     assert!(m.value("specsplit_kv_cache_budget_bytes", &[]) > 0.0);
     let used = m.value("specsplit_kv_cache_used_bytes", &[]);
     let held = m.value("specsplit_sessions", &[]);
-    assert_eq!(held == 0.0, used == 0.0, "{held} sessions hold {used} bytes");
+    assert_eq!(
+        held == 0.0,
+        used == 0.0,
+        "{held} sessions hold {used} bytes"
+    );
 
     let dm = Metrics::scrape(draft.http).await;
     let passes = dm.value("specsplit_rpc_requests_total", &[("rpc", "GenerateDrafts")]);
     assert!(passes >= drafted.len() as f64, "{passes} draft passes");
-    assert_eq!(dm.value("specsplit_spec_decode_num_drafts_total", &model), 0.0);
+    assert_eq!(
+        dm.value("specsplit_spec_decode_num_drafts_total", &model),
+        0.0
+    );
     drop(orch);
     for w in [target, draft] {
         let _ = w.stop.unwrap().send(());
@@ -226,7 +236,12 @@ async fn a_draining_worker_reports_not_serving_then_stops() {
     let check = HealthCheckRequest {
         service: String::new(),
     };
-    let status = health.check(check.clone()).await.unwrap().into_inner().status;
+    let status = health
+        .check(check.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
     assert_eq!(status, ServingStatus::Serving as i32);
 
     let _ = target.stop.take().unwrap().send(());

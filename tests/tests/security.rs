@@ -197,7 +197,10 @@ async fn mutual_tls_and_a_token_generate_and_everything_less_is_refused() {
             Orchestrator::connect_with_options(d, t, &opts).await,
             &format!("client certificate {client:?}"),
         );
-        assert!(!is_unauthenticated(&e), "a TLS error, not a token error: {e}");
+        assert!(
+            !is_unauthenticated(&e),
+            "a TLS error, not a token error: {e}"
+        );
     }
 
     // Plaintext to a TLS worker: nothing is served.
