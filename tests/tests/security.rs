@@ -2,113 +2,16 @@
 //! orchestrator generates through workers that require all three; a wrong CA, a missing client
 //! certificate, a plaintext client and a wrong or missing token are refused.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-use specsplit_e2e::config;
+use specsplit_e2e::pki::{Pki, TOKEN};
+use specsplit_e2e::{config, start_secured_draft, start_secured_target};
 use specsplit_orchestrator::{
     AuthToken, ClientTls, ConnectOptions, GenerateConfig, Mode, Orchestrator, OrchestratorError,
 };
 use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::PingRequest;
 use specsplit_workers::config::{Secret, WorkerConfig};
-use specsplit_workers::launch;
-use specsplit_workers::service::{serve_draft_with, serve_target_with, Lifecycle};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 const MODEL: &str = "random:tiny:7";
-const TOKEN: &str = "e2e-test-token-0123456789";
-
-/// A CA and the PEM files it signed, in a directory of their own.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-impl Pki {
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-}
-
-/// A CA named `name`, written as `<name>-ca.pem`.
-fn ca(dir: &Path, name: &str) -> Issuer<'static, KeyPair> {
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(DnType::CommonName, format!("{name} CA"));
-    let cert = params.self_signed(&key).unwrap();
-    std::fs::write(dir.join(format!("{name}-ca.pem")), cert.pem()).unwrap();
-    Issuer::new(params, key)
-}
-
-/// A certificate for `names` signed by `issuer`, written as `<file>.pem` and `<file>-key.pem`.
-fn leaf(dir: &Path, issuer: &Issuer<'_, KeyPair>, names: &[&str], file: &str) {
-    let key = KeyPair::generate().unwrap();
-    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let cert = CertificateParams::new(names)
-        .unwrap()
-        .signed_by(&key, issuer)
-        .unwrap();
-    std::fs::write(dir.join(format!("{file}.pem")), cert.pem()).unwrap();
-    std::fs::write(dir.join(format!("{file}-key.pem")), key.serialize_pem()).unwrap();
-}
-
-/// The CA `good` with a server certificate for localhost and a client certificate, another
-/// CA `rogue` with a client certificate of its own, and a token file.
-fn pki() -> Pki {
-    let dir = tempfile::tempdir().unwrap();
-    let good = ca(dir.path(), "good");
-    leaf(dir.path(), &good, &["localhost"], "server");
-    leaf(dir.path(), &good, &["orchestrator"], "client");
-    let rogue = ca(dir.path(), "rogue");
-    leaf(dir.path(), &rogue, &["orchestrator"], "rogue-client");
-    std::fs::write(dir.path().join("token"), format!("{TOKEN}\n")).unwrap();
-    Pki { dir }
-}
-
-/// A worker serving as its config says (TLS, client CA, token), stopped when dropped.
-struct Worker {
-    addr: String,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Worker {
-    async fn stop(mut self) {
-        let _ = self.stop.take().map(|s| s.send(()));
-        if let Some(t) = self.task.take() {
-            t.await.unwrap();
-        }
-    }
-}
-
-async fn start(cfg: &WorkerConfig, target: bool) -> Worker {
-    cfg.validate().unwrap();
-    let opts = launch::serve_options(cfg, Arc::new(Lifecycle::default())).unwrap();
-    let model = launch::load(cfg).unwrap();
-    let listener = TcpListener::bind(&cfg.listen).await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (tx, rx) = oneshot::channel::<()>();
-    let stop = async {
-        let _ = rx.await;
-    };
-    let task = if target {
-        let w = launch::target_worker(cfg, model);
-        tokio::spawn(async move { serve_target_with(w, listener, stop, opts).await.unwrap() })
-    } else {
-        let w = launch::draft_worker(cfg, model);
-        tokio::spawn(async move { serve_draft_with(w, listener, stop, opts).await.unwrap() })
-    };
-    Worker {
-        addr: format!("localhost:{port}"),
-        stop: Some(tx),
-        task: Some(task),
-    }
-}
 
 /// A worker config requiring TLS, a client certificate from `good` and the token.
 fn secured(pki: &Pki, target: bool) -> WorkerConfig {
@@ -145,10 +48,14 @@ fn is_unauthenticated(e: &OrchestratorError) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_tls_and_a_token_generate_and_everything_less_is_refused() {
-    let pki = pki();
-    let target = start(&secured(&pki, true), true).await;
-    let draft = start(&secured(&pki, false), false).await;
-    let (d, t) = (Some(draft.addr.as_str()), target.addr.as_str());
+    let pki = Pki::new();
+    let target = start_secured_target(&secured(&pki, true)).await;
+    let draft = start_secured_draft(&secured(&pki, false)).await;
+    let (d, t) = (
+        format!("localhost:{}", draft.addr.port()),
+        format!("localhost:{}", target.addr.port()),
+    );
+    let (d, t) = (Some(d.as_str()), t.as_str());
     let good = ConnectOptions {
         tls: Some(tls(&pki, "good-ca.pem", Some("client"))),
         token: Some(AuthToken::from_file(&pki.path("token")).unwrap()),
@@ -238,20 +145,21 @@ async fn mutual_tls_and_a_token_generate_and_everything_less_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_with_a_token_and_no_client_certificate_serves_token_holders() {
-    let pki = pki();
+    let pki = Pki::new();
     let cfg = WorkerConfig {
         tls_client_ca: None,
         auth_token: None,
         auth_token_file: Some(pki.path("token")),
         ..secured(&pki, true)
     };
-    let target = start(&cfg, true).await;
+    let target = start_secured_target(&cfg).await;
+    let addr = format!("localhost:{}", target.addr.port());
     let good = ConnectOptions {
         tls: Some(tls(&pki, "good-ca.pem", None)),
         token: Some(AuthToken::new(TOKEN).unwrap()),
         ..ConnectOptions::default()
     };
-    let orch = Orchestrator::connect_with_options(None, &target.addr, &good)
+    let orch = Orchestrator::connect_with_options(None, &addr, &good)
         .await
         .unwrap();
     let ar = GenerateConfig {
@@ -272,7 +180,7 @@ async fn tls_with_a_token_and_no_client_certificate_serves_token_holders() {
         ..good
     };
     let e = expect_refused(
-        Orchestrator::connect_with_options(None, &target.addr, &anonymous).await,
+        Orchestrator::connect_with_options(None, &addr, &anonymous).await,
         "no token",
     );
     assert!(is_unauthenticated(&e), "{e}");

@@ -199,7 +199,7 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Worke
                         addr: addr.clone(),
                         source,
                     })?;
-            tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /health, /ready");
+            tracing::info!(http = %listener.local_addr()?, "serving /metrics, /health, /ready");
             let (state, stopped) = (state.clone(), state.lifecycle.clone());
             Some(tokio::spawn(async move {
                 let stop = async move {
