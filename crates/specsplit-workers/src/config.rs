@@ -277,11 +277,20 @@ where
         fig = fig.merge(Figment::from(Toml::file(path)).focus(section));
     }
     let env_prefix = format!("SPECSPLIT_{}__", section.to_ascii_uppercase());
-    fig = fig
-        .merge(Env::prefixed(&env_prefix).map(|k| k.as_str().to_ascii_lowercase().into()))
-        .merge(Serialized::defaults(overrides));
+    fig = fig.merge(Env::prefixed(&env_prefix).map(|k| k.as_str().to_ascii_lowercase().into()));
+    // A secret is taken as written: the environment layer would read `12345` as a number.
+    for key in VERBATIM_KEYS {
+        let var = format!("{env_prefix}{}", key.to_ascii_uppercase());
+        if let Ok(value) = std::env::var(var) {
+            fig = fig.merge(Serialized::default(key, value));
+        }
+    }
+    fig = fig.merge(Serialized::defaults(overrides));
     fig.extract().map_err(|e| ConfigError(e.to_string()))
 }
+
+/// Keys whose environment variable is read as the string it is, never as a number or a boolean.
+const VERBATIM_KEYS: [&str; 1] = ["auth_token"];
 
 /// The sections a configuration file may hold, one per program.
 pub const SECTIONS: [&str; 3] = ["orchestrator", "draft", "target"];
@@ -527,6 +536,24 @@ mod tests {
             }
         );
         assert!(!shown.contains("hunter2"), "{shown}");
+    }
+
+    #[test]
+    fn the_token_comes_from_the_environment_whatever_it_looks_like() {
+        figment::Jail::expect_with(|jail| {
+            for token in ["12345", "true", "s3cret-Token"] {
+                jail.set_env("SPECSPLIT_TARGET__AUTH_TOKEN", token);
+                let c: WorkerConfig = load_section(
+                    "target",
+                    &WorkerConfig::target_defaults(),
+                    None,
+                    &Flags::default(),
+                )
+                .map_err(|e| e.to_string())?;
+                assert_eq!(c.auth_token.as_ref().map(Secret::expose), Some(token));
+            }
+            Ok(())
+        });
     }
 
     #[test]
