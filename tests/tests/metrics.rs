@@ -243,8 +243,21 @@ async fn a_draining_worker_reports_not_serving_then_stops() {
         .into_inner()
         .status;
     assert_eq!(status, ServingStatus::Serving as i32);
+    let mut watch = health.watch(check.clone()).await.unwrap().into_inner();
+    let first = watch.message().await.unwrap().unwrap().status;
+    assert_eq!(first, ServingStatus::Serving as i32);
 
     let _ = target.stop.take().unwrap().send(());
+    let next = watch.message().await.unwrap().unwrap().status;
+    assert_eq!(
+        next,
+        ServingStatus::NotServing as i32,
+        "a watcher learns of the drain"
+    );
+    assert!(
+        watch.message().await.unwrap().is_none(),
+        "then the stream ends"
+    );
     assert_eq!(
         ready_becomes(target.http, 503).await,
         (503, "draining\n".into())

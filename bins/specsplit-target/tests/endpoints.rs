@@ -27,8 +27,13 @@ fn spawn(args: &[&str]) -> (Child, String, String) {
         }
     });
     let field = |line: &str, key: &str| {
-        line.find(key)
-            .map(|i| line[i + key.len()..].split_whitespace().next().unwrap().to_string())
+        line.find(key).map(|i| {
+            line[i + key.len()..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .to_string()
+        })
     };
     let (mut grpc, mut http) = (None, None);
     while grpc.is_none() || http.is_none() {
@@ -52,7 +57,10 @@ fn get(addr: &str, path: &str) -> (u16, String) {
     let mut text = String::new();
     s.read_to_string(&mut text).unwrap();
     let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    (head.split(' ').nth(1).unwrap().parse().unwrap(), body.into())
+    (
+        head.split(' ').nth(1).unwrap().parse().unwrap(),
+        body.into(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,16 +82,12 @@ async fn serves_metrics_and_readiness_and_drains_on_sigterm() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(get(&http, "/health"), (200, "live\n".into()));
-    let mut client = specsplit_proto::target_service_client::TargetServiceClient::connect(
-        url.clone(),
-    )
-    .await
-    .unwrap();
-    for _ in 0..3 {
-        client
-            .ping(specsplit_proto::PingRequest {})
+    let mut client =
+        specsplit_proto::target_service_client::TargetServiceClient::connect(url.clone())
             .await
             .unwrap();
+    for _ in 0..3 {
+        client.ping(specsplit_proto::PingRequest {}).await.unwrap();
     }
     let (status, metrics) = get(&http, "/metrics");
     assert_eq!(status, 200);

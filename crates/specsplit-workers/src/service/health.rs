@@ -8,6 +8,9 @@ use tonic::{Request, Response, Status};
 
 use super::Lifecycle;
 
+/// How often a `Watch` call looks whether the worker started draining.
+const DRAIN_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Largest health-check message accepted (a service name).
 pub(super) const MAX_HEALTH_MESSAGE_BYTES: usize = 4 << 10;
 
@@ -56,15 +59,27 @@ impl specsplit_proto::health::health_server::Health for Health {
         &self,
         request: Request<HealthCheckRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        // The status as it is when asked, then the call stays open until the server stops
-        // (a watcher learns of draining from a new check).
+        // The status as it is when asked; once the worker drains, NOT_SERVING (to a watcher
+        // of a serving status) and the end of the stream, which would otherwise hold the
+        // server's graceful shutdown open.
         let first = self
             .status(&request.into_inner().service)
             .unwrap_or(HealthCheckResponse {
                 status: ServingStatus::ServiceUnknown as i32,
             });
-        let stream =
-            tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), tokio_stream::pending());
+        let serving = first.status == ServingStatus::Serving as i32;
+        let lifecycle = self.lifecycle.clone();
+        let tick = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(DRAIN_POLL));
+        let drained = tokio_stream::StreamExt::take(
+            tokio_stream::StreamExt::filter(tick, move |_| lifecycle.is_draining()),
+            1,
+        );
+        let last = tokio_stream::StreamExt::filter_map(drained, move |_| {
+            serving.then_some(Ok(HealthCheckResponse {
+                status: ServingStatus::NotServing as i32,
+            }))
+        });
+        let stream = tokio_stream::StreamExt::chain(tokio_stream::once(Ok(first)), last);
         Ok(Response::new(Box::pin(stream)))
     }
 }
