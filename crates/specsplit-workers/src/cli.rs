@@ -200,14 +200,10 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Worke
                         source,
                     })?;
             tracing::info!(http = %listener.local_addr()?, "serving /metrics, /health, /ready");
-            let (state, stopped) = (state.clone(), state.lifecycle.clone());
+            // They answer until the worker has stopped (/ready 503 while it drains).
+            let state = state.clone();
             Some(tokio::spawn(async move {
-                let stop = async move {
-                    while !stopped.is_draining() {
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    }
-                };
-                if let Err(e) = serve_endpoints(listener, state, stop).await {
+                if let Err(e) = serve_endpoints(listener, state, std::future::pending()).await {
                     tracing::error!("the HTTP endpoints stopped: {e}");
                 }
             }))
