@@ -1,6 +1,6 @@
 //! Bearer-token authentication between the services: the token, the `authorization: Bearer
-//! <token>` header a client adds to every call, and the check a worker makes of it (a
-//! constant-time comparison).
+//! <token>` header a client adds to every call ([`BearerToken`]), and the check a worker makes
+//! of it (a constant-time comparison).
 
 use std::path::Path;
 
@@ -73,18 +73,28 @@ impl AuthToken {
     /// Whether `metadata` carries `authorization: Bearer <this token>`; the comparison takes
     /// the same time wherever the values differ.
     pub fn admits(&self, metadata: &MetadataMap) -> bool {
-        let Some(got) = metadata.get(AUTHORIZATION) else {
-            return false;
-        };
-        let (want, got) = (self.header.as_encoded_bytes(), got.as_encoded_bytes());
-        want.len() == got.len() && bool::from(want.ct_eq(got))
+        self.admits_value(metadata.get(AUTHORIZATION).map(|v| v.as_encoded_bytes()))
     }
 
     /// Checks a request's metadata: UNAUTHENTICATED unless it carries this token.
     pub fn check(&self, metadata: &MetadataMap) -> Result<(), Status> {
-        if self.admits(metadata) {
+        self.check_value(metadata.get(AUTHORIZATION).map(|v| v.as_encoded_bytes()))
+    }
+
+    /// [`AuthToken::check`] on an HTTP request's headers.
+    pub fn check_headers(&self, headers: &tonic::codegen::http::HeaderMap) -> Result<(), Status> {
+        self.check_value(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
+    }
+
+    fn admits_value(&self, got: Option<&[u8]>) -> bool {
+        let want = self.header.as_encoded_bytes();
+        got.is_some_and(|got| want.len() == got.len() && bool::from(want.ct_eq(got)))
+    }
+
+    fn check_value(&self, got: Option<&[u8]>) -> Result<(), Status> {
+        if self.admits_value(got) {
             Ok(())
-        } else if metadata.get(AUTHORIZATION).is_none() {
+        } else if got.is_none() {
             Err(Status::unauthenticated(
                 "this worker requires `authorization: Bearer <token>`; configure the client's \
                  auth token",
@@ -110,20 +120,6 @@ impl Interceptor for BearerToken {
                 .insert(AUTHORIZATION, t.header.clone());
         }
         Ok(request)
-    }
-}
-
-/// A server interceptor refusing, UNAUTHENTICATED, every call without the token (admitting
-/// every call without a token to check).
-#[derive(Debug, Clone, Default)]
-pub struct RequireToken(pub Option<AuthToken>);
-
-impl Interceptor for RequireToken {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        match &self.0 {
-            Some(t) => t.check(request.metadata()).map(|()| request),
-            None => Ok(request),
-        }
     }
 }
 
@@ -153,6 +149,10 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = t.check(&with_header("Bearer nope")).unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let headers = with_header("Bearer s3cret-Token").into_headers();
+        assert!(t.check_headers(&headers).is_ok());
+        let headers = with_header("Bearer s3cret-Tokeo").into_headers();
+        assert!(t.check_headers(&headers).is_err());
         assert!(!format!("{t:?}").contains("s3cret"));
     }
 
@@ -173,13 +173,15 @@ mod tests {
     }
 
     #[test]
-    fn interceptors_add_and_require_the_token() {
+    fn the_client_interceptor_adds_the_token() {
         let t = AuthToken::new("tok").unwrap();
         let sent = BearerToken(Some(t.clone())).call(Request::new(())).unwrap();
-        assert!(RequireToken(Some(t)).call(sent).is_ok());
+        assert!(t.check(sent.metadata()).is_ok());
         let bare = BearerToken(None).call(Request::new(())).unwrap();
         assert!(bare.metadata().get(AUTHORIZATION).is_none());
-        let refused = RequireToken(Some(AuthToken::new("other").unwrap())).call(bare);
-        assert_eq!(refused.unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert_eq!(
+            t.check(bare.metadata()).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
     }
 }

@@ -13,6 +13,7 @@ mod info;
 mod lifecycle;
 mod serve;
 mod target;
+mod token;
 mod validate;
 mod worker;
 

@@ -7,13 +7,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use specsplit_proto::auth::{AuthToken, RequireToken};
+use specsplit_proto::auth::AuthToken;
 use specsplit_proto::health::health_server::HealthServer;
 use tokio::net::TcpListener;
-use tonic::service::interceptor::InterceptedService;
 use tonic::transport::ServerTlsConfig;
 
 use super::health::{Health, MAX_HEALTH_MESSAGE_BYTES};
+use super::token::TokenCheck;
 use super::Lifecycle;
 use crate::session::SessionStore;
 
@@ -78,35 +78,6 @@ impl<S> GrpcService for S where
 {
 }
 
-/// What the server needs of a service it routes to: a [`GrpcService`] behind the token check.
-pub(super) trait Routed:
-    tonic::codegen::Service<
-        tonic::codegen::http::Request<tonic::body::Body>,
-        Response: axum::response::IntoResponse,
-        Error = std::convert::Infallible,
-        Future: Send + 'static,
-    > + tonic::server::NamedService
-    + Clone
-    + Send
-    + Sync
-    + 'static
-{
-}
-
-impl<S> Routed for S where
-    S: tonic::codegen::Service<
-            tonic::codegen::http::Request<tonic::body::Body>,
-            Response: axum::response::IntoResponse,
-            Error = std::convert::Infallible,
-            Future: Send + 'static,
-        > + tonic::server::NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static
-{
-}
-
 /// Serves `svc` (plus gRPC health) on `listener` as `opts` say until `shutdown` resolves,
 /// sweeping `store`'s expired sessions meanwhile; then drains for `opts.drain`, health
 /// reporting NOT_SERVING, and stops, in-flight requests finishing first.
@@ -124,7 +95,10 @@ pub(super) async fn serve<S: GrpcService, T: Send + 'static>(
     shutdown: impl Future<Output = ()> + Send,
     opts: ServeOptions,
 ) -> Result<(), tonic::transport::Error> {
-    let svc = InterceptedService::new(svc, RequireToken(opts.token.clone()));
+    let svc = TokenCheck {
+        inner: svc,
+        token: opts.token.clone(),
+    };
     let (lifecycle, drain) = (opts.lifecycle.clone(), opts.drain);
     let shutdown = async move {
         shutdown.await;
@@ -172,7 +146,7 @@ fn finished(
 
 /// Starts `serve_here` on a duplicate of `listener` on a current-thread runtime on a new thread,
 /// until `stopped` resolves (or its sender is dropped); the receiver gets its result.
-fn serve_on_own_thread<S: Routed, T: Send + 'static>(
+fn serve_on_own_thread<S: GrpcService, T: Send + 'static>(
     svc: S,
     store: Arc<SessionStore<T>>,
     listener: &TcpListener,
@@ -208,7 +182,7 @@ fn serve_on_own_thread<S: Routed, T: Send + 'static>(
 }
 
 /// `serve` on the current runtime.
-async fn serve_here<S: Routed, T: Send + 'static>(
+async fn serve_here<S: GrpcService, T: Send + 'static>(
     svc: S,
     store: Arc<SessionStore<T>>,
     listener: TcpListener,
