@@ -191,7 +191,9 @@ def rel(path):
 # reject unknown keys, so a typo here stops a worker at start-up. Mirrors docs/configuration.md.
 WORKER_KEYS = {"listen", "model", "device", "dtype", "max_sessions", "session_ttl_secs",
                "max_context", "memory_budget_mb", "max_tree_nodes", "max_tree_depth",
-               "max_prompt_len", "spare_sessions", "spin_ms", "device_timing", "log_format"}
+               "max_prompt_len", "spare_sessions", "spin_ms", "device_timing", "log_format",
+               "tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "auth_token", "insecure",
+               "metrics_listen", "drain_secs"}
 ORCH_KEYS = {"draft_addr", "target_addr", "draft_model", "target_model", "tokenizer", "device",
              "dtype", "chat_template", "log_format", "mode", "pipeline", "max_tokens", "widths",
              "adaptive_depth", "min_depth", "max_depth", "temperature", "top_k", "top_p", "seed",
@@ -218,7 +220,7 @@ ORCH_KEYS = struct_fields("bins/specsplit/src/main.rs", "Settings") or ORCH_KEYS
 KEYS = {"draft": WORKER_KEYS, "target": WORKER_KEYS, "orchestrator": ORCH_KEYS}
 POSITIVE = {"max_sessions", "session_ttl_secs", "max_context", "memory_budget_mb",
             "max_tree_nodes", "max_prompt_len", "max_tokens", "min_depth", "max_depth"}
-NON_NEGATIVE = {"top_k", "seed", "deadline_ms", "spare_sessions", "spin_ms"}
+NON_NEGATIVE = {"top_k", "seed", "deadline_ms", "spare_sessions", "spin_ms", "drain_secs"}
 CHOICES = {"dtype": ("", "f32", "f16", "bf16"), "log_format": ("text", "json"),
            "mode": ("spec", "ar"), "pipeline": ("sequential", "overlapped")}
 
@@ -234,7 +236,8 @@ def check_value(where, key, value):
         return f"{where}.{key} = {value!r}: expected a non-negative integer"
     if key in CHOICES and value not in CHOICES[key]:
         return f"{where}.{key} = {value!r}: expected one of {CHOICES[key]}"
-    if key in ("chat_template", "adaptive_depth", "device_timing") and not isinstance(value, bool):
+    if key in ("chat_template", "adaptive_depth", "device_timing", "insecure") and \
+            not isinstance(value, bool):
         return f"{where}.{key} = {value!r}: expected true or false"
     if key in ("temperature", "top_p") and not (isinstance(value, (int, float))
                                                 and not isinstance(value, bool) and value >= 0):
@@ -242,9 +245,12 @@ def check_value(where, key, value):
     if key == "widths" and not (isinstance(value, list) and value
                                 and all(is_int(w) and w > 0 for w in value)):
         return f"{where}.widths = {value!r}: expected a list of positive integers"
-    if key == "listen" and not (isinstance(value, str) and re.fullmatch(
+    if key in ("listen", "metrics_listen") and not (isinstance(value, str) and re.fullmatch(
             r"(\[[0-9a-fA-F:.]+\]|[^:\s]+):\d{1,5}", value)):
-        return f"{where}.listen = {value!r}: expected HOST:PORT"
+        return f"{where}.{key} = {value!r}: expected HOST:PORT"
+    if key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "auth_token_file") and \
+            not (isinstance(value, str) and value.startswith("/")):
+        return f"{where}.{key} = {value!r}: expected an absolute path"
     if key == "device" and not (isinstance(value, str) and re.fullmatch(r"cpu|cuda(:\d+)?", value)):
         return f"{where}.device = {value!r}: expected cpu, cuda or cuda:N"
     if key in ("draft_addr", "target_addr") and not (isinstance(value, str) and (
@@ -485,22 +491,32 @@ def consistency():
             for pn in (p.get("name") for p in c.get("ports") or []):
                 if pn and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", pn) or (pn and len(pn) > 15):
                     problems.append(f"{cname}: port name {pn!r} is not a valid IANA service name")
+            port_names = {p.get("name") for p in c.get("ports") or [] if p.get("name")}
             for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = c.get(probe_kind)
                 if not probe:
                     problems.append(f"{cname}: no {probe_kind}")
                     continue
-                g = probe.get("grpc")
-                if not g:
-                    problems.append(f"{cname}: {probe_kind} is not a gRPC probe")
-                    continue
-                if g.get("port") not in ports:
-                    problems.append(f"{cname}: {probe_kind} port {g.get('port')} is not a container port")
-                if g.get("service", "") not in ("", svc):
-                    problems.append(f"{cname}: {probe_kind} asks for service {g.get('service')!r}, "
-                                    f"the worker serves {svc!r}")
-            if (c.get("readinessProbe") or {}).get("grpc", {}).get("service") != svc:
-                problems.append(f"{cname}: readinessProbe should ask for service {svc}")
+                g, h = probe.get("grpc"), probe.get("httpGet")
+                if g:
+                    if g.get("port") not in ports:
+                        problems.append(f"{cname}: {probe_kind} port {g.get('port')} is not a container port")
+                    if g.get("service", "") not in ("", svc):
+                        problems.append(f"{cname}: {probe_kind} asks for service {g.get('service')!r}, "
+                                        f"the worker serves {svc!r}")
+                elif h:
+                    # The worker's HTTP endpoints (metrics_listen): /health and /ready.
+                    if h.get("port") not in ports and h.get("port") not in port_names:
+                        problems.append(f"{cname}: {probe_kind} port {h.get('port')} is not a container port")
+                    if h.get("path") not in ("/health", "/ready"):
+                        problems.append(f"{cname}: {probe_kind} asks for {h.get('path')!r}; the worker "
+                                        f"serves /health and /ready")
+                else:
+                    problems.append(f"{cname}: {probe_kind} is neither a gRPC nor an HTTP probe")
+            ready = c.get("readinessProbe") or {}
+            if ready.get("grpc", {}).get("service") != svc and \
+                    (ready.get("httpGet") or {}).get("path") != "/ready":
+                problems.append(f"{cname}: readinessProbe should ask for service {svc} or GET /ready")
             # --config must point into a mounted ConfigMap that has the file; its TOML must parse
             # and listen on the container port.
             args = c.get("args") or []
@@ -526,10 +542,11 @@ def consistency():
                                 checked_confs[(cmname, key)] = check_toml(
                                     cmap["data"][key], f"ConfigMap/{cmname} {key}")
                             conf = checked_confs[(cmname, key)]
-                            listen = ((conf or {}).get(section) or {}).get("listen")
-                            if listen and int(listen.rsplit(":", 1)[1]) not in ports:
-                                problems.append(f"{cname}: [{section}] listen {listen} is not a "
-                                                f"container port {sorted(ports)}")
+                            for lk in ("listen", "metrics_listen"):
+                                listen = ((conf or {}).get(section) or {}).get(lk)
+                                if listen and int(listen.rsplit(":", 1)[1]) not in ports:
+                                    problems.append(f"{cname}: [{section}] {lk} {listen} is not a "
+                                                    f"container port {sorted(ports)}")
                 if not found:
                     problems.append(f"{cname}: --config {conf_path} is not a key of a mounted ConfigMap")
             limits = ((c.get("resources") or {}).get("limits") or {})

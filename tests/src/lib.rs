@@ -1,4 +1,7 @@
-//! Test support: start draft and target workers in-process on loopback and stop them again.
+//! Test support: start draft and target workers in-process on loopback and stop them again,
+//! plaintext or as their configuration's security settings say ([`pki`] makes certificates).
+
+pub mod pki;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -7,7 +10,10 @@ use std::sync::Arc;
 use specsplit_workers::config::WorkerConfig;
 use specsplit_workers::draft::DraftSession;
 use specsplit_workers::launch;
-use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, TargetWorker};
+use specsplit_workers::service::{
+    serve_draft, serve_draft_with, serve_target, serve_target_with, DraftWorker, Lifecycle,
+    TargetWorker,
+};
 use specsplit_workers::session::SessionStore;
 use specsplit_workers::target::TargetSession;
 use tokio::net::TcpListener;
@@ -110,6 +116,28 @@ pub async fn start_target_with(
     ));
     let sessions = worker.sessions();
     start(cfg, sessions, |l, stop| serve_target(worker, l, stop)).await
+}
+
+/// Starts a draft worker for `cfg` serving with its TLS and token settings.
+pub async fn start_secured_draft(cfg: &WorkerConfig) -> Running<DraftSession> {
+    let opts = launch::serve_options(cfg, Arc::new(Lifecycle::default())).expect("TLS files");
+    let worker = launch::draft_worker(cfg, launch::load(cfg).expect("load draft model"));
+    let sessions = worker.sessions();
+    start(cfg, sessions, |l, stop| {
+        serve_draft_with(worker, l, stop, opts)
+    })
+    .await
+}
+
+/// Starts a target worker for `cfg` serving with its TLS and token settings.
+pub async fn start_secured_target(cfg: &WorkerConfig) -> Running<TargetSession> {
+    let opts = launch::serve_options(cfg, Arc::new(Lifecycle::default())).expect("TLS files");
+    let worker = launch::target_worker(cfg, launch::load(cfg).expect("load target model"));
+    let sessions = worker.sessions();
+    start(cfg, sessions, |l, stop| {
+        serve_target_with(worker, l, stop, opts)
+    })
+    .await
 }
 
 /// Binds `cfg.listen` and runs the server `serve` builds until the returned handle stops it.

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
-use specsplit_orchestrator::{ClientSpin, GenerateConfig, Mode, Pipeline};
-use specsplit_workers::config::{load_section, WorkerConfig};
+use specsplit_orchestrator::{
+    AuthToken, ClientSpin, ClientTls, ConnectOptions, GenerateConfig, Mode, Pipeline,
+};
+use specsplit_workers::config::{load_section, Secret, WorkerConfig};
 
 /// `--mode`: whether the draft is used.
 #[derive(Clone, Copy, ValueEnum, Serialize)]
@@ -160,6 +162,27 @@ pub struct OrchestratorArgs {
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) log_format: Option<String>,
+    /// PEM CA certificates the remote workers' certificates must chain to: connect over TLS.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_ca: Option<PathBuf>,
+    /// PEM client certificate for workers requiring mutual TLS (with --tls-key).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_key: Option<PathBuf>,
+    /// The name the workers' certificates must carry [default: the host of each address].
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_domain: Option<String>,
+    /// File holding the bearer token sent to the workers; the token may also come from
+    /// SPECSPLIT_ORCHESTRATOR__AUTH_TOKEN or the config file.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) auth_token_file: Option<PathBuf>,
 }
 
 /// The `[orchestrator]` section: where the workers are and how to generate.
@@ -199,6 +222,18 @@ pub struct Settings {
     pub(crate) http_listen: String,
     pub(crate) http_max_body_bytes: usize,
     pub(crate) max_concurrent: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_ca: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_key: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tls_domain: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) auth_token_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) auth_token: Option<Secret>,
 }
 
 impl Default for Settings {
@@ -237,11 +272,44 @@ impl Default for Settings {
             http_listen: "127.0.0.1:8000".into(),
             http_max_body_bytes: 1 << 20,
             max_concurrent: 4,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_domain: None,
+            auth_token_file: None,
+            auth_token: None,
         }
     }
 }
 
 impl Settings {
+    /// How to connect to remote workers: TLS and the bearer token as configured.
+    pub(crate) fn connect_options(&self) -> Result<ConnectOptions> {
+        let tls = match &self.tls_ca {
+            Some(ca) => {
+                let mut tls =
+                    ClientTls::from_files(ca, self.tls_cert.as_deref(), self.tls_key.as_deref())?;
+                tls.domain = self.tls_domain.clone();
+                Some(tls)
+            }
+            None if self.tls_cert.is_some() || self.tls_domain.is_some() => {
+                bail!("tls_cert and tls_domain need tls_ca (the CA the workers' certificates chain to)")
+            }
+            None => None,
+        };
+        let token = match (&self.auth_token, &self.auth_token_file) {
+            (Some(_), Some(_)) => bail!("auth_token and auth_token_file are both set; set one"),
+            (Some(t), None) => Some(AuthToken::new(t.expose())?),
+            (None, Some(f)) => Some(AuthToken::from_file(f)?),
+            (None, None) => None,
+        };
+        Ok(ConnectOptions {
+            spin: self.client_spin,
+            tls,
+            token,
+        })
+    }
+
     /// The generation settings.
     pub fn generate_config(&self) -> GenerateConfig {
         GenerateConfig {

@@ -55,7 +55,8 @@ async fn connect_unchecked(s: &Settings) -> Result<Connected> {
         bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
     }
     let d = spec.then(|| s.draft_addr.clone());
-    let orch = Orchestrator::connect_with(d.as_deref(), &s.target_addr, s.client_spin).await?;
+    let opts = s.connect_options()?;
+    let orch = Orchestrator::connect_with_options(d.as_deref(), &s.target_addr, &opts).await?;
     let tokenizer = remote_tokenizer(s, orch.target_model()).await?;
     Ok(Connected {
         in_process: None,

@@ -423,3 +423,58 @@ async fn against_a_remote_target(args: &[&str]) -> std::process::Output {
     target.stop().await;
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_workers_over_tls_with_a_token() {
+    let pki = specsplit_e2e::pki::Pki::new();
+    let cfg = specsplit_workers::config::WorkerConfig {
+        tls_cert: Some(pki.path("server.pem")),
+        tls_key: Some(pki.path("server-key.pem")),
+        auth_token_file: Some(pki.path("token")),
+        ..specsplit_e2e::config("random:tiny:7", true)
+    };
+    let target = specsplit_e2e::start_secured_target(&cfg).await;
+    let wrong_token = pki.path("wrong-token");
+    std::fs::write(&wrong_token, "not-the-token\n").unwrap();
+    let run = |token: std::path::PathBuf, ca: &str| {
+        let args: Vec<String> = [
+            "generate",
+            "Hello, speculative world!",
+            "--no-chat-template",
+            "--max-tokens",
+            "20",
+            "--json",
+            "--mode",
+            "ar",
+            "--target-addr",
+            &format!("localhost:{}", target.addr.port()),
+            "--tls-ca",
+            pki.path(ca).to_str().unwrap(),
+            "--auth-token-file",
+            token.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            specsplit(&args)
+        })
+    };
+    let out = run(pki.path("token"), "good-ca.pem").await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let remote: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let local = generate_json(&["--mode", "ar"]);
+    assert_eq!(remote["token_ids"], local["token_ids"]);
+
+    let out = run(wrong_token, "good-ca.pem").await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("the bearer token does not match"), "{err}");
+    let out = run(pki.path("token"), "rogue-ca.pem").await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("UnknownIssuer"), "{err}");
+    target.stop().await;
+}

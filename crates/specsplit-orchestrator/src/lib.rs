@@ -17,7 +17,9 @@ mod predraft_plan;
 mod stats;
 
 pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
-pub use client::{ClientSpin, Orchestrator, OrchestratorError};
+pub use client::{
+    AuthToken, ClientSpin, ClientTls, ConnectOptions, Orchestrator, OrchestratorError,
+};
 pub use predraft_plan::{PreDraftPlanner, Shape, MAX_CANDIDATES};
 pub use stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 

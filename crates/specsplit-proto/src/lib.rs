@@ -1,9 +1,11 @@
 //! The SpecSplit wire protocol: messages and gRPC stubs generated from `proto/specsplit.proto`,
-//! and the standard gRPC health service (`grpc.health.v1`) generated with the same codec.
+//! the standard gRPC health service (`grpc.health.v1`) generated with the same codec, and the
+//! bearer-token authentication between the services ([`auth`]).
 //!
 //! Wire-compatible with the original Python SpecSplit; see the `.proto` for field documentation.
 #![allow(clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
+pub mod auth;
 pub mod codec;
 pub mod convert;
 

@@ -4,8 +4,12 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use tokio::net::TcpListener;
+
 use crate::config::{load_section, WorkerConfig};
+use crate::endpoints::{serve_endpoints, EndpointState};
 use crate::launch;
+use crate::service::{serve_draft_with, serve_target_with};
 
 /// Which worker a binary runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +27,9 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Address to serve gRPC on, e.g. 0.0.0.0:50052 (port 0 picks a free port).
+    /// Address to serve gRPC on (port 0 picks a free port) [default: 127.0.0.1:50051 for the
+    /// draft, 127.0.0.1:50052 for the target]. A non-loopback address needs TLS with client
+    /// authentication (--tls-client-ca or an auth token), or --insecure.
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
@@ -87,6 +93,38 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<String>,
+    /// PEM certificate chain to serve TLS with (with --tls-key) [default: plaintext].
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificates client certificates must chain to (mutual TLS: a client without
+    /// one fails the handshake).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// File holding the bearer token every call must carry (`authorization: Bearer <token>`);
+    /// the token may also come from SPECSPLIT_<DRAFT|TARGET>__AUTH_TOKEN or the config file.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth_token_file: Option<PathBuf>,
+    /// Serve on a non-loopback address without TLS or without client authentication.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
+    /// Address of the HTTP /metrics (Prometheus), /health and /ready endpoints, e.g.
+    /// 127.0.0.1:9090 [default: none].
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<String>,
+    /// Seconds to go on serving after SIGTERM, health reporting NOT_SERVING, before stopping
+    /// [default: 0].
+    #[arg(long, value_name = "SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drain_secs: Option<u64>,
 }
 
 impl WorkerArgs {
@@ -148,17 +186,58 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Worke
     cfg.validate()?;
     init_logging(&cfg.log_format);
     tracing::info!(?kind, config = ?cfg, "effective configuration");
+    let state = EndpointState::default();
+    let opts = launch::serve_options(&cfg, state.lifecycle.clone())?;
+    // The HTTP endpoints answer while the model loads (/health live, /ready not yet).
+    let endpoints = match &cfg.metrics_listen {
+        None => None,
+        Some(addr) => {
+            let listener =
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| launch::LaunchError::Bind {
+                        addr: addr.clone(),
+                        source,
+                    })?;
+            tracing::info!(http = %listener.local_addr()?, "serving /metrics, /health, /ready");
+            // They answer until the worker has stopped (/ready 503 while it drains).
+            let state = state.clone();
+            Some(tokio::spawn(async move {
+                if let Err(e) = serve_endpoints(listener, state, std::future::pending()).await {
+                    tracing::error!("the HTTP endpoints stopped: {e}");
+                }
+            }))
+        }
+    };
     tracing::info!(?kind, model = %cfg.model, device = %cfg.device, "loading model");
     let model = {
         let cfg = cfg.clone();
         tokio::task::spawn_blocking(move || launch::load(&cfg)).await??
     };
     let (listener, addr) = launch::bind(&cfg).await?;
-    tracing::info!(%addr, model = %model.name, "serving");
+    tracing::info!(
+        %addr,
+        model = %model.name,
+        tls = cfg.tls_cert.is_some(),
+        mutual_tls = cfg.tls_client_ca.is_some(),
+        token = opts.token.is_some(),
+        "serving"
+    );
     let r = match kind {
-        WorkerKind::Draft => launch::run_draft(&cfg, model, listener, shutdown_signal()).await,
-        WorkerKind::Target => launch::run_target(&cfg, model, listener, shutdown_signal()).await,
+        WorkerKind::Draft => {
+            let worker = launch::draft_worker(&cfg, model);
+            let _ = state.scrape.set(worker.scrape());
+            serve_draft_with(worker, listener, shutdown_signal(), opts).await
+        }
+        WorkerKind::Target => {
+            let worker = launch::target_worker(&cfg, model);
+            let _ = state.scrape.set(worker.scrape());
+            serve_target_with(worker, listener, shutdown_signal(), opts).await
+        }
     };
+    if let Some(task) = endpoints {
+        task.abort();
+    }
     r?;
     tracing::info!("stopped");
     Ok(())

@@ -2,7 +2,7 @@
 //! defaults < TOML file (section `[draft]`, `[target]` or `[orchestrator]`) <
 //! `SPECSPLIT_<SECTION>__<KEY>` environment variables < command-line flags.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
@@ -52,13 +52,75 @@ pub struct WorkerConfig {
     pub device_timing: bool,
     /// Log format: `text` or `json`.
     pub log_format: String,
+    /// PEM certificate chain to serve TLS with (with `tls_key`); unset: plaintext gRPC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificates a client's certificate must chain to: mutual TLS, and a client
+    /// without such a certificate fails the handshake. Needs `tls_cert`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// File holding the bearer token every call of the worker's service must carry
+    /// (`authorization: Bearer <token>`; surrounding whitespace is ignored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_token_file: Option<PathBuf>,
+    /// The bearer token itself, for the config file or the environment
+    /// (`SPECSPLIT_<SECTION>__AUTH_TOKEN`); there is no flag for it, so that it never shows in
+    /// a process list. At most one of `auth_token` and `auth_token_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_token: Option<Secret>,
+    /// Serve on a non-loopback address without TLS or without client authentication (a client
+    /// CA or a token): an explicit choice, refused otherwise.
+    pub insecure: bool,
+    /// Address of the HTTP endpoints `/metrics` (Prometheus), `/health` and `/ready`; unset:
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<String>,
+    /// Seconds the worker goes on serving after SIGTERM or Ctrl-C, its health reporting
+    /// NOT_SERVING, before it stops taking calls and finishes those in flight.
+    pub drain_secs: u64,
+}
+
+/// A secret setting: its `Debug` form hides it (the effective configuration is logged).
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// A secret holding `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret text.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<hidden>")
+    }
+}
+
+/// Whether `listen` (`host:port`) is a loopback address: an IP address such as 127.0.0.1 or
+/// [::1], or `localhost`.
+pub fn is_loopback(listen: &str) -> bool {
+    if let Ok(addr) = listen.parse::<std::net::SocketAddr>() {
+        return addr.ip().is_loopback();
+    }
+    let host = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
+    host.eq_ignore_ascii_case("localhost")
 }
 
 impl WorkerConfig {
     /// Defaults for the draft worker.
     pub fn draft_defaults() -> Self {
         Self {
-            listen: "0.0.0.0:50051".into(),
+            listen: "127.0.0.1:50051".into(),
             model: "qwen-coder-0.5b".into(),
             ..Self::target_defaults()
         }
@@ -67,7 +129,7 @@ impl WorkerConfig {
     /// Defaults for the target worker.
     pub fn target_defaults() -> Self {
         Self {
-            listen: "0.0.0.0:50052".into(),
+            listen: "127.0.0.1:50052".into(),
             model: "qwen-coder-1.5b".into(),
             device: "cpu".into(),
             dtype: String::new(),
@@ -82,6 +144,14 @@ impl WorkerConfig {
             spin_ms: None,
             device_timing: false,
             log_format: "text".into(),
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+            auth_token_file: None,
+            auth_token: None,
+            insecure: false,
+            metrics_listen: None,
+            drain_secs: 0,
         }
     }
 }
@@ -130,7 +200,50 @@ impl WorkerConfig {
                 self.max_tree_depth
             )));
         }
-        Ok(())
+        self.validate_security()
+    }
+
+    /// Checks the TLS and token settings: a key with its certificate, a client CA only with
+    /// TLS, one token source, and on a non-loopback address TLS with client authentication
+    /// unless `insecure`.
+    fn validate_security(&self) -> Result<(), ConfigError> {
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(ConfigError(
+                "tls_cert and tls_key go together: set both to serve TLS, or neither".into(),
+            ));
+        }
+        let tls = self.tls_cert.is_some();
+        if self.tls_client_ca.is_some() && !tls {
+            return Err(ConfigError(
+                "tls_client_ca (mutual TLS) needs tls_cert and tls_key".into(),
+            ));
+        }
+        if self.auth_token.is_some() && self.auth_token_file.is_some() {
+            return Err(ConfigError(
+                "auth_token and auth_token_file are both set; set one".into(),
+            ));
+        }
+        if self.insecure || is_loopback(&self.listen) {
+            return Ok(());
+        }
+        let authenticated = self.tls_client_ca.is_some()
+            || self.auth_token.is_some()
+            || self.auth_token_file.is_some();
+        match (tls, authenticated) {
+            (true, true) => Ok(()),
+            (false, _) => Err(ConfigError(format!(
+                "listen address {} is not loopback and the worker has no TLS: set tls_cert and \
+                 tls_key with tls_client_ca or an auth token (see docs/configuration.md), or \
+                 pass --insecure to serve plaintext gRPC",
+                self.listen
+            ))),
+            (true, false) => Err(ConfigError(format!(
+                "listen address {} is not loopback and the worker authenticates no client: set \
+                 tls_client_ca (mutual TLS) or an auth token (auth_token_file), or pass \
+                 --insecure to serve anyone who connects",
+                self.listen
+            ))),
+        }
     }
 }
 
@@ -164,11 +277,20 @@ where
         fig = fig.merge(Figment::from(Toml::file(path)).focus(section));
     }
     let env_prefix = format!("SPECSPLIT_{}__", section.to_ascii_uppercase());
-    fig = fig
-        .merge(Env::prefixed(&env_prefix).map(|k| k.as_str().to_ascii_lowercase().into()))
-        .merge(Serialized::defaults(overrides));
+    fig = fig.merge(Env::prefixed(&env_prefix).map(|k| k.as_str().to_ascii_lowercase().into()));
+    // A secret is taken as written: the environment layer would read `12345` as a number.
+    for key in VERBATIM_KEYS {
+        let var = format!("{env_prefix}{}", key.to_ascii_uppercase());
+        if let Ok(value) = std::env::var(var) {
+            fig = fig.merge(Serialized::default(key, value));
+        }
+    }
+    fig = fig.merge(Serialized::defaults(overrides));
     fig.extract().map_err(|e| ConfigError(e.to_string()))
 }
+
+/// Keys whose environment variable is read as the string it is, never as a number or a boolean.
+const VERBATIM_KEYS: [&str; 1] = ["auth_token"];
 
 /// The sections a configuration file may hold, one per program.
 pub const SECTIONS: [&str; 3] = ["orchestrator", "draft", "target"];
@@ -283,7 +405,7 @@ mod tests {
             assert_eq!(c.model, "from-flag");
             assert_eq!(c.max_context, 1234);
             assert_eq!(c.max_sessions, 7);
-            assert_eq!(c.listen, "0.0.0.0:50052");
+            assert_eq!(c.listen, "127.0.0.1:50052");
             assert_eq!(c.spin_ms, Some(5));
             assert!(c.device_timing);
             assert_eq!(c.spare_sessions, 0);
@@ -344,6 +466,94 @@ mod tests {
         }
         .validate()
         .unwrap();
+    }
+
+    #[test]
+    fn non_loopback_plaintext_or_unauthenticated_listening_is_an_explicit_choice() {
+        let d = WorkerConfig::target_defaults();
+        assert!(is_loopback(&d.listen) && is_loopback("[::1]:1") && is_loopback("localhost:9"));
+        assert!(!is_loopback("0.0.0.0:1") && !is_loopback("10.0.0.1:1") && !is_loopback("a:1"));
+        let open = WorkerConfig {
+            listen: "0.0.0.0:50052".into(),
+            ..d.clone()
+        };
+        let e = open.validate().unwrap_err().to_string();
+        assert!(e.contains("has no TLS") && e.contains("--insecure"), "{e}");
+        let tls = WorkerConfig {
+            tls_cert: Some("c.pem".into()),
+            tls_key: Some("k.pem".into()),
+            ..open.clone()
+        };
+        let e = tls.validate().unwrap_err().to_string();
+        assert!(e.contains("authenticates no client"), "{e}");
+        for ok in [
+            WorkerConfig {
+                tls_client_ca: Some("ca.pem".into()),
+                ..tls.clone()
+            },
+            WorkerConfig {
+                auth_token: Some(Secret::new("t")),
+                ..tls.clone()
+            },
+            WorkerConfig {
+                insecure: true,
+                ..open.clone()
+            },
+        ] {
+            ok.validate().unwrap();
+        }
+        let bad = |c: WorkerConfig, needle: &str| {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        };
+        bad(
+            WorkerConfig {
+                tls_key: None,
+                ..tls.clone()
+            },
+            "go together",
+        );
+        bad(
+            WorkerConfig {
+                tls_client_ca: Some("ca.pem".into()),
+                ..d.clone()
+            },
+            "needs tls_cert",
+        );
+        bad(
+            WorkerConfig {
+                auth_token: Some(Secret::new("t")),
+                auth_token_file: Some("t.txt".into()),
+                ..d.clone()
+            },
+            "both set",
+        );
+        let shown = format!(
+            "{:?}",
+            WorkerConfig {
+                auth_token: Some(Secret::new("hunter2")),
+                ..d
+            }
+        );
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
+
+    #[test]
+    fn the_token_comes_from_the_environment_whatever_it_looks_like() {
+        figment::Jail::expect_with(|jail| {
+            for token in ["12345", "true", "s3cret-Token"] {
+                jail.set_env("SPECSPLIT_TARGET__AUTH_TOKEN", token);
+                let c: WorkerConfig = load_section(
+                    "target",
+                    &WorkerConfig::target_defaults(),
+                    None,
+                    &Flags::default(),
+                )
+                .map_err(|e| e.to_string())?;
+                assert_eq!(c.auth_token.as_ref().map(Secret::expose), Some(token));
+            }
+            Ok(())
+        });
     }
 
     #[test]

@@ -12,7 +12,10 @@ use tokio::net::TcpListener;
 
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
-use crate::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker, WorkerInfo};
+use crate::service::{
+    serve_draft, serve_target, DraftWorker, Execution, Lifecycle, ServeOptions, TargetWorker,
+    WorkerInfo,
+};
 use crate::session::SessionLimits;
 use crate::target::TargetEngine;
 
@@ -29,6 +32,16 @@ pub enum LaunchError {
         spec: String,
         /// What failed.
         source: Box<specsplit_models::ModelError>,
+    },
+    /// A TLS or token file is unusable.
+    #[error("{what} {path}")]
+    Security {
+        /// Which setting names the file.
+        what: &'static str,
+        /// The file.
+        path: String,
+        /// What failed.
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}")]
@@ -113,6 +126,65 @@ fn info(cfg: &WorkerConfig, m: &LoadedModel) -> WorkerInfo {
         max_prompt_len: cfg.prompt_limit().min(cfg.max_context),
         device: dev,
     }
+}
+
+/// Reads a file a security setting names.
+fn read_pem(what: &'static str, path: &std::path::Path) -> Result<Vec<u8>, LaunchError> {
+    std::fs::read(path).map_err(|e| LaunchError::Security {
+        what,
+        path: path.display().to_string(),
+        source: Box::new(e),
+    })
+}
+
+/// How a worker configured by `cfg` serves: TLS (mutual with `tls_client_ca`) and the bearer
+/// token as configured, its health following `lifecycle`, draining for `drain_secs`.
+pub fn serve_options(
+    cfg: &WorkerConfig,
+    lifecycle: Arc<Lifecycle>,
+) -> Result<ServeOptions, LaunchError> {
+    use specsplit_proto::auth::AuthToken;
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(cert), Some(key)) => {
+            let identity = Identity::from_pem(
+                read_pem("tls_cert: cannot read", cert)?,
+                read_pem("tls_key: cannot read", key)?,
+            );
+            let mut tls = ServerTlsConfig::new().identity(identity);
+            if let Some(ca) = &cfg.tls_client_ca {
+                let ca = read_pem("tls_client_ca: cannot read", ca)?;
+                tls = tls.client_ca_root(Certificate::from_pem(ca));
+            }
+            Some(tls)
+        }
+        _ => None,
+    };
+    let token = match (&cfg.auth_token, &cfg.auth_token_file) {
+        (Some(t), _) => Some(
+            AuthToken::new(t.expose()).map_err(|e| LaunchError::Security {
+                what: "auth_token:",
+                path: "(from the config file or environment)".into(),
+                source: Box::new(e),
+            })?,
+        ),
+        (None, Some(path)) => {
+            Some(
+                AuthToken::from_file(path).map_err(|e| LaunchError::Security {
+                    what: "auth_token_file",
+                    path: path.display().to_string(),
+                    source: Box::new(e),
+                })?,
+            )
+        }
+        (None, None) => None,
+    };
+    Ok(ServeOptions {
+        tls,
+        token,
+        lifecycle,
+        drain: Duration::from_secs(cfg.drain_secs),
+    })
 }
 
 /// Binds `cfg.listen`, returning the listener and its actual address (port 0 picks one).

@@ -7,9 +7,11 @@
 pub mod cli;
 pub mod config;
 pub mod draft;
+pub mod endpoints;
 pub mod engine_session;
 pub mod error;
 pub mod launch;
+pub mod metrics;
 pub mod predraft;
 pub mod service;
 pub mod session;

@@ -2,6 +2,7 @@
 //! generations run round by round against them.
 
 mod error;
+mod options;
 mod round;
 mod runtime;
 mod tree;
@@ -13,15 +14,15 @@ use std::time::Duration;
 use specsplit_proto::draft_service_client::DraftServiceClient;
 use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{EndSessionRequest, PingRequest};
-use tonic::transport::Channel;
 
 pub use error::OrchestratorError;
+pub use options::{AuthToken, ClientTls, ConnectOptions};
 pub use runtime::ClientSpin;
 
 use crate::{GenerateConfig, Generation, Mode};
 use round::Run;
 use runtime::ClientRuntime;
-use worker::{channel, known, ping, WorkerLimits, MAX_MESSAGE_BYTES};
+use worker::{channel, known, ping, Link, WorkerLimits, MAX_MESSAGE_BYTES};
 
 /// How long ending a session may take (best effort, after the generation's result is known).
 const END_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
@@ -32,8 +33,8 @@ const END_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
 /// thread of its own (see [`ClientRuntime`]), which stops when the last clone is dropped.
 #[derive(Clone)]
 pub struct Orchestrator {
-    draft: Option<DraftServiceClient<Channel>>,
-    target: TargetServiceClient<Channel>,
+    draft: Option<DraftServiceClient<Link>>,
+    target: TargetServiceClient<Link>,
     target_addr: String,
     /// The model the target reported serving.
     target_model: String,
@@ -70,22 +71,42 @@ impl Orchestrator {
         target_addr: &str,
         spin: ClientSpin,
     ) -> Result<Self, OrchestratorError> {
-        let rt = ClientRuntime::start(spin)?;
-        // Connected on the client runtime, so that the channels' tasks are spawned there.
-        let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
-        let rt2 = rt.clone();
-        rt.spawn(async move { Self::connect_here(draft_addr.as_deref(), &target_addr, rt2).await })
-            .join()
-            .await
+        let opts = ConnectOptions {
+            spin,
+            ..ConnectOptions::default()
+        };
+        Self::connect_with_options(draft_addr, target_addr, &opts).await
     }
 
-    /// [`Orchestrator::connect`] on the current runtime, which must be `rt`'s.
+    /// [`Orchestrator::connect`] as `opts` say: TLS (mutual with a client certificate) and a
+    /// bearer token towards both workers, and the client runtime's busy-polling. A worker
+    /// that refuses the token fails with [`OrchestratorError::Rpc`], code UNAUTHENTICATED; a
+    /// failed TLS handshake with [`OrchestratorError::Unreachable`], its reason naming the
+    /// TLS error.
+    pub async fn connect_with_options(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+        opts: &ConnectOptions,
+    ) -> Result<Self, OrchestratorError> {
+        let rt = ClientRuntime::start(opts.spin)?;
+        // Connected on the client runtime, so that the channels' tasks are spawned there.
+        let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
+        let (rt2, opts) = (rt.clone(), opts.clone());
+        rt.spawn(async move {
+            Self::connect_here(draft_addr.as_deref(), &target_addr, &opts, rt2).await
+        })
+        .join()
+        .await
+    }
+
+    /// [`Orchestrator::connect_with_options`] on the current runtime, which must be `rt`'s.
     async fn connect_here(
         draft_addr: Option<&str>,
         target_addr: &str,
+        opts: &ConnectOptions,
         rt: Arc<ClientRuntime>,
     ) -> Result<Self, OrchestratorError> {
-        let mut target = TargetServiceClient::new(channel("target", target_addr).await?)
+        let mut target = TargetServiceClient::new(channel("target", target_addr, opts).await?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         let tp = ping("target", target_addr, target.ping(PingRequest {})).await?;
@@ -93,7 +114,7 @@ impl Orchestrator {
         let draft = match draft_addr {
             None => None,
             Some(addr) => {
-                let mut d = DraftServiceClient::new(channel("draft", addr).await?)
+                let mut d = DraftServiceClient::new(channel("draft", addr, opts).await?)
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES);
                 let dp = ping("draft", addr, d.ping(PingRequest {})).await?;

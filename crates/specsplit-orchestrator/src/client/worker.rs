@@ -3,11 +3,16 @@
 use std::future::Future;
 use std::time::Duration;
 
+use specsplit_proto::auth::BearerToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
 use super::error::short;
-use super::OrchestratorError;
+use super::{ConnectOptions, OrchestratorError};
+
+/// A channel to a worker, each call carrying the bearer token where one is configured.
+pub(super) type Link = InterceptedService<Channel, BearerToken>;
 
 /// Largest gRPC message sent or accepted (dense draft distributions are large).
 pub(super) const MAX_MESSAGE_BYTES: usize = 512 << 20;
@@ -51,7 +56,17 @@ where
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
         Ok(Ok(r)) => Ok(r.into_inner()),
-        Ok(Err(s)) => Err(unreachable(short(s.message()))),
+        Ok(Err(status)) if status.code() == tonic::Code::Unauthenticated => {
+            Err(OrchestratorError::Rpc { worker, status })
+        }
+        Ok(Err(s)) => {
+            // A failed TLS handshake shows only in the status's causes.
+            let reason = match std::error::Error::source(&s) {
+                Some(cause) => format!("{}: {}", s.message(), causes(cause)),
+                None => s.message().to_string(),
+            };
+            Err(unreachable(short(&reason)))
+        }
         Err(_) => Err(unreachable(format!(
             "no answer to a ping within {} s",
             CONNECT_TIMEOUT.as_secs()
@@ -59,37 +74,63 @@ where
     }
 }
 
+/// Connects to the worker at `addr` as `opts` say (TLS, the bearer token).
 pub(super) async fn channel(
     worker: &'static str,
     addr: &str,
-) -> Result<Channel, OrchestratorError> {
+    opts: &ConnectOptions,
+) -> Result<Link, OrchestratorError> {
     let unreachable = |reason: String| OrchestratorError::Unreachable {
         worker,
         addr: addr.to_string(),
         reason,
     };
+    let default_scheme = if opts.tls.is_some() { "https" } else { "http" };
     let uri = match addr.split_once("://") {
+        Some(("http", _)) if opts.tls.is_some() => {
+            return Err(unreachable(
+                "the address says http:// but TLS is configured; use https:// or no scheme".into(),
+            ))
+        }
+        Some(("https", _)) if opts.tls.is_none() => {
+            return Err(unreachable(
+                "the address says https:// but no TLS CA is configured (--tls-ca)".into(),
+            ))
+        }
         Some(("http" | "https", _)) => addr.to_string(),
         Some((scheme, _)) => {
             return Err(unreachable(format!(
                 "the address has scheme `{scheme}`; workers speak gRPC over http:// (or https://)"
             )))
         }
-        None => format!("http://{addr}"),
+        None => format!("{default_scheme}://{addr}"),
     };
-    let endpoint = Endpoint::from_shared(uri)
+    let mut endpoint = Endpoint::from_shared(uri)
         .map_err(|e| unreachable(format!("bad address: {e}")))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true);
-    tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
+    if let Some(tls) = &opts.tls {
+        let host = endpoint.uri().host().unwrap_or_default().to_string();
+        endpoint = endpoint
+            .tls_config(tls.config(&host))
+            .map_err(|e| unreachable(format!("TLS settings: {}", causes(&e))))?;
+    }
+    let channel = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
         .await
         .map_err(|_| unreachable("no connection within 5 s".into()))?
         .map_err(|e| {
-            unreachable(format!(
-                "{} (is the worker running and listening there?)",
-                causes(&e)
-            ))
-        })
+            let hint = if opts.tls.is_some() {
+                "is the worker running there, serving TLS with a certificate the CA signed for \
+                 this name?"
+            } else {
+                "is the worker running and listening there?"
+            };
+            unreachable(format!("{} ({hint})", causes(&e)))
+        })?;
+    Ok(InterceptedService::new(
+        channel,
+        BearerToken(opts.token.clone()),
+    ))
 }
 
 /// An error and its causes, outermost first, e.g. "transport error: dns error: failed to

@@ -12,7 +12,7 @@ use specsplit_proto::{
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
-use super::serve::serve;
+use super::serve::{serve, ServeOptions};
 use super::validate::{check_request_ids, draft_widths, outcome_set, sampling_from};
 use super::worker::Worker;
 use crate::draft::{DraftEngine, DraftParams};
@@ -28,6 +28,36 @@ impl DraftService for DraftWorker {
         request: Request<DraftRequest>,
     ) -> Result<Response<DraftResponse>, Status> {
         let start = Instant::now();
+        let r = self.generate(request, start).await;
+        self.observe("GenerateDrafts", start, &r);
+        r
+    }
+
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        let start = Instant::now();
+        let r = Ok(Response::new(Worker::ping(self)));
+        self.observe("Ping", start, &r);
+        r
+    }
+
+    async fn end_session(
+        &self,
+        request: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        let start = Instant::now();
+        let r = Worker::end_session(self, request.into_inner()).map(Response::new);
+        self.observe("EndSession", start, &r);
+        r
+    }
+}
+
+impl DraftWorker {
+    /// `GenerateDrafts`, begun at `start`.
+    async fn generate(
+        &self,
+        request: Request<DraftRequest>,
+        start: Instant,
+    ) -> Result<Response<DraftResponse>, Status> {
         let r = request.into_inner();
         check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
@@ -89,17 +119,6 @@ impl DraftService for DraftWorker {
             predrafts: Vec::new(),
         }))
     }
-
-    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
-        Ok(Response::new(Worker::ping(self)))
-    }
-
-    async fn end_session(
-        &self,
-        request: Request<EndSessionRequest>,
-    ) -> Result<Response<EndSessionResponse>, Status> {
-        Worker::end_session(self, request.into_inner()).map(Response::new)
-    }
 }
 
 /// Serves the draft worker (plus gRPC health) on `listener` until `shutdown` resolves;
@@ -110,11 +129,21 @@ pub async fn serve_draft(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    serve_draft_with(worker, listener, shutdown, ServeOptions::default()).await
+}
+
+/// [`serve_draft`] as `opts` say (TLS, a bearer token, draining).
+pub async fn serve_draft_with(
+    worker: DraftWorker,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    opts: ServeOptions,
+) -> Result<(), tonic::transport::Error> {
     let store = worker.sessions();
     let decode = worker.info().max_draft_request_bytes();
     let encode = worker.info().max_verify_request_bytes();
     let svc = DraftServiceServer::new(worker)
         .max_decoding_message_size(decode)
         .max_encoding_message_size(encode);
-    serve(svc, store, listener, shutdown).await
+    serve(svc, store, listener, shutdown, opts).await
 }

@@ -1,5 +1,6 @@
 //! gRPC services over the engines: request validation, session lookup, status codes,
-//! telemetry, the standard health service, TTL sweeping and graceful shutdown.
+//! telemetry, metrics, the standard health service, TLS and bearer-token authentication, TTL
+//! sweeping, draining and graceful shutdown.
 //!
 //! One generic [`Worker`] holds what the two services share (the engine, its session store,
 //! the limits, how model work runs); [`DraftWorker`] and [`TargetWorker`] are its gRPC
@@ -9,14 +10,18 @@ mod draft;
 mod execution;
 mod health;
 mod info;
+mod lifecycle;
 mod serve;
 mod target;
+mod token;
 mod validate;
 mod worker;
 
-pub use draft::{serve_draft, DraftWorker};
+pub use draft::{serve_draft, serve_draft_with, DraftWorker};
 pub use execution::{on_cuda, Execution, WorkPlacement, DEFAULT_SERVER_SPIN};
 pub use info::WorkerInfo;
-pub use target::{serve_target, TargetWorker};
+pub use lifecycle::Lifecycle;
+pub use serve::ServeOptions;
+pub use target::{serve_target, serve_target_with, TargetWorker};
 pub use validate::MAX_ID_BYTES;
-pub use worker::Worker;
+pub use worker::{Scrape, Worker};

@@ -1,16 +1,38 @@
 //! Serving a worker's gRPC service: on a server thread of its own, with the health service,
-//! TCP_NODELAY connections, the TTL sweeper, graceful shutdown, and oversized requests
-//! answered INVALID_ARGUMENT naming the limit.
+//! TLS and bearer-token authentication where configured, TCP_NODELAY connections, the TTL
+//! sweeper, draining and graceful shutdown, and oversized requests answered INVALID_ARGUMENT
+//! naming the limit.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use specsplit_proto::auth::AuthToken;
 use specsplit_proto::health::health_server::HealthServer;
 use tokio::net::TcpListener;
+use tonic::transport::ServerTlsConfig;
 
 use super::health::{Health, MAX_HEALTH_MESSAGE_BYTES};
+use super::token::TokenCheck;
+use super::Lifecycle;
 use crate::session::SessionStore;
+
+/// How a worker serves: transport security, authentication, its lifecycle and draining.
+/// The default serves plaintext to anyone, without draining.
+#[derive(Clone, Default)]
+pub struct ServeOptions {
+    /// TLS, mutual where the config names client CAs; `None` serves plaintext.
+    pub tls: Option<ServerTlsConfig>,
+    /// The bearer token every call of the worker's service must carry (UNAUTHENTICATED
+    /// without it); the health service needs none.
+    pub token: Option<AuthToken>,
+    /// The worker's lifecycle, shared with its HTTP health endpoints: set ready when serving
+    /// starts, draining when shutdown is asked.
+    pub lifecycle: Arc<Lifecycle>,
+    /// How long the worker goes on serving after shutdown is asked, reporting NOT_SERVING,
+    /// before it stops taking calls.
+    pub drain: Duration,
+}
 
 /// Sweeps expired sessions of `store` every few seconds until the returned task is aborted.
 fn spawn_sweeper<S: Send + 'static>(store: Arc<SessionStore<S>>) -> tokio::task::JoinHandle<()> {
@@ -56,8 +78,9 @@ impl<S> GrpcService for S where
 {
 }
 
-/// Serves `svc` (plus gRPC health reporting it as serving) on `listener` until `shutdown`
-/// resolves, sweeping `store`'s expired sessions meanwhile; in-flight requests finish first.
+/// Serves `svc` (plus gRPC health) on `listener` as `opts` say until `shutdown` resolves,
+/// sweeping `store`'s expired sessions meanwhile; then drains for `opts.drain`, health
+/// reporting NOT_SERVING, and stops, in-flight requests finishing first.
 ///
 /// The server runs on a current-thread runtime on a thread of its own (the model runs on that
 /// runtime's blocking pool, see `with_session`): on a multi-thread runtime each request's
@@ -70,15 +93,35 @@ pub(super) async fn serve<S: GrpcService, T: Send + 'static>(
     store: Arc<SessionStore<T>>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
+    opts: ServeOptions,
 ) -> Result<(), tonic::transport::Error> {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let done = match serve_on_own_thread(svc.clone(), store.clone(), &listener, stopped) {
-        Ok(done) => done,
-        Err(e) => {
-            tracing::warn!("serving on the caller's runtime: cannot start a server thread: {e}");
-            return serve_here(svc, store, listener, shutdown).await;
+    let svc = TokenCheck {
+        inner: svc,
+        token: opts.token.clone(),
+    };
+    let (lifecycle, drain) = (opts.lifecycle.clone(), opts.drain);
+    let shutdown = async move {
+        shutdown.await;
+        lifecycle.start_draining();
+        if !drain.is_zero() {
+            tracing::info!(
+                secs = drain.as_secs_f64(),
+                "draining: health reports NOT_SERVING"
+            );
+            tokio::time::sleep(drain).await;
         }
     };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let done =
+        match serve_on_own_thread(svc.clone(), store.clone(), &listener, stopped, opts.clone()) {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(
+                    "serving on the caller's runtime: cannot start a server thread: {e}"
+                );
+                return serve_here(svc, store, listener, shutdown, opts).await;
+            }
+        };
     // The thread serves a duplicate of the listening socket.
     drop(listener);
     tokio::pin!(shutdown, done);
@@ -108,6 +151,7 @@ fn serve_on_own_thread<S: GrpcService, T: Send + 'static>(
     store: Arc<SessionStore<T>>,
     listener: &TcpListener,
     stopped: tokio::sync::oneshot::Receiver<()>,
+    opts: ServeOptions,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), tonic::transport::Error>>> {
     use std::os::fd::AsFd;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -123,9 +167,15 @@ fn serve_on_own_thread<S: GrpcService, T: Send + 'static>(
     std::thread::Builder::new()
         .name(format!("specsplit-{}", S::NAME))
         .spawn(move || {
-            let r = rt.block_on(serve_here(svc, store, dup, async {
-                let _ = stopped.await;
-            }));
+            let r = rt.block_on(serve_here(
+                svc,
+                store,
+                dup,
+                async {
+                    let _ = stopped.await;
+                },
+                opts,
+            ));
             let _ = tx.send(r);
         })?;
     Ok(rx)
@@ -137,10 +187,18 @@ async fn serve_here<S: GrpcService, T: Send + 'static>(
     store: Arc<SessionStore<T>>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
+    opts: ServeOptions,
 ) -> Result<(), tonic::transport::Error> {
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = opts.tls {
+        server = server.tls_config(tls)?;
+    }
     let sweeper = spawn_sweeper(store);
-    let health = HealthServer::new(Health { service: S::NAME })
-        .max_decoding_message_size(MAX_HEALTH_MESSAGE_BYTES);
+    let health = HealthServer::new(Health {
+        service: S::NAME,
+        lifecycle: opts.lifecycle.clone(),
+    })
+    .max_decoding_message_size(MAX_HEALTH_MESSAGE_BYTES);
     // Accepted connections get TCP_NODELAY: with Nagle's algorithm on, a small response
     // written in pieces waits for the peer's delayed ACK (about 40 ms on Linux) — measured as
     // 40+ ms rounds on loopback before this.
@@ -155,7 +213,8 @@ async fn serve_here<S: GrpcService, T: Send + 'static>(
             conn
         },
     );
-    let r = tonic::transport::Server::builder()
+    opts.lifecycle.set_ready();
+    let r = server
         .layer(tower::util::MapResponseLayer::new(explain_oversized))
         .add_service(health)
         .add_service(svc)

@@ -10,7 +10,7 @@ use specsplit_proto::{
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
-use super::serve::serve;
+use super::serve::{serve, ServeOptions};
 use super::validate::{
     check_distribution_sizes, check_request_ids, draft_tree, prefix, sampling_from,
 };
@@ -29,6 +29,36 @@ impl TargetService for TargetWorker {
         request: Request<VerifyRequest>,
     ) -> Result<Response<VerifyResponse>, Status> {
         let start = Instant::now();
+        let r = self.verify(request, start).await;
+        self.observe("VerifyDrafts", start, &r);
+        r
+    }
+
+    async fn end_session(
+        &self,
+        request: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        let start = Instant::now();
+        let r = Worker::end_session(self, request.into_inner()).map(Response::new);
+        self.observe("EndSession", start, &r);
+        r
+    }
+
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        let start = Instant::now();
+        let r = Ok(Response::new(Worker::ping(self)));
+        self.observe("Ping", start, &r);
+        r
+    }
+}
+
+impl TargetWorker {
+    /// `VerifyDrafts`, begun at `start`.
+    async fn verify(
+        &self,
+        request: Request<VerifyRequest>,
+        start: Instant,
+    ) -> Result<Response<VerifyResponse>, Status> {
         let r = request.into_inner();
         check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
@@ -38,6 +68,7 @@ impl TargetService for TargetWorker {
         let prefix = prefix(info, &r)?;
         let secret = SessionSecret::parse(&r.session_secret)?;
         let (id, seed) = (r.session_id.as_str(), sampling.seed);
+        let draft_tokens = tree.len();
         let (session, _reservation) = match (&prefix, id.is_empty()) {
             (Prefix::Delta { .. }, true) => {
                 return Err(Status::failed_precondition(format!(
@@ -67,6 +98,8 @@ impl TargetService for TargetWorker {
             })
             .await?;
         let v = &out.verdict;
+        self.metrics()
+            .observe_verification(draft_tokens, v.accepted_tokens.len());
         Ok(Response::new(VerifyResponse {
             request_id: r.request_id,
             accepted_token_ids: v.accepted_tokens.iter().map(|&t| t as i32).collect(),
@@ -81,17 +114,6 @@ impl TargetService for TargetWorker {
             token_logprobs: out.logprobs,
         }))
     }
-
-    async fn end_session(
-        &self,
-        request: Request<EndSessionRequest>,
-    ) -> Result<Response<EndSessionResponse>, Status> {
-        Worker::end_session(self, request.into_inner()).map(Response::new)
-    }
-
-    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
-        Ok(Response::new(Worker::ping(self)))
-    }
 }
 
 /// Serves the target worker (plus gRPC health) on `listener` until `shutdown` resolves;
@@ -102,10 +124,20 @@ pub async fn serve_target(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    serve_target_with(worker, listener, shutdown, ServeOptions::default()).await
+}
+
+/// [`serve_target`] as `opts` say (TLS, a bearer token, draining).
+pub async fn serve_target_with(
+    worker: TargetWorker,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    opts: ServeOptions,
+) -> Result<(), tonic::transport::Error> {
     let store = worker.sessions();
     let decode = worker.info().max_verify_request_bytes();
     let svc = TargetServiceServer::new(worker)
         .max_decoding_message_size(decode)
         .max_encoding_message_size(decode);
-    serve(svc, store, listener, shutdown).await
+    serve(svc, store, listener, shutdown, opts).await
 }

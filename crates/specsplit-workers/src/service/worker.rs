@@ -10,6 +10,7 @@ use super::execution::Execution;
 use super::validate::check_ids;
 use super::WorkerInfo;
 use crate::engine_session::SessionEngine;
+use crate::metrics::{StoreUsage, WorkerMetrics};
 use crate::session::{Reservation, SessionHandle, SessionLimits, SessionSecret, SessionStore};
 use crate::EngineError;
 
@@ -24,18 +25,54 @@ pub struct Worker<E: SessionEngine> {
     store: Arc<SessionStore<E::Session>>,
     info: WorkerInfo,
     exec: Execution,
+    metrics: Arc<WorkerMetrics>,
 }
+
+/// Renders a worker's metrics as they stand, for `/metrics`.
+pub type Scrape = Arc<dyn Fn() -> String + Send + Sync>;
 
 impl<E: SessionEngine> Worker<E> {
     /// A worker over `engine` with sessions bounded by `limits`; its model work runs as
     /// [`Execution::for_device`] its device says by default.
     pub fn new(engine: Arc<E>, limits: SessionLimits, info: WorkerInfo) -> Self {
+        // The target verifies drafts: it keeps the speculative-decoding counters.
+        let metrics = WorkerMetrics::new(&info.model_name, E::WORKER_TYPE == "target");
         Self {
             engine,
             store: Arc::new(SessionStore::new(limits)),
             exec: Execution::for_device(&info.device, None),
             info,
+            metrics: Arc::new(metrics),
         }
+    }
+
+    /// This worker's metrics.
+    pub fn metrics(&self) -> &WorkerMetrics {
+        &self.metrics
+    }
+
+    /// Renders this worker's metrics, its session gauges read from the store at each call.
+    pub fn scrape(&self) -> Scrape {
+        let (metrics, store) = (self.metrics.clone(), self.store.clone());
+        Arc::new(move || {
+            metrics.render(StoreUsage {
+                sessions: store.len(),
+                anonymous: store.anonymous(),
+                kv_used_bytes: store.bytes(),
+                kv_budget_bytes: store.limits().memory_budget_bytes,
+            })
+        })
+    }
+
+    /// Records an answered call of `rpc` begun at `start`.
+    pub(super) fn observe<T>(
+        &self,
+        rpc: &'static str,
+        start: std::time::Instant,
+        result: &Result<T, Status>,
+    ) {
+        self.metrics
+            .observe(rpc, start.elapsed(), result.as_ref().err());
     }
 
     /// This worker running its model work as `exec` says.
