@@ -132,7 +132,6 @@ impl DraftEngine {
     ) -> Result<(Vec<PreDrafted>, DraftStats), EngineError> {
         let mut stats = DraftStats::default();
         let path = &tokens[committed..];
-        let dev = self.model().device().clone();
 
         // Pass 0: the uncached tail of the committed sequence (at least its last token) and the
         // path, causally; its rows from the committed sequence's last token on are the draft's
@@ -189,60 +188,8 @@ impl DraftEngine {
             stats.model_time += t0.elapsed();
             stats.tokens_processed += outcomes.len() * depth;
         } else {
-            // Pass 1: every candidate, each over the prefix and its accepted path tokens.
-            let t0 = Instant::now();
-            let want: Vec<u32> = (0..outcomes.len() as u32).collect();
-            let logits = self.forward_forest(s, &forest, path.len(), &want, &dev)?;
-            stats.model_time += t0.elapsed();
-            stats.tokens_processed += outcomes.len();
-            let frontier = outcomes
-                .iter()
-                .enumerate()
-                .filter(|(_, &(_, t, _))| !self.eos().contains(&t))
-                .map(|(o, &(_, _, node))| Grow {
-                    node: Some(node),
-                    tree: o,
-                    at: None,
-                })
-                .collect::<Vec<_>>();
-            if !frontier.is_empty() {
-                let rows: Vec<u32> = frontier
-                    .iter()
-                    .map(|g| (g.node.expect("a candidate node") - path.len()) as u32)
-                    .collect();
-                let rows = Tensor::new(rows.as_slice(), &dev)?;
-                let logits = logits.index_select(&rows, 0)?;
-                if p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1) {
-                    // Greedy chains: every level on the device, one copy back at the end.
-                    let contexts: Vec<Vec<u32>> = frontier
-                        .iter()
-                        .map(|g| {
-                            let (j, t, _) = outcomes[g.tree];
-                            let mut ctx = tokens[..committed + j].to_vec();
-                            ctx.push(t);
-                            ctx
-                        })
-                        .collect();
-                    self.grow_chains(
-                        s,
-                        &mut forest,
-                        &mut trees,
-                        &frontier,
-                        &contexts,
-                        logits,
-                        p.widths.len(),
-                        &mut stats,
-                    )?;
-                } else {
-                    // The branches' trees, one pass per level; the session's tokens stand for the
-                    // forest's prefix while they grow.
-                    let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
-                    let grown =
-                        self.grow(s, &mut forest, &mut trees, frontier, logits, p, &mut stats);
-                    s.tokens = saved;
-                    grown?;
-                }
-            }
+            let grown = (&mut forest, &mut trees[..], &mut stats);
+            self.grow_outcomes(s, tokens, committed, &outcomes, grown, p)?;
         }
         // Keep the committed sequence and the path; free every branch.
         s.cache.truncate(tokens.len())?;
@@ -257,6 +204,77 @@ impl DraftEngine {
             })
             .collect();
         Ok((out, stats))
+    }
+
+    /// The outcomes' trees grown op by op (where no replayed graph serves them): one pass
+    /// for every candidate over the prefix and its accepted path tokens, then one per level
+    /// (greedy chains on the device with one copy back at the end; other trees level by
+    /// level).
+    fn grow_outcomes(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        committed: usize,
+        outcomes: &[(usize, u32, usize)],
+        (forest, trees, stats): (&mut Forest, &mut [TokenTree], &mut DraftStats),
+        p: &DraftParams,
+    ) -> Result<(), EngineError> {
+        let path = &tokens[committed..];
+        let dev = self.model().device().clone();
+        // Pass 1: every candidate, each over the prefix and its accepted path tokens.
+        let t0 = Instant::now();
+        let want: Vec<u32> = (0..outcomes.len() as u32).collect();
+        let logits = self.forward_forest(s, forest, path.len(), &want, &dev)?;
+        stats.model_time += t0.elapsed();
+        stats.tokens_processed += outcomes.len();
+        let frontier = outcomes
+            .iter()
+            .enumerate()
+            .filter(|(_, &(_, t, _))| !self.eos().contains(&t))
+            .map(|(o, &(_, _, node))| Grow {
+                node: Some(node),
+                tree: o,
+                at: None,
+            })
+            .collect::<Vec<_>>();
+        if !frontier.is_empty() {
+            let rows: Vec<u32> = frontier
+                .iter()
+                .map(|g| (g.node.expect("a candidate node") - path.len()) as u32)
+                .collect();
+            let rows = Tensor::new(rows.as_slice(), &dev)?;
+            let logits = logits.index_select(&rows, 0)?;
+            if p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1) {
+                // Greedy chains: every level on the device, one copy back at the end.
+                let contexts: Vec<Vec<u32>> = frontier
+                    .iter()
+                    .map(|g| {
+                        let (j, t, _) = outcomes[g.tree];
+                        let mut ctx = tokens[..committed + j].to_vec();
+                        ctx.push(t);
+                        ctx
+                    })
+                    .collect();
+                self.grow_chains(
+                    s,
+                    forest,
+                    trees,
+                    &frontier,
+                    &contexts,
+                    logits,
+                    p.widths.len(),
+                    stats,
+                )?;
+            } else {
+                // The branches' trees, one pass per level; the session's tokens stand for the
+                // forest's prefix while they grow.
+                let saved = std::mem::replace(&mut s.tokens, tokens[..committed].to_vec());
+                let grown = self.grow(s, forest, trees, frontier, logits, p, stats);
+                s.tokens = saved;
+                grown?;
+            }
+        }
+        Ok(())
     }
 
     /// Pass 0: `feed` after the `keep` cached tokens, causally, into the cache; the logits of
