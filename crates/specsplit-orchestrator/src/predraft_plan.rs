@@ -11,8 +11,9 @@
 //! - without pre-drafting: T = t_draft(d) + t_verify,alone;
 //! - with it: T = max(t_verify,beside, t_predraft(d, m)) + (1 − hit(d, m)) · t_draft(d);
 //! - with one bet (the overlapped pipeline's: an ordinary draft of d + 1 levels after the whole
-//!   path, the draft's own next token as the bonus): T = max(t_verify,beside, t_draft(d + 1)) +
-//!   (1 − α^d · c_bonus(1)) · t_draft(d),
+//!   path, the draft's own next token as the bonus): T = max(t_verify,beside, t_bet(d + 1)) +
+//!   (1 − α^d · c_bonus(1)) · t_draft(d), with t_bet the bet's measured wall time (on one GPU
+//!   the bet waits for the verify, and it shows there),
 //!
 //! and the planner picks the (d, m) or the bet of the largest E(d) / T. Every input is measured: the
 //! acceptance, an ordinary draft's time per level, a verify's time alone and beside a pre-draft
@@ -90,6 +91,8 @@ pub struct PreDraftPlanner {
     accepted: f64,
     rejected: f64,
     draft_ms_per_level: Ema,
+    /// A bet's wall time per level, from the verify's start to its answer.
+    bet_ms_per_level: Ema,
     verify_alone_ms: Ema,
     verify_beside_ms: Ema,
     /// A pre-draft's wall time per pass, by the pass's rows rounded up to a power of two.
@@ -106,6 +109,7 @@ impl PreDraftPlanner {
             accepted: 1.0,
             rejected: 1.0,
             draft_ms_per_level: Ema::default(),
+            bet_ms_per_level: Ema::default(),
             verify_alone_ms: Ema::default(),
             verify_beside_ms: Ema::default(),
             pass_ms: BTreeMap::new(),
@@ -155,6 +159,14 @@ impl PreDraftPlanner {
                 .entry(rows)
                 .or_default()
                 .observe(ms / passes(depth) as f64);
+        }
+    }
+
+    /// Records the wall time of one bet: an ordinary draft of `depth` levels after the path
+    /// (the bonus and the tree below it), started beside a verify.
+    pub fn observe_bet(&mut self, depth: usize, ms: f64) {
+        if ms > 0.0 && depth > 0 {
+            self.bet_ms_per_level.observe(ms / depth as f64);
         }
     }
 
@@ -235,7 +247,8 @@ impl PreDraftPlanner {
             }
             if fixed.is_none() {
                 let hit = a.powi(d as i32) * self.hit_rate(1, true);
-                let ms = beside.max(per_level * (d + 1) as f64) + (1.0 - hit) * draft;
+                let bet = self.bet_ms_per_level.0.unwrap_or(per_level) * (d + 1) as f64;
+                let ms = beside.max(bet) + (1.0 - hit) * draft;
                 let shape = Shape {
                     depth: d,
                     candidates: 0,
@@ -421,5 +434,28 @@ mod tests {
             p.observe_verify(4, 4, 6.0, true);
         }
         assert!(!p.choose(4..=4, None).bet);
+    }
+
+    #[test]
+    fn a_bet_that_waits_for_the_verify_is_not_chosen() {
+        // One GPU: the bet's draft runs after the verify's passes, so its answer comes 9.5 ms
+        // after the verify starts (5 ms verify + 4.5 ms draft), though the verify itself is not
+        // slower; pre-drafting every outcome takes 12 ms.
+        let rounds = [(4, 4), (4, 3), (4, 4), (4, 2), (4, 4)];
+        let mut p = measured(&rounds, 1.0, 5.0);
+        for _ in 0..40 {
+            p.observe_verify(4, 4, 5.0, true);
+            p.observe_outcome(1, true, true);
+            p.observe_bet(5, 9.5);
+            for m in 1..=4 {
+                p.observe_predraft(4, m, 4, 12.0);
+            }
+        }
+        assert!(!p.choose(4..=4, None).bet);
+        // Two GPUs: the bet is ready before the verify ends.
+        for _ in 0..80 {
+            p.observe_bet(5, 4.5);
+        }
+        assert!(p.choose(4..=4, None).bet);
     }
 }

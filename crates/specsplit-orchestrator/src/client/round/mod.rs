@@ -559,6 +559,10 @@ impl<'a> Run<'a> {
                     if let Ok(mut p) = self.o.planner.lock() {
                         let bonus = j == pre.path.len();
                         if pre.bet {
+                            // A first round's bet also feeds the prompt: not a bet's cost.
+                            if !pre.path.is_empty() {
+                                p.observe_bet(pre.depth + 1, d.ms);
+                            }
                             // One bet holds only the bonus outcome: the draft's own next token.
                             if on_path && bonus {
                                 p.observe_outcome(1, true, hit);
