@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use specsplit_models::source::{
     catalogue, hf_snapshot_dir, resolve_with, ModelFiles, ModelSource, ResolveEnv,
 };
+use specsplit_models::hub::HubOptions;
 use specsplit_models::ModelError;
 
 /// A fresh scratch directory unique to this process and test.
@@ -30,6 +31,10 @@ fn env(root: &Path) -> ResolveEnv {
         hf_cache: root.join("hub"),
         fetch_script: None,
         allow_fetch: false,
+        hub: HubOptions {
+            offline: true,
+            ..HubOptions::default()
+        },
     }
 }
 
@@ -203,7 +208,8 @@ fn hf_repo_from_offline_cache() {
         m.source,
         ModelSource::HfRepo {
             repo: "SomeOrg/Tiny-Model".into(),
-            revision: None
+            revision: None,
+            file: None,
         }
     );
     match &m.files {
