@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use hf_hub::api::tokio::{Api, ApiBuilder, ApiError, ApiRepo, Progress};
 use hf_hub::{Cache, Repo, RepoType};
 use http::header::{CONTENT_RANGE, RANGE};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::ModelError;
 
@@ -544,10 +544,6 @@ impl FileProgress {
     }
 }
 
-fn mib(bytes: usize) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
-}
-
 impl Progress for FileProgress {
     async fn init(&mut self, size: usize, filename: &str) {
         self.file = filename.to_string();
@@ -565,9 +561,9 @@ impl Progress for FileProgress {
                 self.bar = Some(bar);
             }
             ProgressMode::Lines => eprintln!(
-                "downloading {}/{filename} ({:.1} MiB)",
+                "downloading {}/{filename} ({})",
                 self.repo,
-                mib(size)
+                HumanBytes(size as u64)
             ),
             ProgressMode::Quiet => {}
         }
