@@ -276,8 +276,9 @@ async fn download_async(
 
     let is_gguf = req.gguf.is_some() || !files.iter().any(|f| f == "config.json");
     let (names, gguf) = if is_gguf {
-        let file = pick_gguf(&files, req.gguf)
-            .map_err(|e| ModelError::NotFound(format!("{} on {}: {e}", req.label(), opts.endpoint)))?;
+        let file = pick_gguf(&files, req.gguf).map_err(|e| {
+            ModelError::NotFound(format!("{} on {}: {e}", req.label(), opts.endpoint))
+        })?;
         (vec![file.clone()], Some(file))
     } else {
         (safetensors_files(&repo, &files, req, opts).await?, None)
@@ -466,7 +467,12 @@ async fn file_size(api: &Api, repo: &ApiRepo, name: &str) -> Result<u64, ApiErro
 }
 
 /// Turns an `hf-hub` error into an actionable one: what to set or check.
-fn classify(e: ApiError, req: &RepoRequest<'_>, file: Option<&str>, opts: &HubOptions) -> ModelError {
+fn classify(
+    e: ApiError,
+    req: &RepoRequest<'_>,
+    file: Option<&str>,
+    opts: &HubOptions,
+) -> ModelError {
     let what = match file {
         Some(f) => format!("`{f}` of {}", req.label()),
         None => req.label(),
@@ -497,13 +503,13 @@ fn classify(e: ApiError, req: &RepoRequest<'_>, file: Option<&str>, opts: &HubOp
                 ),
             }),
             Some(code) => ModelError::Hub(format!("{endpoint} answered HTTP {code} for {what}")),
-            None if re.is_connect() || re.is_timeout() || re.is_request() => ModelError::Hub(
-                format!(
+            None if re.is_connect() || re.is_timeout() || re.is_request() => {
+                ModelError::Hub(format!(
                     "cannot reach the Hugging Face Hub at {endpoint} to fetch {what} ({re}); \
                      check the network or HF_ENDPOINT, or use a model already in the cache \
                      with HF_HUB_OFFLINE=1"
-                ),
-            ),
+                ))
+            }
             None => ModelError::Hub(format!("fetching {what} from {endpoint} failed: {re}")),
         },
         ApiError::MissingHeader(h) | ApiError::InvalidHeader(h) => ModelError::Hub(format!(

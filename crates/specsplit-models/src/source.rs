@@ -161,7 +161,8 @@ const CATALOGUE: &[CatalogueEntry] = &[
     CatalogueEntry {
         alias: "llama-3.2-1b",
         target: CatalogueTarget::HfRepo("meta-llama/Llama-3.2-1B-Instruct"),
-        description: "meta-llama/Llama-3.2-1B-Instruct from the Hugging Face Hub (gated: needs HF_TOKEN)",
+        description:
+            "meta-llama/Llama-3.2-1B-Instruct from the Hugging Face Hub (gated: needs HF_TOKEN)",
     },
 ];
 
@@ -701,11 +702,7 @@ fn gguf_names_in(dir: &Path) -> Vec<String> {
     names
 }
 
-fn resolve_hf_cached(
-    id: &RepoId,
-    cache: &Path,
-    name: String,
-) -> Result<ResolvedModel, ModelError> {
+fn resolve_hf_cached(id: &RepoId, cache: &Path, name: String) -> Result<ResolvedModel, ModelError> {
     let repo = id.repo.as_str();
     let snapshot = hf_snapshot_dir(cache, repo, id.revision.as_deref())?;
     let source = hf_source(id);

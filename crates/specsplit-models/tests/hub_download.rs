@@ -76,7 +76,10 @@ async fn answer(State(hub): State<Arc<FakeHub>>, headers: HeaderMap, uri: Uri) -
         .get(header::AUTHORIZATION)
         .is_some_and(|v| v.to_str().ok() == Some(bearer.as_str()));
     if repo.gated && !authorized {
-        return status(StatusCode::UNAUTHORIZED, "Access to this repo is restricted");
+        return status(
+            StatusCode::UNAUTHORIZED,
+            "Access to this repo is restricted",
+        );
     }
     if rev != "main" && rev != repo.commit {
         return status(StatusCode::NOT_FOUND, "Revision not found");
@@ -228,10 +231,22 @@ fn write_tiny_hf_dir(dir: &Path) {
     t.insert("model.norm.weight".into(), ones(hidden));
     for l in 0..layers {
         let p = format!("model.layers.{l}");
-        t.insert(format!("{p}.self_attn.q_proj.weight"), rand(&[heads * hd, hidden]));
-        t.insert(format!("{p}.self_attn.k_proj.weight"), rand(&[kv * hd, hidden]));
-        t.insert(format!("{p}.self_attn.v_proj.weight"), rand(&[kv * hd, hidden]));
-        t.insert(format!("{p}.self_attn.o_proj.weight"), rand(&[hidden, heads * hd]));
+        t.insert(
+            format!("{p}.self_attn.q_proj.weight"),
+            rand(&[heads * hd, hidden]),
+        );
+        t.insert(
+            format!("{p}.self_attn.k_proj.weight"),
+            rand(&[kv * hd, hidden]),
+        );
+        t.insert(
+            format!("{p}.self_attn.v_proj.weight"),
+            rand(&[kv * hd, hidden]),
+        );
+        t.insert(
+            format!("{p}.self_attn.o_proj.weight"),
+            rand(&[hidden, heads * hd]),
+        );
         t.insert(format!("{p}.mlp.gate_proj.weight"), rand(&[inter, hidden]));
         t.insert(format!("{p}.mlp.up_proj.weight"), rand(&[inter, hidden]));
         t.insert(format!("{p}.mlp.down_proj.weight"), rand(&[hidden, inter]));
@@ -366,7 +381,10 @@ fn a_safetensors_repo_downloads_loads_and_is_then_read_from_the_cache() {
     let before = server.requested("/resolve/main/model.safetensors");
     e.hub.offline = true;
     let msg = err_text(resolve_with("test-org/tiny-model", &e));
-    assert!(msg.contains("tokenizer.json") && msg.contains("HF_HUB_OFFLINE"), "{msg}");
+    assert!(
+        msg.contains("tokenizer.json") && msg.contains("HF_HUB_OFFLINE"),
+        "{msg}"
+    );
     e.hub.offline = false;
     resolve_with("test-org/tiny-model", &e).unwrap();
     assert!(snapshot.join("tokenizer.json").is_file());
@@ -383,7 +401,10 @@ fn a_safetensors_repo_downloads_loads_and_is_then_read_from_the_cache() {
     let by_commit = resolve_with(&format!("test-org/tiny-model@{COMMIT}"), &e).unwrap();
     assert!(matches!(by_commit.files, ModelFiles::Safetensors { ref dir, .. } if dir == &snapshot));
     e.hub.offline = true;
-    assert_eq!(resolve_with("test-org/tiny-model", &e).unwrap().files, m.files);
+    assert_eq!(
+        resolve_with("test-org/tiny-model", &e).unwrap().files,
+        m.files
+    );
 
     // Not cached and the Hub unreachable: the error names the endpoint.
     e.hub.offline = false;
@@ -411,7 +432,10 @@ fn missing_repos_revisions_and_gated_repos_give_actionable_errors() {
     assert!(msg.contains("not found") && msg.contains("404"), "{msg}");
     assert!(msg.contains("test-org/absent"), "{msg}");
     let msg = err_text(resolve_with("test-org/gated@v9", &e));
-    assert!(msg.contains("HF_TOKEN"), "401 before the revision is checked: {msg}");
+    assert!(
+        msg.contains("HF_TOKEN"),
+        "401 before the revision is checked: {msg}"
+    );
 
     let msg = err_text(resolve_with("test-org/gated", &e));
     assert!(msg.contains("401") && msg.contains("set HF_TOKEN"), "{msg}");
@@ -432,7 +456,10 @@ fn missing_repos_revisions_and_gated_repos_give_actionable_errors() {
         "test-org/x",
         &env(&root, "http://127.0.0.1:9"),
     ));
-    assert!(msg.contains("cannot reach") && msg.contains("http://127.0.0.1:9"), "{msg}");
+    assert!(
+        msg.contains("cannot reach") && msg.contains("http://127.0.0.1:9"),
+        "{msg}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }
 
@@ -473,9 +500,15 @@ fn sizes_and_file_counts_are_bounded_before_any_weight_is_fetched() {
     let mut e = env(&root, &server.endpoint());
 
     let msg = err_text(resolve_with("test-org/many-shards", &e));
-    assert!(msg.contains("1000 shards") && msg.contains("refusing"), "{msg}");
+    assert!(
+        msg.contains("1000 shards") && msg.contains("refusing"),
+        "{msg}"
+    );
     let msg = err_text(resolve_with("test-org/huge", &e));
-    assert!(msg.contains("total size") && msg.contains("refusing"), "{msg}");
+    assert!(
+        msg.contains("total size") && msg.contains("refusing"),
+        "{msg}"
+    );
     e.hub.max_bytes = 1024;
     let msg = err_text(resolve_with("test-org/big", &e));
     assert!(msg.contains("refusing"), "{msg}");
@@ -514,18 +547,34 @@ fn a_gguf_repo_downloads_one_file_by_the_pick_rule() {
         ModelFiles::Gguf { path, .. } => path,
         other => panic!("{other:?}"),
     };
-    assert_eq!(gguf_path("test-org/tiny-GGUF"), snapshot.join("tiny-Q4_K_M.gguf"));
-    assert_eq!(server.requested("Q8_0"), 0, "only the picked file is fetched");
-    assert_eq!(gguf_path("test-org/tiny-GGUF:q8_0"), snapshot.join("tiny-Q8_0.gguf"));
+    assert_eq!(
+        gguf_path("test-org/tiny-GGUF"),
+        snapshot.join("tiny-Q4_K_M.gguf")
+    );
+    assert_eq!(
+        server.requested("Q8_0"),
+        0,
+        "only the picked file is fetched"
+    );
+    assert_eq!(
+        gguf_path("test-org/tiny-GGUF:q8_0"),
+        snapshot.join("tiny-Q8_0.gguf")
+    );
     assert_eq!(
         gguf_path("test-org/tiny-GGUF@main:tiny-F16.gguf"),
         snapshot.join("tiny-F16.gguf")
     );
     // Cached now: several GGUFs in the snapshot, the same rule picks Q4_K_M.
-    assert_eq!(gguf_path("test-org/tiny-GGUF"), snapshot.join("tiny-Q4_K_M.gguf"));
+    assert_eq!(
+        gguf_path("test-org/tiny-GGUF"),
+        snapshot.join("tiny-Q4_K_M.gguf")
+    );
 
     let msg = err_text(resolve_with("test-org/tiny-GGUF:nope.gguf", &e));
-    assert!(msg.contains("nope.gguf") && msg.contains("tiny-Q8_0.gguf"), "{msg}");
+    assert!(
+        msg.contains("nope.gguf") && msg.contains("tiny-Q8_0.gguf"),
+        "{msg}"
+    );
     let msg = err_text(resolve_with("test-org/no-default-GGUF", &e));
     assert!(msg.contains("org/name:<file>.gguf"), "{msg}");
     assert!(msg.contains("tiny-F16.gguf"), "{msg}");

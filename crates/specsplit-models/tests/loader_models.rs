@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use specsplit_models::hub::HubOptions;
 use specsplit_models::loader::{load_model, load_tokenizer, LoadOptions};
 use specsplit_models::source::{self, resolve_with, ModelFiles, ResolveEnv};
 use specsplit_models::tokenizer::TextTokenizer;
-use specsplit_models::hub::HubOptions;
 use specsplit_models::ModelError;
 
 fn scratch(name: &str) -> PathBuf {

@@ -6,10 +6,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use specsplit_models::hub::HubOptions;
 use specsplit_models::source::{
     catalogue, hf_snapshot_dir, resolve_with, ModelFiles, ModelSource, ResolveEnv,
 };
-use specsplit_models::hub::HubOptions;
 use specsplit_models::ModelError;
 
 /// A fresh scratch directory unique to this process and test.
