@@ -12,14 +12,14 @@
 //! Every file's size is asked for before any weight is fetched, and a repo with more than
 //! [`HubOptions::max_files`] files or [`HubOptions::max_bytes`] bytes in all is refused.
 //! [`HubOptions::from_env`] reads `HF_ENDPOINT`, `HF_TOKEN` (else the token file that
-//! `huggingface-cli login` writes) and `HF_HUB_OFFLINE`.
+//! `huggingface-cli login` writes, [`token_file`]) and `HF_HUB_OFFLINE`.
 
 use std::future::Future;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use hf_hub::api::tokio::{Api, ApiBuilder, ApiError, ApiRepo, Progress};
-use hf_hub::{Cache, Repo, RepoType};
+use hf_hub::{Repo, RepoType};
 use http::header::{CONTENT_RANGE, RANGE};
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -89,13 +89,27 @@ pub fn env_flag(value: &str) -> bool {
     )
 }
 
+/// The token file `huggingface-cli login` writes: `HF_TOKEN_PATH`, else `$HF_HOME/token`, else
+/// `$XDG_CACHE_HOME/huggingface/token`, else `~/.cache/huggingface/token`.
+pub fn token_file() -> Option<PathBuf> {
+    let path = |name: &str| env_value(name).map(PathBuf::from);
+    path("HF_TOKEN_PATH")
+        .or_else(|| path("HF_HOME").map(|h| h.join("token")))
+        .or_else(|| path("XDG_CACHE_HOME").map(|c| c.join("huggingface").join("token")))
+        .or_else(|| path("HOME").map(|h| h.join(".cache").join("huggingface").join("token")))
+}
+
 impl HubOptions {
-    /// Reads `HF_ENDPOINT`, `HF_TOKEN` (else the token file beside the hub cache `hf_cache`)
-    /// and `HF_HUB_OFFLINE`; a progress bar when stderr is a terminal, else progress lines.
-    pub fn from_env(hf_cache: &Path) -> Self {
+    /// Reads `HF_ENDPOINT`, `HF_TOKEN` (else `HUGGING_FACE_HUB_TOKEN`, else the token file of
+    /// [`token_file`]) and `HF_HUB_OFFLINE`; a progress bar when stderr is a terminal, else
+    /// progress lines.
+    pub fn from_env() -> Self {
         let token = env_value("HF_TOKEN")
             .or_else(|| env_value("HUGGING_FACE_HUB_TOKEN"))
-            .or_else(|| Cache::new(hf_cache.to_path_buf()).token());
+            .or_else(|| {
+                let text = std::fs::read_to_string(token_file()?).ok()?;
+                Some(text.trim().to_string()).filter(|t| !t.is_empty())
+            });
         Self {
             endpoint: env_value("HF_ENDPOINT")
                 .map(|e| e.trim_end_matches('/').to_string())
@@ -325,10 +339,11 @@ async fn download_async(
     let total: u64 = plan.iter().map(|p| p.size).sum();
     if total > opts.max_bytes {
         return Err(ModelError::Hub(format!(
-            "{} is {total} bytes in {} files, more than the {} bytes allowed; refusing to download",
+            "{} is {} in {} files, more than the {} allowed; refusing to download",
             req.label(),
+            HumanBytes(total),
             plan.len(),
-            opts.max_bytes
+            HumanBytes(opts.max_bytes)
         )));
     }
     for p in plan.iter().filter(|p| !p.cached) {
@@ -436,10 +451,10 @@ fn index_shards(index: &Path, opts: &HubOptions) -> Result<Vec<String>, ModelErr
         .and_then(|v| v.as_u64());
     if let Some(total) = total.filter(|&t| t > opts.max_bytes) {
         return Err(ModelError::Hub(format!(
-            "{} gives a total size of {total} bytes, more than the {} allowed; refusing to \
-             download",
+            "{} gives a total size of {}, more than the {} allowed; refusing to download",
             index.display(),
-            opts.max_bytes
+            HumanBytes(total),
+            HumanBytes(opts.max_bytes)
         )));
     }
     Ok(shards)
@@ -505,12 +520,16 @@ fn classify(
             Some(code) => ModelError::Hub(format!("{endpoint} answered HTTP {code} for {what}")),
             None if re.is_connect() || re.is_timeout() || re.is_request() => {
                 ModelError::Hub(format!(
-                    "cannot reach the Hugging Face Hub at {endpoint} to fetch {what} ({re}); \
+                    "cannot reach the Hugging Face Hub at {endpoint} to fetch {what} ({}); \
                      check the network or HF_ENDPOINT, or use a model already in the cache \
-                     with HF_HUB_OFFLINE=1"
+                     with HF_HUB_OFFLINE=1",
+                    causes(&re)
                 ))
             }
-            None => ModelError::Hub(format!("fetching {what} from {endpoint} failed: {re}")),
+            None => ModelError::Hub(format!(
+                "fetching {what} from {endpoint} failed: {}",
+                causes(&re)
+            )),
         },
         ApiError::MissingHeader(h) | ApiError::InvalidHeader(h) => ModelError::Hub(format!(
             "{endpoint} does not answer like a Hugging Face Hub for {what}: header `{h}` is \
@@ -526,6 +545,20 @@ fn classify(
         },
         other => ModelError::Hub(format!("fetching {what} from {endpoint} failed: {other}")),
     }
+}
+
+/// An error and its chain of causes, `: `-separated (connection refused, DNS failure, TLS).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text = format!("{text}: {line}");
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// Download progress of one file on stderr.

@@ -238,11 +238,10 @@ impl ResolveEnv {
             .map(|w| w.join("scripts").join("fetch-models.sh"))
             .filter(|p| p.is_file());
         let no_fetch = std::env::var("SPECSPLIT_NO_FETCH").is_ok_and(|v| !v.is_empty() && v != "0");
-        let hf_cache = hf_cache_dir();
         Self {
             models_dir: models_dir(),
-            hub: HubOptions::from_env(&hf_cache),
-            hf_cache,
+            hf_cache: hf_cache_dir(),
+            hub: HubOptions::from_env(),
             fetch_script,
             allow_fetch: !no_fetch,
         }

@@ -451,7 +451,7 @@ fn missing_repos_revisions_and_gated_repos_give_actionable_errors() {
     let msg = err_text(resolve_with("test-org/no-tokenizer", &e));
     assert!(msg.contains("tokenizer.json"), "{msg}");
 
-    // Not a Hub at all.
+    // Nothing listening: the endpoint and the cause are named.
     let msg = err_text(resolve_with(
         "test-org/x",
         &env(&root, "http://127.0.0.1:9"),
@@ -460,6 +460,7 @@ fn missing_repos_revisions_and_gated_repos_give_actionable_errors() {
         msg.contains("cannot reach") && msg.contains("http://127.0.0.1:9"),
         "{msg}"
     );
+    assert!(msg.to_lowercase().contains("refused"), "{msg}");
     let _ = std::fs::remove_dir_all(&root);
 }
 
