@@ -19,7 +19,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use hf_hub::api::tokio::{Api, ApiBuilder, ApiError, ApiRepo, Progress};
-use hf_hub::{Repo, RepoType};
+use hf_hub::{Cache, Repo, RepoType};
 use http::header::{CONTENT_RANGE, RANGE};
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -270,9 +270,8 @@ async fn download_async(
     cache: &Path,
     opts: &HubOptions,
 ) -> Result<Downloaded, ModelError> {
-    let api = ApiBuilder::new()
+    let api = ApiBuilder::from_cache(Cache::new(cache.to_path_buf()))
         .with_endpoint(opts.endpoint.clone())
-        .with_cache_dir(cache.to_path_buf())
         .with_token(opts.token.clone())
         .with_progress(false)
         .build()
