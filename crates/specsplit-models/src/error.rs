@@ -29,6 +29,9 @@ pub enum ModelError {
     /// The model could not be found from the given specification.
     #[error("model not found: {0}")]
     NotFound(String),
+    /// Fetching a model from the Hugging Face Hub failed (access, network, limits).
+    #[error("Hugging Face Hub: {0}")]
+    Hub(String),
     /// A forward-pass argument is inconsistent (shapes, cache capacity, row indices).
     #[error("invalid forward input: {0}")]
     Input(String),

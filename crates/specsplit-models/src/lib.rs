@@ -8,6 +8,7 @@ pub mod cpu_attention;
 pub mod cpu_quant;
 pub mod error;
 pub mod fused;
+pub mod hub;
 pub mod loader;
 pub mod source;
 pub mod step;

@@ -1,16 +1,21 @@
 //! Where a model comes from: one `--model` value names a local directory, a `.gguf` file, a
-//! Hugging Face repo in the local hub cache, random weights of a preset shape, or an alias from
-//! a small built-in catalogue. [`resolve`] turns it into concrete files.
+//! Hugging Face repo, random weights of a preset shape, or an alias from a small built-in
+//! catalogue. [`resolve`] turns it into concrete files.
 //!
-//! specsplit never downloads from the Hugging Face Hub: repos must already be in the local cache
-//! (`HF_HUB_CACHE`, `HF_HOME/hub` or `~/.cache/huggingface/hub`). Catalogue GGUFs are fetched
-//! into the models directory by `scripts/fetch-models.sh`.
+//! A Hugging Face repo is named `org/name[@revision][:file]`. It is read from the local hub
+//! cache (`HF_HUB_CACHE`, `HF_HOME/hub` or `~/.cache/huggingface/hub`) when the files the loader
+//! needs are there, with no network access; otherwise they are downloaded into that cache from
+//! the Hub (`HF_ENDPOINT`, `HF_TOKEN`), which `HF_HUB_OFFLINE=1` forbids. What is downloaded,
+//! and how the `.gguf` file of a GGUF repo is picked (`:file` names a file or a quantization
+//! tag), is described in [`crate::hub`]. Catalogue GGUFs are fetched into the models directory
+//! by `scripts/fetch-models.sh`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use hf_hub::{Repo, RepoType};
 
+use crate::hub::{self, HubOptions, RepoRequest};
 use crate::ModelError;
 
 /// What a `--model` value names.
@@ -20,12 +25,14 @@ pub enum ModelSource {
     LocalDir(PathBuf),
     /// A single GGUF file.
     Gguf(PathBuf),
-    /// A Hugging Face repo resolved through the local hub cache.
+    /// A Hugging Face repo, from the local hub cache or downloaded into it.
     HfRepo {
         /// `org/name`.
         repo: String,
         /// Branch, tag or commit; `None` means `main`.
         revision: Option<String>,
+        /// For a GGUF repo, the `.gguf` file or quantization tag given after `:`.
+        file: Option<String>,
     },
     /// Random weights of a named preset shape (see `config::preset`), byte-level tokenizer.
     Random {
@@ -87,7 +94,7 @@ pub enum CatalogueTarget {
         /// Argument of `scripts/fetch-models.sh`.
         fetch_name: &'static str,
     },
-    /// A Hugging Face repo that must already be in the local hub cache.
+    /// A Hugging Face repo, downloaded into the hub cache when missing.
     HfRepo(&'static str),
 }
 
@@ -154,7 +161,8 @@ const CATALOGUE: &[CatalogueEntry] = &[
     CatalogueEntry {
         alias: "llama-3.2-1b",
         target: CatalogueTarget::HfRepo("meta-llama/Llama-3.2-1B-Instruct"),
-        description: "meta-llama/Llama-3.2-1B-Instruct from the local Hugging Face cache",
+        description:
+            "meta-llama/Llama-3.2-1B-Instruct from the Hugging Face Hub (gated: needs HF_TOKEN)",
     },
 ];
 
@@ -168,8 +176,9 @@ pub fn catalogue_entry(alias: &str) -> Option<&'static CatalogueEntry> {
     CATALOGUE.iter().find(|e| e.alias == alias)
 }
 
-/// The environment resolution reads: directories and whether fetching is allowed. Built from
-/// process environment variables by [`ResolveEnv::from_env`]; tests build it explicitly.
+/// The environment resolution reads: directories, whether fetching is allowed and how to reach
+/// the Hub. Built from process environment variables by [`ResolveEnv::from_env`]; tests build it
+/// explicitly.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolveEnv {
     /// Where catalogue GGUFs live (`SPECSPLIT_MODELS_DIR`).
@@ -180,6 +189,8 @@ pub struct ResolveEnv {
     pub fetch_script: Option<PathBuf>,
     /// Whether a missing catalogue file is fetched (false with `SPECSPLIT_NO_FETCH=1`).
     pub allow_fetch: bool,
+    /// How Hugging Face repos missing from `hf_cache` are downloaded.
+    pub hub: HubOptions,
 }
 
 fn env_path(name: &str) -> Option<PathBuf> {
@@ -220,8 +231,8 @@ pub fn hf_cache_dir() -> PathBuf {
 }
 
 impl ResolveEnv {
-    /// Reads `SPECSPLIT_MODELS_DIR`, `SPECSPLIT_HOME`, `SPECSPLIT_NO_FETCH` and the HF cache
-    /// variables.
+    /// Reads `SPECSPLIT_MODELS_DIR`, `SPECSPLIT_HOME`, `SPECSPLIT_NO_FETCH`, the HF cache
+    /// variables and the Hub's (see [`HubOptions::from_env`]).
     pub fn from_env() -> Self {
         let fetch_script = workspace_root()
             .map(|w| w.join("scripts").join("fetch-models.sh"))
@@ -230,6 +241,7 @@ impl ResolveEnv {
         Self {
             models_dir: models_dir(),
             hf_cache: hf_cache_dir(),
+            hub: HubOptions::from_env(),
             fetch_script,
             allow_fetch: !no_fetch,
         }
@@ -262,8 +274,27 @@ fn parse_random(rest: &str) -> Result<(String, u64), ModelError> {
     Ok((preset.to_string(), seed))
 }
 
-/// Parses `org/name[@revision]`, or `None` if the value does not look like a repo id.
-fn parse_repo_id(spec: &str) -> Option<(String, Option<String>)> {
+/// A Hugging Face repo id with its optional revision and GGUF file.
+struct RepoId {
+    repo: String,
+    revision: Option<String>,
+    file: Option<String>,
+}
+
+/// Parses `org/name[@revision][:file]`, or `None` if the value does not look like a repo id.
+/// Git refs cannot hold `:`, so the first `:` starts the file.
+fn parse_repo_id(spec: &str) -> Option<RepoId> {
+    let (spec, file) = match spec.split_once(':') {
+        Some((s, f))
+            if !f.is_empty()
+                && !f.starts_with('/')
+                && !f.split('/').any(|c| c.is_empty() || c == "..") =>
+        {
+            (s, Some(f.to_string()))
+        }
+        Some(_) => return None,
+        None => (spec, None),
+    };
     let (repo, revision) = match spec.split_once('@') {
         Some((r, rev)) if !rev.is_empty() => (r, Some(rev.to_string())),
         Some(_) => return None,
@@ -276,7 +307,11 @@ fn parse_repo_id(spec: &str) -> Option<(String, Option<String>)> {
             && s.chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     };
-    (ok(org) && ok(name) && !name.contains("..")).then(|| (repo.to_string(), revision))
+    (ok(org) && ok(name) && !name.contains("..")).then(|| RepoId {
+        repo: repo.to_string(),
+        revision,
+        file,
+    })
 }
 
 fn alias_list() -> String {
@@ -290,8 +325,8 @@ fn alias_list() -> String {
 fn not_found_help(spec: &str) -> ModelError {
     ModelError::NotFound(format!(
         "no model at `{spec}`; expected a directory with config.json, tokenizer.json and \
-         *.safetensors, a .gguf file, a Hugging Face repo id org/name[@revision] in the local \
-         cache, random:<preset>[:seed], or one of: {}",
+         *.safetensors, a .gguf file, a Hugging Face repo id org/name[@revision][:file.gguf], \
+         random:<preset>[:seed], or one of: {}",
         alias_list()
     ))
 }
@@ -333,7 +368,8 @@ pub fn resolve_with(spec: &str, env: &ResolveEnv) -> Result<ResolvedModel, Model
              directory holding config.json, tokenizer.json and *.safetensors"
         )));
     }
-    if has_gguf_ext(path) {
+    let repo_id = parse_repo_id(spec);
+    if has_gguf_ext(path) && repo_id.as_ref().is_none_or(|id| id.file.is_none()) {
         return Err(ModelError::NotFound(format!(
             "GGUF file `{spec}` does not exist"
         )));
@@ -341,8 +377,8 @@ pub fn resolve_with(spec: &str, env: &ResolveEnv) -> Result<ResolvedModel, Model
     if let Some(entry) = catalogue_entry(spec) {
         return resolve_catalogue(entry, env);
     }
-    if let Some((repo, revision)) = parse_repo_id(spec) {
-        return resolve_hf(&repo, revision, &env.hf_cache, spec.to_string()).map_err(|e| match e {
+    if let Some(id) = repo_id {
+        return resolve_hf(&id, env, spec.to_string()).map_err(|e| match e {
             ModelError::NotFound(msg) => ModelError::NotFound(format!(
                 "{msg} (`{spec}` is not an existing local path either)"
             )),
@@ -507,7 +543,12 @@ fn resolve_catalogue(
 ) -> Result<ResolvedModel, ModelError> {
     match entry.target {
         CatalogueTarget::HfRepo(repo) => {
-            let mut m = resolve_hf(repo, None, &env.hf_cache, entry.alias.to_string())?;
+            let id = RepoId {
+                repo: repo.to_string(),
+                revision: None,
+                file: None,
+            };
+            let mut m = resolve_hf(&id, env, entry.alias.to_string())?;
             m.name = entry.alias.to_string();
             Ok(m)
         }
@@ -572,9 +613,8 @@ pub fn hf_snapshot_dir(
     let rev = revision.unwrap_or("main");
     let repo_dir = cache.join(Repo::new(repo.to_string(), RepoType::Model).folder_name());
     let download_hint = format!(
-        "specsplit reads the local Hugging Face cache only; populate it with \
-         `huggingface-cli download {repo}{}` (cache: {}; set HF_HUB_CACHE or HF_HOME to use \
-         another)",
+        "populate it with `huggingface-cli download {repo}{}` (cache: {}; set HF_HUB_CACHE or \
+         HF_HOME to use another)",
         revision
             .map(|r| format!(" --revision {r}"))
             .unwrap_or_default(),
@@ -599,21 +639,88 @@ pub fn hf_snapshot_dir(
     })
 }
 
-fn resolve_hf(
-    repo: &str,
-    revision: Option<String>,
-    cache: &Path,
-    name: String,
-) -> Result<ResolvedModel, ModelError> {
-    let snapshot = hf_snapshot_dir(cache, repo, revision.as_deref())?;
-    let source = ModelSource::HfRepo {
-        repo: repo.to_string(),
-        revision,
+/// A repo from the cache when complete there, else downloaded into it (unless offline).
+fn resolve_hf(id: &RepoId, env: &ResolveEnv, name: String) -> Result<ResolvedModel, ModelError> {
+    let cached = resolve_hf_cached(id, &env.hf_cache, name.clone());
+    let missing = match cached {
+        Err(ModelError::NotFound(msg)) => msg,
+        other => return other,
     };
-    resolve_dir(&snapshot, source, name).map_err(|e| match e {
-        ModelError::NotFound(msg) => ModelError::NotFound(format!(
+    if env.hub.offline {
+        return Err(ModelError::NotFound(format!(
+            "{missing}; HF_HUB_OFFLINE is set, so nothing is downloaded: unset it to fetch `{}` \
+             from {}",
+            id.repo, env.hub.endpoint
+        )));
+    }
+    tracing::info!(repo = %id.repo, "not in the Hugging Face cache ({missing}); downloading");
+    let req = RepoRequest {
+        repo: &id.repo,
+        revision: id.revision.as_deref(),
+        gguf: id.file.as_deref(),
+    };
+    let got = hub::download(&req, &env.hf_cache, &env.hub)?;
+    let source = hf_source(id);
+    match got.gguf {
+        Some(file) => {
+            let mut m = gguf_model(&got.snapshot.join(file), name);
+            m.source = source;
+            Ok(m)
+        }
+        None => resolve_dir(&got.snapshot, source, name),
+    }
+}
+
+fn hf_source(id: &RepoId) -> ModelSource {
+    ModelSource::HfRepo {
+        repo: id.repo.clone(),
+        revision: id.revision.clone(),
+        file: id.file.clone(),
+    }
+}
+
+/// Relative names of the `.gguf` files under `dir`, at most one directory deep.
+fn gguf_names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = gguf_files_in(dir)
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    let subdirs = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir());
+    for sub in subdirs {
+        let prefix = sub.file_name().to_string_lossy().into_owned();
+        names.extend(gguf_files_in(&sub.path()).iter().filter_map(|p| {
+            p.file_name()
+                .map(|n| format!("{prefix}/{}", n.to_string_lossy()))
+        }));
+    }
+    names.sort();
+    names
+}
+
+fn resolve_hf_cached(id: &RepoId, cache: &Path, name: String) -> Result<ResolvedModel, ModelError> {
+    let repo = id.repo.as_str();
+    let snapshot = hf_snapshot_dir(cache, repo, id.revision.as_deref())?;
+    let source = hf_source(id);
+    let incomplete = |msg: String| {
+        ModelError::NotFound(format!(
             "`{repo}` in the local Hugging Face cache is incomplete: {msg}"
-        )),
+        ))
+    };
+    if id.file.is_some() || !snapshot.join("config.json").is_file() {
+        let names = gguf_names_in(&snapshot);
+        if id.file.is_some() || !names.is_empty() {
+            let file = hub::pick_gguf(&names, id.file.as_deref()).map_err(incomplete)?;
+            let mut m = gguf_model(&snapshot.join(file), name);
+            m.source = source;
+            return Ok(m);
+        }
+    }
+    resolve_dir(&snapshot, source, name).map_err(|e| match e {
+        ModelError::NotFound(msg) => incomplete(msg),
         other => other,
     })
 }

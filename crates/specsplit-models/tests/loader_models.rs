@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use specsplit_models::hub::HubOptions;
 use specsplit_models::loader::{load_model, load_tokenizer, LoadOptions};
 use specsplit_models::source::{self, resolve_with, ModelFiles, ResolveEnv};
 use specsplit_models::tokenizer::TextTokenizer;
@@ -139,6 +140,10 @@ fn tokenizer_json_beside_a_gguf_is_used_only_when_it_matches() {
         hf_cache: dir.join("hub"),
         fetch_script: None,
         allow_fetch: false,
+        hub: HubOptions {
+            offline: true,
+            ..HubOptions::default()
+        },
     };
     let expected = TextTokenizer::from_gguf_file(&qwen)
         .unwrap()

@@ -1,5 +1,5 @@
 //! Resolution through the process environment (`HF_HUB_CACHE`, `HF_HOME`, `HF_HUB_OFFLINE`,
-//! `SPECSPLIT_MODELS_DIR`). Environment variables are process-global, so this binary holds a
+//! `HF_ENDPOINT`, `HF_TOKEN`, `SPECSPLIT_MODELS_DIR`). Environment variables are process-global, so this binary holds a
 //! single test.
 
 use std::fs;
@@ -21,7 +21,7 @@ fn environment_variables_pick_the_directories() {
     std::env::set_var("HF_HUB_CACHE", &hub);
     assert_eq!(hf_cache_dir(), hub);
 
-    // A populated cache works with the hub marked offline (specsplit never goes online).
+    // A populated cache works with the Hub marked offline.
     std::env::set_var("HF_HUB_OFFLINE", "1");
     let repo = hub.join("models--org--cached");
     let snap = repo.join("snapshots/c0ffee");
@@ -42,6 +42,26 @@ fn environment_variables_pick_the_directories() {
     assert_eq!(env.models_dir, models);
     assert_eq!(env.hf_cache, hub);
     assert!(!env.allow_fetch);
+    assert!(env.hub.offline);
+    assert_eq!(env.hub.endpoint, "https://huggingface.co");
+
+    // The Hub's variables; the token file in HF_HOME when HF_TOKEN is unset.
+    std::env::set_var("HF_HUB_OFFLINE", "0");
+    std::env::set_var("HF_ENDPOINT", "http://hub.example:8080/");
+    std::env::remove_var("HF_TOKEN");
+    std::env::remove_var("HUGGING_FACE_HUB_TOKEN");
+    fs::create_dir_all(&home).unwrap();
+    fs::write(home.join("token"), "hf_from_file\n").unwrap();
+    let env = ResolveEnv::from_env();
+    assert!(!env.hub.offline);
+    assert_eq!(env.hub.endpoint, "http://hub.example:8080");
+    assert_eq!(env.hub.token.as_deref(), Some("hf_from_file"));
+    std::env::set_var("HF_TOKEN", "hf_from_env");
+    assert_eq!(
+        ResolveEnv::from_env().hub.token.as_deref(),
+        Some("hf_from_env")
+    );
+    std::env::set_var("HF_HUB_OFFLINE", "1");
     let msg = source::resolve("smollm2").unwrap_err().to_string();
     assert!(msg.contains("fetch-models.sh smollm2"), "{msg}");
     let file: PathBuf = models.join("smollm2-135m-instruct-q4_1.gguf");

@@ -6,6 +6,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use specsplit_models::hub::HubOptions;
 use specsplit_models::source::{
     catalogue, hf_snapshot_dir, resolve_with, ModelFiles, ModelSource, ResolveEnv,
 };
@@ -30,6 +31,10 @@ fn env(root: &Path) -> ResolveEnv {
         hf_cache: root.join("hub"),
         fetch_script: None,
         allow_fetch: false,
+        hub: HubOptions {
+            offline: true,
+            ..HubOptions::default()
+        },
     }
 }
 
@@ -203,7 +208,8 @@ fn hf_repo_from_offline_cache() {
         m.source,
         ModelSource::HfRepo {
             repo: "SomeOrg/Tiny-Model".into(),
-            revision: None
+            revision: None,
+            file: None,
         }
     );
     match &m.files {
@@ -255,6 +261,25 @@ fn hf_repo_with_gguf_and_incomplete_cache() {
         }
     );
     assert!(matches!(m.source, ModelSource::HfRepo { .. }));
+    // Several GGUFs cached: the Q4_K_M one, else the one `:file` or `:tag` names.
+    let snap = fake_hf_repo(
+        &cache,
+        "org/multi-GGUF",
+        "abd",
+        &[("m-Q8_0.gguf", "GGUF"), ("m-Q4_K_M.gguf", "GGUF")],
+    );
+    let gguf = |spec: &str| match resolve_with(spec, &env(&root)).unwrap().files {
+        ModelFiles::Gguf { path, .. } => path,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(gguf("org/multi-GGUF"), snap.join("m-Q4_K_M.gguf"));
+    assert_eq!(gguf("org/multi-GGUF:Q8_0"), snap.join("m-Q8_0.gguf"));
+    assert_eq!(
+        gguf("org/multi-GGUF@main:m-Q8_0.gguf"),
+        snap.join("m-Q8_0.gguf")
+    );
+    let msg = not_found(resolve_with("org/multi-GGUF:Q2_K", &env(&root)));
+    assert!(msg.contains("Q2_K") && msg.contains("m-Q8_0.gguf"), "{msg}");
     // config.json present but weights never downloaded.
     fake_hf_repo(
         &cache,
@@ -317,6 +342,8 @@ fn nonsense_specs() {
         "/name",
         "org/name@",
         "x y",
+        "org/name:",
+        "org/name@:q8_0",
     ] {
         let msg = not_found(resolve_with(spec, &env(&root)));
         assert!(
@@ -327,5 +354,10 @@ fn nonsense_specs() {
             msg.contains("config.json") && msg.contains(".gguf"),
             "{spec}: {msg}"
         );
+    }
+    // A file outside the repo is no repo file: a missing GGUF path.
+    for spec in ["org/name:/etc/x.gguf", "org/name:a/../b.gguf"] {
+        let msg = not_found(resolve_with(spec, &env(&root)));
+        assert!(msg.contains("does not exist"), "{spec}: {msg}");
     }
 }
