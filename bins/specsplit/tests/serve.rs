@@ -578,6 +578,8 @@ fn serve_takes_the_worker_flags_of_generate_and_refuses_bad_settings() {
         "--target-model",
         "--mode",
         "--max-tokens",
+        "--api-key-file",
+        "--insecure",
     ] {
         assert!(
             text.contains(flag),
@@ -707,6 +709,41 @@ fn a_non_loopback_address_without_an_api_key_needs_insecure() {
         err.contains("not loopback") && err.contains("--insecure"),
         "{err}"
     );
+
+    // A key from the environment and one from a file: one too many.
+    let out = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+        .args(["serve", "--target-model", MODEL, "--mode", "ar"])
+        .args([
+            "--http-listen",
+            "127.0.0.1:0",
+            "--api-key-file",
+            "/nonexistent",
+        ])
+        .env("RUST_LOG", "error")
+        .env("SPECSPLIT_ORCHESTRATOR__API_KEY", "k")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("api_key and api_key_file are both set"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_from_the_environment_is_taken_as_written() {
+    // Digits only: the environment layer must not read it as a number.
+    let serve = Serve::start_with_env(&[], &[("SPECSPLIT_ORCHESTRATOR__API_KEY", "0012345")]);
+    assert_eq!(serve.get("/v1/models", &[]).await.0, 401);
+    let (status, _) = serve
+        .get("/v1/models", &[("authorization", "Bearer 12345")])
+        .await;
+    assert_eq!(status, 401);
+    let (status, body) = serve
+        .get("/v1/models", &[("authorization", "Bearer 0012345")])
+        .await;
+    assert_eq!(status, 200, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
