@@ -223,6 +223,11 @@ pub struct Settings {
     pub(crate) http_max_body_bytes: usize,
     pub(crate) max_concurrent: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) api_key_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) api_key: Option<Secret>,
+    pub(crate) insecure: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) tls_ca: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) tls_cert: Option<PathBuf>,
@@ -272,6 +277,9 @@ impl Default for Settings {
             http_listen: "127.0.0.1:8000".into(),
             http_max_body_bytes: 1 << 20,
             max_concurrent: 4,
+            api_key_file: None,
+            api_key: None,
+            insecure: false,
             tls_ca: None,
             tls_cert: None,
             tls_key: None,

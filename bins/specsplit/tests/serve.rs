@@ -1,6 +1,7 @@
 //! `specsplit serve` against a real OpenAI client library (async-openai): completions and chat
 //! completions, streamed and not, equal to `specsplit generate --mode ar`; stop strings;
-//! log-probabilities; errors in OpenAI's shape with their HTTP status; concurrent requests.
+//! log-probabilities; errors in OpenAI's shape with their HTTP status; concurrent requests;
+//! the API key, `/metrics` against the requests made, `/health` and `/ready`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -29,6 +30,11 @@ struct Serve {
 impl Serve {
     /// Starts `specsplit serve` on a free port with `extra` flags and waits until it serves.
     fn start(extra: &[&str]) -> Serve {
+        Self::start_with_env(extra, &[])
+    }
+
+    /// [`Serve::start`] with `env` set.
+    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
         let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit"))
             .args([
                 "serve",
@@ -40,6 +46,7 @@ impl Serve {
                 "127.0.0.1:0",
             ])
             .args(extra)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "error")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -63,11 +70,26 @@ impl Serve {
     }
 
     fn client(&self) -> Client<OpenAIConfig> {
+        self.client_with_key("unused")
+    }
+
+    /// A client sending `key` (async-openai sends it as `Authorization: Bearer <key>`).
+    fn client_with_key(&self, key: &str) -> Client<OpenAIConfig> {
         Client::with_config(
             OpenAIConfig::new()
                 .with_api_base(format!("{}/v1", self.url))
-                .with_api_key("unused"),
+                .with_api_key(key),
         )
+    }
+
+    /// `GET path` with `headers`: the status and the body.
+    async fn get(&self, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+        let mut req = reqwest::Client::new().get(format!("{}{path}", self.url));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let r = req.send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
     }
 }
 
@@ -497,6 +519,7 @@ async fn concurrent_requests_all_complete_with_correct_outputs() {
 async fn a_remote_target_keeps_no_session_and_its_loss_is_a_503() {
     let target = specsplit_e2e::start_target(&specsplit_e2e::config(MODEL, true)).await;
     let serve = Serve::start(&["--mode", "ar", "--target-addr", &target.url]);
+    assert_eq!(serve.get("/ready", &[]).await, (200, "ready\n".into()));
     let client = serve.client();
     let prompt = "The quick brown fox";
     let full = text_of(&reference(prompt, &["--no-chat-template"]));
@@ -521,6 +544,18 @@ async fn a_remote_target_keeps_no_session_and_its_loss_is_a_503() {
         v["error"]["message"].as_str().unwrap().contains("target"),
         "{v}"
     );
+    // `/ready` answers 503 once its cached ping is renewed; `/health` stays 200.
+    let mut ready = serve.get("/ready", &[]).await;
+    for _ in 0..60 {
+        if ready.0 == 503 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        ready = serve.get("/ready", &[]).await;
+    }
+    assert_eq!(ready.0, 503, "{ready:?}");
+    assert!(ready.1.contains("target"), "{ready:?}");
+    assert_eq!(serve.get("/health", &[]).await, (200, "live\n".into()));
 }
 
 #[test]
@@ -543,6 +578,8 @@ fn serve_takes_the_worker_flags_of_generate_and_refuses_bad_settings() {
         "--target-model",
         "--mode",
         "--max-tokens",
+        "--api-key-file",
+        "--insecure",
     ] {
         assert!(
             text.contains(flag),
@@ -562,4 +599,237 @@ fn serve_takes_the_worker_flags_of_generate_and_refuses_bad_settings() {
         assert!(!out.status.success(), "{args:?} was accepted");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+}
+
+/// The value of the sample `name` whose labels include `labels` (0 when there is none); the
+/// sum where several match.
+fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    use prometheus_parse::Value;
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match s.value {
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
+            ref other => panic!("{name}: unexpected {other:?}"),
+        })
+        .sum()
+}
+
+/// The count of the histogram `name`.
+fn histogram_count(scrape: &prometheus_parse::Scrape, name: &str) -> u64 {
+    use prometheus_parse::Value;
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .map(|s| match &s.value {
+            Value::Histogram(buckets) => buckets.last().map_or(0.0, |b| b.count) as u64,
+            other => panic!("{name}: unexpected {other:?}"),
+        })
+        .sum()
+}
+
+async fn scrape(serve: &Serve) -> prometheus_parse::Scrape {
+    let (status, body) = serve.get("/metrics", &[]).await;
+    assert_eq!(status, 200, "{body}");
+    prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+        .expect("Prometheus text")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_guards_v1_and_not_the_probes() {
+    const KEY: &str = "sk-test-0123456789";
+    let file = std::env::temp_dir().join(format!("specsplit-api-key-{}", std::process::id()));
+    std::fs::write(&file, format!("{KEY}\n")).unwrap();
+    let serve = Serve::start(&["--api-key-file", file.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&file);
+
+    for headers in [
+        &[][..],
+        &[("authorization", "Bearer sk-test-0123456780")][..],
+        &[("authorization", KEY)][..],
+    ] {
+        let (status, body) = serve.get("/v1/models", headers).await;
+        assert_eq!(status, 401, "{headers:?}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+        assert!(v["error"].get("param").is_some(), "{v}");
+    }
+    // POSTs are refused before their body is read; unknown /v1 paths too.
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hi","max_tokens":2}}"#);
+    assert_eq!(post(&serve.url, "/v1/completions", body).await.0, 401);
+    assert_eq!(serve.get("/v1/nothing", &[]).await.0, 401);
+
+    // A wrong key through the client library: its API error, 401 invalid_api_key.
+    match serve.client_with_key("wrong").models().list().await {
+        Err(OpenAIError::ApiError(e)) => {
+            assert_eq!(e.status_code.as_u16(), 401);
+            assert_eq!(e.api_error.code.as_deref(), Some("invalid_api_key"));
+        }
+        other => panic!("expected a 401 API error, got {other:?}"),
+    }
+    // The right key: the client library's bearer header passes.
+    let client = serve.client_with_key(KEY);
+    assert_eq!(client.models().list().await.unwrap().data[0].id, MODEL);
+    let (text, _, (_, generated)) = complete(&client, "The quick brown fox", &[]).await.unwrap();
+    assert!(!text.is_empty() && generated > 0);
+
+    assert_eq!(serve.get("/health", &[]).await, (200, "live\n".into()));
+    assert_eq!(serve.get("/ready", &[]).await, (200, "ready\n".into()));
+    let m = scrape(&serve).await;
+    let unauthorized = [("endpoint", "/v1/models"), ("status", "401")];
+    assert_eq!(
+        sample(&m, "specsplit_http_requests_total", &unauthorized),
+        4.0
+    );
+    assert_eq!(
+        sample(&m, "specsplit_http_request_errors_total", &unauthorized),
+        4.0
+    );
+}
+
+#[test]
+fn a_non_loopback_address_without_an_api_key_needs_insecure() {
+    let out = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+        .args(["serve", "--target-model", MODEL, "--mode", "ar"])
+        .args(["--http-listen", "0.0.0.0:0"])
+        .env("RUST_LOG", "error")
+        .env_remove("SPECSPLIT_ORCHESTRATOR__API_KEY")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "served without a key: {err}");
+    assert!(
+        err.contains("not loopback") && err.contains("--insecure"),
+        "{err}"
+    );
+
+    // A key from the environment and one from a file: one too many.
+    let out = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+        .args(["serve", "--target-model", MODEL, "--mode", "ar"])
+        .args([
+            "--http-listen",
+            "127.0.0.1:0",
+            "--api-key-file",
+            "/nonexistent",
+        ])
+        .env("RUST_LOG", "error")
+        .env("SPECSPLIT_ORCHESTRATOR__API_KEY", "k")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("api_key and api_key_file are both set"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_from_the_environment_is_taken_as_written() {
+    // Digits only: the environment layer must not read it as a number.
+    let serve = Serve::start_with_env(&[], &[("SPECSPLIT_ORCHESTRATOR__API_KEY", "0012345")]);
+    assert_eq!(serve.get("/v1/models", &[]).await.0, 401);
+    let (status, _) = serve
+        .get("/v1/models", &[("authorization", "Bearer 12345")])
+        .await;
+    assert_eq!(status, 401);
+    let (status, body) = serve
+        .get("/v1/models", &[("authorization", "Bearer 0012345")])
+        .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_agree_with_the_requests_made() {
+    let serve = Serve::start(&[]);
+    let client = serve.client();
+    let before = scrape(&serve).await;
+    assert_eq!(sample(&before, "specsplit_num_requests_running", &[]), 0.0);
+    assert_eq!(
+        sample(&before, "specsplit_generation_tokens_total", &[]),
+        0.0
+    );
+
+    let (mut prompt_tokens, mut generated) = (0, 0);
+    for prompt in ["The quick brown fox", "abc", "Hello there"] {
+        let (_, _, (p, g)) = complete(&client, prompt, &[]).await.unwrap();
+        prompt_tokens += p;
+        generated += g;
+    }
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages(vec![user("Hello")])
+        .max_completion_tokens(MAX_TOKENS)
+        .temperature(0.0)
+        .build()
+        .unwrap();
+    let usage = client.chat().create(req).await.unwrap().usage.unwrap();
+    prompt_tokens += usage.prompt_tokens;
+    generated += usage.completion_tokens;
+    let bad = format!(r#"{{"model":"{MODEL}","prompt":"hi","temperature":-1}}"#);
+    assert_eq!(post(&serve.url, "/v1/completions", bad).await.0, 400);
+
+    let m = scrape(&serve).await;
+    let ok = |endpoint| [("endpoint", endpoint), ("status", "200")];
+    assert_eq!(
+        sample(&m, "specsplit_http_requests_total", &ok("/v1/completions")),
+        3.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            "specsplit_http_requests_total",
+            &ok("/v1/chat/completions")
+        ),
+        1.0
+    );
+    let refused = [("endpoint", "/v1/completions"), ("status", "400")];
+    assert_eq!(sample(&m, "specsplit_http_requests_total", &refused), 1.0);
+    assert_eq!(
+        sample(&m, "specsplit_http_request_errors_total", &refused),
+        1.0
+    );
+    assert_eq!(sample(&m, "specsplit_http_request_errors_total", &[]), 1.0);
+    assert_eq!(
+        sample(
+            &m,
+            "specsplit_request_success_total",
+            &[("model_name", MODEL)]
+        ),
+        4.0
+    );
+    assert_eq!(
+        sample(&m, "specsplit_prompt_tokens_total", &[]),
+        f64::from(prompt_tokens)
+    );
+    assert_eq!(
+        sample(&m, "specsplit_generation_tokens_total", &[]),
+        f64::from(generated)
+    );
+    assert_eq!(
+        histogram_count(&m, "specsplit_time_to_first_token_seconds"),
+        4
+    );
+    assert_eq!(sample(&m, "specsplit_num_requests_running", &[]), 0.0);
+    assert_eq!(sample(&m, "specsplit_num_requests_waiting", &[]), 0.0);
+    // The speculative counters: draft trees were verified, and what was accepted is counted
+    // once per position of the accepted paths.
+    let drafts = sample(&m, "specsplit_spec_decode_num_drafts_total", &[]);
+    let draft_tokens = sample(&m, "specsplit_spec_decode_num_draft_tokens_total", &[]);
+    let accepted = sample(&m, "specsplit_spec_decode_num_accepted_tokens_total", &[]);
+    let per_pos = sample(
+        &m,
+        "specsplit_spec_decode_num_accepted_tokens_per_pos_total",
+        &[],
+    );
+    assert!(drafts >= 1.0, "no draft tree counted");
+    assert!(draft_tokens >= drafts && accepted <= draft_tokens);
+    assert_eq!(per_pos, accepted);
 }

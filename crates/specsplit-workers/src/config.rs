@@ -290,7 +290,7 @@ where
 }
 
 /// Keys whose environment variable is read as the string it is, never as a number or a boolean.
-const VERBATIM_KEYS: [&str; 1] = ["auth_token"];
+const VERBATIM_KEYS: [&str; 2] = ["auth_token", "api_key"];
 
 /// The sections a configuration file may hold, one per program.
 pub const SECTIONS: [&str; 3] = ["orchestrator", "draft", "target"];

@@ -4,12 +4,14 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use specsplit_models::tokenizer::TextTokenizer;
 use specsplit_orchestrator::{GenerateConfig, Orchestrator, OrchestratorError, StopReason};
 use tokio::sync::{mpsc, Semaphore};
 use tonic::Code;
 
+use super::metrics::ServerMetrics;
 use super::openai::{ApiError, Sampling, Usage};
 use crate::stop::StopText;
 
@@ -34,6 +36,8 @@ pub struct Server {
     pub created: u64,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// The server's metrics.
+    pub metrics: Arc<ServerMetrics>,
     /// Generations that may run at once.
     permits: Arc<Semaphore>,
     /// Numbers request ids.
@@ -87,6 +91,7 @@ impl Server {
         max_concurrent: usize,
         max_body_bytes: usize,
     ) -> Self {
+        let metrics = Arc::new(ServerMetrics::new(&model));
         let created = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -98,6 +103,7 @@ impl Server {
             model,
             created,
             max_body_bytes,
+            metrics,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
             next_id: AtomicU64::new(0),
         }
@@ -237,25 +243,36 @@ impl Server {
     pub fn start(self: &Arc<Self>, job: Job) -> mpsc::UnboundedReceiver<Event> {
         let (tx, rx) = mpsc::unbounded_channel();
         let server = self.clone();
+        let arrived = Instant::now();
         tokio::spawn(async move {
+            let waiting = server.metrics.waiting();
             let Ok(_permit) = server.permits.clone().acquire_owned().await else {
                 return;
             };
+            drop(waiting);
             if tx.is_closed() {
                 return;
             }
-            let end = server.run(&job, &tx).await;
+            let _running = server.metrics.running();
+            let end = server.run(&job, &tx, arrived).await;
             let _ = tx.send(end);
         });
         rx
     }
 
-    /// Runs `job`, sending its text pieces to `tx`; returns its last event.
-    async fn run(&self, job: &Job, tx: &mpsc::UnboundedSender<Event>) -> Event {
+    /// Runs `job`, which `arrived` then, sending its text pieces to `tx`; returns its last
+    /// event.
+    async fn run(&self, job: &Job, tx: &mpsc::UnboundedSender<Event>, arrived: Instant) -> Event {
         let tok = &self.tokenizer;
+        let mut first_token: Option<Instant> = None;
         let mut decoder = tok.stream_decoder(true);
         let mut stop = StopText::new(&job.stops);
         let on_tokens = |ids: &[u32], logprobs: &[f32]| {
+            if first_token.is_none() && !ids.is_empty() {
+                let now = Instant::now();
+                self.metrics.observe_first_token(now - arrived);
+                first_token = Some(now);
+            }
             let text = match decoder.push(tok, ids) {
                 Ok(piece) => stop.push(&piece),
                 Err(_) => String::new(),
@@ -297,6 +314,13 @@ impl Server {
             _ if stop.stopped() => "stop",
             StopReason::MaxTokens | StopReason::Context | StopReason::Deadline => "length",
         };
+        self.metrics.observe_generation(
+            finish_reason,
+            job.prompt.len(),
+            gen.token_ids.len(),
+            first_token.map(|t| t.elapsed()).unwrap_or_default(),
+            &gen.rounds,
+        );
         Event::Done {
             finish_reason,
             usage: Usage::new(job.prompt.len(), gen.token_ids.len()),

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::generation::{Event, Scored, Server};
+use super::metrics::ServerMetrics;
 use super::openai::{ApiError, ChatRequest, CompletionRequest, Content, Message, Prompt, Usage};
 
 /// `GET /v1/models`: the one model served.
@@ -37,8 +38,8 @@ pub async fn models(State(server): State<Arc<Server>>) -> Json<Value> {
 pub async fn not_found() -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
-        message: "no such endpoint; this server serves /v1/models, /v1/completions and \
-                  /v1/chat/completions"
+        message: "no such endpoint; this server serves /v1/models, /v1/completions, \
+                  /v1/chat/completions, /health, /ready and /metrics"
             .into(),
         param: None,
         code: None,
@@ -134,7 +135,15 @@ async fn complete(
         chat: false,
         logprobs,
     };
-    respond(server.start(job), shape, req.sampling.stream, usage).await
+    let metrics = server.metrics.clone();
+    respond(
+        server.start(job),
+        shape,
+        req.sampling.stream,
+        usage,
+        metrics,
+    )
+    .await
 }
 
 async fn chat(
@@ -175,7 +184,15 @@ async fn chat(
         chat: true,
         logprobs: req.logprobs,
     };
-    respond(server.start(job), shape, req.sampling.stream, usage).await
+    let metrics = server.metrics.clone();
+    respond(
+        server.start(job),
+        shape,
+        req.sampling.stream,
+        usage,
+        metrics,
+    )
+    .await
 }
 
 /// The one prompt of a batch.
@@ -247,6 +264,15 @@ struct Shape {
 }
 
 impl Shape {
+    /// The endpoint the request came to.
+    fn endpoint(&self) -> &'static str {
+        if self.chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.chat, chunk) {
             (true, false) => "chat.completion",
@@ -356,6 +382,7 @@ async fn respond(
     shape: Shape,
     stream: bool,
     include_usage: bool,
+    metrics: Arc<ServerMetrics>,
 ) -> Result<Response, ApiError> {
     let first = events
         .recv()
@@ -414,6 +441,7 @@ async fn respond(
                     break;
                 }
                 Event::Failed(e) => {
+                    metrics.observe_stream_error(shape.endpoint(), e.status.as_u16());
                     send(e.body());
                     break;
                 }

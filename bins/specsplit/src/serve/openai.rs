@@ -58,6 +58,16 @@ impl ApiError {
         }
     }
 
+    /// A 401: the request carries no API key, or the wrong one.
+    pub fn invalid_api_key(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
     /// A 500: something failed that the request did not cause.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {
@@ -74,7 +84,8 @@ impl ApiError {
             StatusCode::NOT_FOUND
             | StatusCode::BAD_REQUEST
             | StatusCode::PAYLOAD_TOO_LARGE
-            | StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
+            | StatusCode::METHOD_NOT_ALLOWED
+            | StatusCode::UNAUTHORIZED => "invalid_request_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
             _ => "server_error",
         }

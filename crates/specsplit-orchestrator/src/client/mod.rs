@@ -36,6 +36,8 @@ pub struct Orchestrator {
     draft: Option<DraftServiceClient<Link>>,
     target: TargetServiceClient<Link>,
     target_addr: String,
+    /// The draft's address (empty without a draft).
+    draft_addr: String,
     /// The model the target reported serving.
     target_model: String,
     eos: Vec<u32>,
@@ -141,6 +143,7 @@ impl Orchestrator {
             draft,
             target,
             target_addr: target_addr.to_string(),
+            draft_addr: draft_addr.unwrap_or_default().to_string(),
             target_model: tp.model_name.clone(),
             eos,
             vocab_size: tp.vocab_size.max(0) as usize,
@@ -149,6 +152,24 @@ impl Orchestrator {
             planner: Arc::default(),
             rt,
         })
+    }
+
+    /// Pings the target and, where there is one, the draft over the open channels: `Ok` when
+    /// both answer, each within the connect timeout (5 s).
+    pub async fn ping(&self) -> Result<(), OrchestratorError> {
+        let o = self.clone();
+        self.rt
+            .spawn(async move {
+                let mut target = o.target.clone();
+                ping("target", &o.target_addr, target.ping(PingRequest {})).await?;
+                if let Some(d) = &o.draft {
+                    let mut d = d.clone();
+                    ping("draft", &o.draft_addr, d.ping(PingRequest {})).await?;
+                }
+                Ok(())
+            })
+            .join()
+            .await
     }
 
     /// End-of-sequence ids reported by the workers.
