@@ -7,7 +7,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use specsplit_models::tokenizer::TextTokenizer;
-use specsplit_orchestrator::{ClientSpin, GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{
+    ClientSpin, DrafterChoice, GenerateConfig, Mode, Orchestrator, Pipeline,
+};
 use specsplit_workers::cli::{init_logging, shutdown_signal};
 use specsplit_workers::config::{load_section, WorkerConfig};
 use specsplit_workers::launch;
@@ -36,6 +38,20 @@ enum ModeArg {
     Spec,
     /// The target alone, token by token: the reference output speculation must equal.
     Ar,
+}
+
+#[derive(Clone, Copy, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum DrafterArg {
+    /// The draft worker's model.
+    Model,
+    /// N-gram prompt lookup in this process (no draft worker).
+    Ngram,
+    /// Suffix decoding in this process (no draft worker).
+    Suffix,
+    /// Chosen per round from measured speed among the model (with a draft worker), ngram,
+    /// suffix and target-only rounds.
+    Auto,
 }
 
 #[derive(Clone, Copy, ValueEnum, Serialize)]
@@ -157,6 +173,14 @@ struct GenerateArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     mode: Option<ModeArg>,
+    /// Which drafter proposes the trees (ngram and suffix need no draft worker).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drafter: Option<DrafterArg>,
+    /// The suffix drafter also matches earlier generations of this process.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    suffix_history: bool,
     /// sequential, overlapped or predraft rounds.
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -200,6 +224,8 @@ struct Settings {
     chat_template: bool,
     log_format: String,
     mode: Mode,
+    drafter: DrafterChoice,
+    suffix_history: bool,
     pipeline: Pipeline,
     candidates: usize,
     max_tokens: usize,
@@ -236,6 +262,8 @@ impl Default for Settings {
             chat_template: true,
             log_format: "text".into(),
             mode: g.mode,
+            drafter: g.drafter,
+            suffix_history: g.suffix_history,
             pipeline: g.pipeline,
             candidates: g.candidates,
             max_tokens: g.max_tokens,
@@ -263,6 +291,8 @@ impl Settings {
     fn generate_config(&self) -> GenerateConfig {
         GenerateConfig {
             mode: self.mode,
+            drafter: self.drafter,
+            suffix_history: self.suffix_history,
             pipeline: self.pipeline,
             candidates: self.candidates,
             max_tokens: self.max_tokens,
@@ -455,17 +485,20 @@ async fn generate(mut args: GenerateArgs) -> Result<()> {
     tracing::info!(settings = ?s, "configuration");
 
     let spec = gen_cfg.mode == Mode::Spec;
+    // The model drafter needs a draft worker; the online choice uses one where there is one.
+    let needs_draft = spec && gen_cfg.drafter == DrafterChoice::Model;
+    let uses_draft = needs_draft || (spec && gen_cfg.drafter == DrafterChoice::Auto);
     let (in_process, orch, tokenizer) = if s.target_addr.is_empty()
-        && (s.draft_addr.is_empty() || !spec)
+        && (s.draft_addr.is_empty() || !uses_draft)
     {
-        let (ip, d, t, tok) = start_in_process(&s, spec).await?;
+        let (ip, d, t, tok) = start_in_process(&s, uses_draft).await?;
         let orch = Orchestrator::connect_with(d.as_deref(), &t, s.client_spin).await?;
         (Some(ip), orch, tok)
     } else {
-        if s.target_addr.is_empty() || (spec && s.draft_addr.is_empty()) {
-            bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
+        if s.target_addr.is_empty() || (needs_draft && s.draft_addr.is_empty()) {
+            bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar and the ngram, suffix and auto drafters need only --target-addr");
         }
-        let d = spec.then(|| s.draft_addr.clone());
+        let d = (uses_draft && !s.draft_addr.is_empty()).then(|| s.draft_addr.clone());
         let orch = Orchestrator::connect_with(d.as_deref(), &s.target_addr, s.client_spin).await?;
         let tok = remote_tokenizer(&s, orch.target_model()).await?;
         (None, orch, tok)
@@ -578,7 +611,7 @@ async fn run(
         notice(
             &s.log_format,
             &format!(
-                "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} stop={stop}",
+                "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} drafters={} stop={stop}",
                 st.tokens,
                 st.tokens_per_s,
                 st.ttft_ms,
@@ -590,6 +623,7 @@ async fn run(
                 st.draft_failures,
                 st.target_only_rounds,
                 st.speed_switches.len(),
+                drafter_summary(&st.per_drafter),
             ),
             serde_json::json!({"event": "stats", "stats": st, "stop_reason": stop}),
         );
@@ -608,4 +642,21 @@ async fn run(
         }
     }
     Ok(())
+}
+
+/// Rounds, tokens and tokens per second of each drafter, e.g.
+/// `ngram:12r/40t/85.3tok/s,none:3r/3t/20.1tok/s`.
+fn drafter_summary(per: &[specsplit_orchestrator::DrafterStats]) -> String {
+    per.iter()
+        .map(|d| {
+            format!(
+                "{}:{}r/{}t/{:.1}tok/s",
+                d.drafter.name(),
+                d.rounds,
+                d.tokens,
+                d.tokens_per_s
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }

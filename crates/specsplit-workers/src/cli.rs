@@ -87,6 +87,15 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<String>,
+    /// Draft worker: model (the draft model), or ngram / suffix (model-free: no model loaded)
+    /// [default: model].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<crate::model_free::DrafterKind>,
+    /// Draft worker with --drafter suffix: also match the worker's earlier sessions.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub suffix_history: bool,
 }
 
 impl WorkerArgs {
@@ -148,6 +157,14 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Worke
     cfg.validate()?;
     init_logging(&cfg.log_format);
     tracing::info!(?kind, config = ?cfg, "effective configuration");
+    if kind == WorkerKind::Draft && cfg.drafter != crate::model_free::DrafterKind::Model {
+        let worker = launch::model_free_draft_worker(&cfg)?;
+        let (listener, addr) = launch::bind(&cfg).await?;
+        tracing::info!(%addr, drafter = ?cfg.drafter, "serving (no model loaded)");
+        crate::service::serve_model_free_draft(worker, listener, shutdown_signal()).await?;
+        tracing::info!("stopped");
+        return Ok(());
+    }
     tracing::info!(?kind, model = %cfg.model, device = %cfg.device, "loading model");
     let model = {
         let cfg = cfg.clone();

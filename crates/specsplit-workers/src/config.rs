@@ -52,6 +52,15 @@ pub struct WorkerConfig {
     pub device_timing: bool,
     /// Log format: `text` or `json`.
     pub log_format: String,
+    /// What proposes a draft worker's trees: `model` (the draft model), or `ngram` / `suffix`
+    /// (model-free: no model is loaded and `model`, `device` and `dtype` are unused). The
+    /// target ignores it.
+    #[serde(default)]
+    pub drafter: crate::model_free::DrafterKind,
+    /// With `drafter = "suffix"`: also match the sequences of the worker's earlier sessions
+    /// (a shared store capped at 65,536 tokens, oldest evicted first).
+    #[serde(default)]
+    pub suffix_history: bool,
 }
 
 impl WorkerConfig {
@@ -82,6 +91,8 @@ impl WorkerConfig {
             spin_ms: None,
             device_timing: false,
             log_format: "text".into(),
+            drafter: crate::model_free::DrafterKind::Model,
+            suffix_history: false,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod draft;
 pub mod engine_session;
 pub mod error;
 pub mod launch;
+pub mod model_free;
 pub mod predraft;
 pub mod service;
 pub mod session;

@@ -100,7 +100,9 @@ impl Orchestrator {
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES);
                 let dp = ping("draft", addr, d.ping(PingRequest {})).await?;
-                if dp.vocab_size != tp.vocab_size {
+                // A model-free draft worker reports no vocabulary (0): it copies token ids it
+                // was sent, and its trees are checked against the target's vocabulary.
+                if dp.vocab_size != 0 && dp.vocab_size != tp.vocab_size {
                     return Err(OrchestratorError::Incompatible(format!(
                         "the draft model '{}' has a vocabulary of {} tokens but the target model \
                          '{}' has {}: speculative decoding needs the same tokenizer on both sides",
