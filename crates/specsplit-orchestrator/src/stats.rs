@@ -24,7 +24,7 @@ pub enum NoDraft {
     Limit,
     /// The online choice picked a target-only round.
     Chosen,
-    /// The model-free drafter found no match to continue.
+    /// The drafter proposed no tree (a model-free drafter found nothing to continue).
     NoMatch,
 }
 

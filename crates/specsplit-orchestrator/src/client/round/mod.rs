@@ -419,6 +419,9 @@ impl<'a> Run<'a> {
             }
             pre => match self.draft(round.no, &round.widths).await {
                 DraftOutcome::Tree(d) => {
+                    if d.tree.is_empty() {
+                        round.no_draft = Some(NoDraft::NoMatch);
+                    }
                     // A first draft also feeds the prompt: not a level's cost.
                     if let (Some(_), Ok(mut p)) = (self.target_cached, self.o.planner.lock()) {
                         p.observe_draft(round.widths.len(), d.ms);
