@@ -107,7 +107,10 @@ pub async fn start_draft_with(
 pub async fn start_model_free_draft(cfg: &WorkerConfig) -> Running<ModelFreeSession> {
     let worker = launch::model_free_draft_worker(cfg).expect("model-free draft worker");
     let sessions = worker.sessions();
-    start(cfg, sessions, |l, stop| serve_model_free_draft(worker, l, stop)).await
+    start(cfg, sessions, |l, stop| {
+        serve_model_free_draft(worker, l, stop)
+    })
+    .await
 }
 
 /// [`start_target`] with the worker adjusted by `adjust` (placement, busy-polling) first.

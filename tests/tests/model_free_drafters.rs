@@ -40,7 +40,11 @@ async fn reference(orch: &Orchestrator, prompt: &[u32], max_tokens: usize) -> Ve
 fn check(g: &Generation, want: &[u32], what: &str, allowed: &[Drafter]) -> usize {
     assert_eq!(g.token_ids, want, "{what}");
     for r in &g.rounds {
-        assert!(allowed.contains(&r.drafter), "{what}: round by {:?}", r.drafter);
+        assert!(
+            allowed.contains(&r.drafter),
+            "{what}: round by {:?}",
+            r.drafter
+        );
         assert!(r.drafter != Drafter::None || r.tree_nodes == 0, "{what}");
     }
     let per: usize = g.stats.per_drafter.iter().map(|d| d.rounds).sum();
@@ -63,7 +67,11 @@ async fn drafters_in_the_orchestrator_match_target_only() {
     for (i, prompt) in test_prompts(vocab).iter().enumerate() {
         let want = reference(&alone, prompt, max_tokens).await;
         for pipeline in [Pipeline::Sequential, Pipeline::Overlapped] {
-            let widths = if i % 3 == 0 { vec![2, 2, 1] } else { vec![1; 5] };
+            let widths = if i % 3 == 0 {
+                vec![2, 2, 1]
+            } else {
+                vec![1; 5]
+            };
             let cfg = |drafter| GenerateConfig {
                 drafter,
                 pipeline,
@@ -88,7 +96,12 @@ async fn drafters_in_the_orchestrator_match_target_only() {
                 .await
                 .unwrap();
             check(&g, &want, &what("auto"), &model_free);
-            let all = [Drafter::Model, Drafter::Ngram, Drafter::Suffix, Drafter::None];
+            let all = [
+                Drafter::Model,
+                Drafter::Ngram,
+                Drafter::Suffix,
+                Drafter::None,
+            ];
             let g = with_draft
                 .generate(prompt, &cfg(DrafterChoice::Auto), |_| {})
                 .await
@@ -96,8 +109,14 @@ async fn drafters_in_the_orchestrator_match_target_only() {
             check(&g, &want, &what("auto with a draft worker"), &all);
         }
     }
-    assert!(accepted[0] > 0, "the n-gram drafter never got a token accepted");
-    assert!(accepted[1] > 0, "the suffix drafter never got a token accepted");
+    assert!(
+        accepted[0] > 0,
+        "the n-gram drafter never got a token accepted"
+    );
+    assert!(
+        accepted[1] > 0,
+        "the suffix drafter never got a token accepted"
+    );
     // The model drafter still needs its worker.
     let model = GenerateConfig::default();
     assert!(alone.generate(&[1, 2, 3], &model, |_| {}).await.is_err());

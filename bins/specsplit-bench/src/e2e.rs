@@ -297,7 +297,11 @@ fn by_kind(gens: &[Generation], kinds: &[String]) -> Value {
             });
         out.insert(
             k.to_string(),
-            json!(if secs > 0.0 { tokens as f64 / secs } else { 0.0 }),
+            json!(if secs > 0.0 {
+                tokens as f64 / secs
+            } else {
+                0.0
+            }),
         );
     }
     Value::Object(out)
@@ -878,7 +882,10 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             }
             if r.choice == DrafterChoice::Auto {
                 let per = specsplit_orchestrator::DrafterStats::of_rounds(
-                    &gens.iter().flat_map(|g| g.rounds.clone()).collect::<Vec<_>>(),
+                    &gens
+                        .iter()
+                        .flat_map(|g| g.rounds.clone())
+                        .collect::<Vec<_>>(),
                 );
                 let line: Vec<String> = per
                     .iter()

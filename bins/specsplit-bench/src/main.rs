@@ -41,7 +41,7 @@ enum Command {
     /// Forward-pass latency (decode, chain and tree verification) and the memory roofline.
     Forward(ForwardArgs),
     /// End-to-end target-only vs speculative decoding over loopback gRPC.
-    E2e(E2eArgs),
+    E2e(Box<E2eArgs>),
     /// PNG plots from the JSON reports in a directory.
     Plot(PlotArgs),
     /// Per-RPC cost on loopback beyond the workers' own handling time.
@@ -390,7 +390,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(a) => forward(a),
-        Command::E2e(a) => e2e(a),
+        Command::E2e(a) => e2e(*a),
         Command::Plot(a) => plot::run(&a.input, &a.out, a.font.as_deref()),
         Command::Rpc(a) => rpc::main(a),
         Command::Kernels(a) => kernels::main(a),

@@ -61,8 +61,8 @@ mod tests {
 
     #[test]
     fn prompts_run_to_the_next_kind_line() {
-        let set = parse("# a comment\n\n## edit\nline one\n\nline two\n\n## question\nwhy?\n")
-            .unwrap();
+        let set =
+            parse("# a comment\n\n## edit\nline one\n\nline two\n\n## question\nwhy?\n").unwrap();
         assert_eq!(set.len(), 2);
         assert_eq!(set[0].kind, "edit");
         assert_eq!(set[0].text, "line one\n\nline two");

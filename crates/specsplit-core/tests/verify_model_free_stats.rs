@@ -141,7 +141,10 @@ fn model_free_trees_branch() {
         let branching = (0..200)
             .filter(|_| draft(kind, &mut rng).roots().count() > 1)
             .count();
-        assert!(branching > 20, "{kind:?}: only {branching} of 200 trees branch");
+        assert!(
+            branching > 20,
+            "{kind:?}: only {branching} of 200 trees branch"
+        );
     }
 }
 
@@ -149,6 +152,9 @@ fn model_free_trees_branch() {
 fn power_detects_frequencies_taken_as_the_proposal() {
     for (kind, seed) in [(Kind::Ngram, 3), (Kind::Suffix, 4)] {
         let (pv, _) = run(kind, &params(1.0, 0, 1.0), true, seed);
-        assert!(pv < ALPHA, "{kind:?}: the chi-square test missed a wrong verifier (p = {pv})");
+        assert!(
+            pv < ALPHA,
+            "{kind:?}: the chi-square test missed a wrong verifier (p = {pv})"
+        );
     }
 }

@@ -137,7 +137,10 @@ mod tests {
         let best = plays_of(&plays, Drafter::Ngram);
         assert!(best > 120, "{plays:?}");
         for d in [Drafter::Suffix, Drafter::Model, Drafter::None] {
-            assert!(plays_of(&plays, d) >= 1 && plays_of(&plays, d) < best / 3, "{plays:?}");
+            assert!(
+                plays_of(&plays, d) >= 1 && plays_of(&plays, d) < best / 3,
+                "{plays:?}"
+            );
         }
         assert_eq!(plays.iter().map(|p| p.1).sum::<u32>(), 200);
     }

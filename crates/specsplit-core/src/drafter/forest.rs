@@ -84,7 +84,10 @@ mod tests {
         f.add(Some(a), 6, 0.5);
         let t = f.into_tree();
         assert_eq!(t.tokens(), &[1, 4, 2, 6, 5, 3]);
-        assert_eq!(t.parents(), &[None, None, Some(0), Some(0), Some(1), Some(2)]);
+        assert_eq!(
+            t.parents(),
+            &[None, None, Some(0), Some(0), Some(1), Some(2)]
+        );
         assert!(t.log_prob(3) <= 0.0 && t.log_prob(4).is_finite());
     }
 }

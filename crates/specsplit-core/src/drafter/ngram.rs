@@ -83,10 +83,7 @@ pub fn longest_match(context: &[u32], cfg: &NgramConfig) -> Option<NgramMatch> {
         }
         starts.push(e - k);
     }
-    (best_n > 0).then_some(NgramMatch {
-        n: best_n,
-        starts,
-    })
+    (best_n > 0).then_some(NgramMatch { n: best_n, starts })
 }
 
 /// The n-gram (prompt lookup) drafter. Stateless: the context holds everything it uses.
@@ -128,7 +125,7 @@ impl NgramDrafter {
         }
         let total = m.starts.len() as f32;
         // Stable: equal counts keep the most recent first.
-        next.sort_by(|a, b| b.1.cmp(&a.1));
+        next.sort_by_key(|n| std::cmp::Reverse(n.1));
         next.truncate(shape.branches);
         // The likeliest branch first, as deep as the node budget lets it.
         let mut forest = Forest::new();

@@ -66,7 +66,10 @@ impl SuffixConfig {
             ));
         }
         if !(0.0..=1.0).contains(&self.min_prob) {
-            return Err(format!("min_prob must lie in [0, 1], got {}", self.min_prob));
+            return Err(format!(
+                "min_prob must lie in [0, 1], got {}",
+                self.min_prob
+            ));
         }
         if self.max_tokens < 2 {
             return Err(format!(

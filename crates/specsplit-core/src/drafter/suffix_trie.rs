@@ -168,7 +168,10 @@ impl SuffixTrie {
     /// first).
     pub fn children(&self, node: u32) -> Vec<(u32, u32, u32)> {
         let mut out = Vec::new();
-        let mut c = self.nodes.get(node as usize).map_or(NONE, |n| n.first_child);
+        let mut c = self
+            .nodes
+            .get(node as usize)
+            .map_or(NONE, |n| n.first_child);
         while c != NONE {
             let n = &self.nodes[c as usize];
             out.push((c, n.token, n.count));
@@ -201,7 +204,10 @@ mod tests {
         // Deeper than max_depth is not indexed.
         assert!(t.find(&[1, 2, 1, 2]).is_none());
         let kids = t.children(t.find(&[1]).unwrap());
-        assert_eq!(kids.iter().map(|k| (k.1, k.2)).collect::<Vec<_>>(), vec![(2, 3)]);
+        assert_eq!(
+            kids.iter().map(|k| (k.1, k.2)).collect::<Vec<_>>(),
+            vec![(2, 3)]
+        );
     }
 
     #[test]
