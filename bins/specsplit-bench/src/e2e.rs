@@ -49,6 +49,8 @@ pub struct E2eSettings {
     pub prompt_set: Option<PathBuf>,
     /// Drafters run with the real draft model (each over every shape and pipeline).
     pub drafters: Vec<DrafterChoice>,
+    /// Most milliseconds one request to the target may take.
+    pub rpc_timeout_ms: u64,
     /// How many prompts to use.
     pub num_prompts: usize,
     /// Length of the pseudo-random prompts of random-weight models.
@@ -696,6 +698,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         temperature: 0.0,
         seed: 1,
         first_round_overlap: s.first_round_overlap,
+        rpc_timeout_ms: s.rpc_timeout_ms,
         ..GenerateConfig::default()
     };
     let meta_models = json!({"target": target.name, "draft": draft.name});

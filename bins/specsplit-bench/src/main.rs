@@ -161,6 +161,10 @@ struct E2eArgs {
     /// round) [default: model].
     #[arg(long, value_enum, value_delimiter = ',')]
     drafters: Option<Vec<DrafterArg>>,
+    /// Most milliseconds one request to the target may take (a slow CPU's long prefills
+    /// need more than the default).
+    #[arg(long, value_name = "MS", default_value_t = 30_000)]
+    rpc_timeout_ms: u64,
     /// Number of prompts [default: 8; quick: 2; with --prompt-set: the whole set].
     #[arg(long)]
     num_prompts: Option<usize>,
@@ -358,6 +362,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
         dtype: a.dtype,
         prompts_file: a.prompts,
         prompt_set: a.prompt_set,
+        rpc_timeout_ms: a.rpc_timeout_ms,
         drafters: a
             .drafters
             .unwrap_or_else(|| vec![DrafterArg::Model])

@@ -409,3 +409,24 @@ async fn against_a_remote_target(args: &[&str]) -> std::process::Output {
     target.stop().await;
     out
 }
+
+#[test]
+fn model_free_drafters_need_no_draft_model_and_report_each_rounds_drafter() {
+    let ar = generate_json(&["--mode", "ar"]);
+    // No draft worker is started for ngram: a draft model that does not exist is never loaded.
+    let ngram = generate_json(&["--drafter", "ngram", "--draft-model", "no-such-model"]);
+    assert_eq!(ngram["token_ids"], ar["token_ids"]);
+    assert_eq!(ngram["config"]["drafter"], "ngram");
+    for r in ngram["rounds"].as_array().unwrap() {
+        assert_eq!(r["drafter"], "ngram", "{r}");
+    }
+    let per = ngram["stats"]["per_drafter"].as_array().unwrap();
+    assert_eq!(per.len(), 1);
+    assert_eq!(per[0]["drafter"], "ngram");
+    let auto = generate_json(&["--drafter", "auto", "--widths", "2,1"]);
+    assert_eq!(auto["token_ids"], ar["token_ids"]);
+    for r in auto["rounds"].as_array().unwrap() {
+        let d = r["drafter"].as_str().unwrap();
+        assert!(["model", "ngram", "suffix", "none"].contains(&d), "{r}");
+    }
+}
