@@ -414,7 +414,26 @@ async fn against_a_remote_target(args: &[&str]) -> std::process::Output {
 fn model_free_drafters_need_no_draft_model_and_report_each_rounds_drafter() {
     let ar = generate_json(&["--mode", "ar"]);
     // No draft worker is started for ngram: a draft model that does not exist is never loaded.
-    let ngram = generate_json(&["--drafter", "ngram", "--draft-model", "no-such-model"]);
+    let out = specsplit(&[
+        "generate",
+        "Hello, speculative world!",
+        "--target-model",
+        "random:tiny:7",
+        "--draft-model",
+        "no-such-model",
+        "--no-chat-template",
+        "--max-tokens",
+        "20",
+        "--json",
+        "--drafter",
+        "ngram",
+    ]);
+    assert!(
+        out.status.success(),
+        "specsplit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ngram: Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
     assert_eq!(ngram["token_ids"], ar["token_ids"]);
     assert_eq!(ngram["config"]["drafter"], "ngram");
     for r in ngram["rounds"].as_array().unwrap() {
