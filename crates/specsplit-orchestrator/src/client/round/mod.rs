@@ -565,7 +565,10 @@ impl<'a> Run<'a> {
                 p.observe_verify(round.depth(), accepted, verdict.ms, round.beside);
             }
         }
-        if self.cfg.adaptive_depth && !round.drafted.tree.is_empty() {
+        // Its acceptance and draft cost are one drafter's: the online choice's mix of drafters
+        // would blend them, so under it the depth stays as configured.
+        let one_drafter = self.cfg.drafter != DrafterChoice::Auto;
+        if self.cfg.adaptive_depth && one_drafter && !round.drafted.tree.is_empty() {
             self.depth.observe(
                 round.depth(),
                 verdict.verified.accepted.len(),
