@@ -10,9 +10,10 @@ use std::sync::Arc;
 use specsplit_workers::config::WorkerConfig;
 use specsplit_workers::draft::DraftSession;
 use specsplit_workers::launch;
+use specsplit_workers::model_free::ModelFreeSession;
 use specsplit_workers::service::{
-    serve_draft, serve_draft_with, serve_target, serve_target_with, DraftWorker, Lifecycle,
-    TargetWorker,
+    serve_draft, serve_draft_with, serve_model_free_draft, serve_target, serve_target_with,
+    DraftWorker, Lifecycle, TargetWorker,
 };
 use specsplit_workers::session::SessionStore;
 use specsplit_workers::target::TargetSession;
@@ -103,6 +104,17 @@ pub async fn start_draft_with(
     ));
     let sessions = worker.sessions();
     start(cfg, sessions, |l, stop| serve_draft(worker, l, stop)).await
+}
+
+/// Starts a model-free draft worker for `cfg` (`cfg.drafter` ngram or suffix; no model is
+/// loaded, `cfg.model` is unused).
+pub async fn start_model_free_draft(cfg: &WorkerConfig) -> Running<ModelFreeSession> {
+    let worker = launch::model_free_draft_worker(cfg).expect("model-free draft worker");
+    let sessions = worker.sessions();
+    start(cfg, sessions, |l, stop| {
+        serve_model_free_draft(worker, l, stop)
+    })
+    .await
 }
 
 /// [`start_target`] with the worker adjusted by `adjust` (placement, busy-polling) first.

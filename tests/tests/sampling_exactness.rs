@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 use specsplit_core::sampling::{warp, SamplingParams};
 use specsplit_e2e::{config, start_draft, start_target};
 use specsplit_models::loader::{load_model, LoadOptions};
-use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{DrafterChoice, GenerateConfig, Mode, Orchestrator, Pipeline};
 
 const TARGET: &str = "random:tiny:7";
 const PROMPT: &[u32] = &[11, 42, 7, 300];
@@ -232,6 +232,23 @@ async fn sampled_speculation_matches_target_distribution() {
             GenerateConfig {
                 widths: vec![3, 2],
                 pipeline: Pipeline::Overlapped,
+                ..base.clone()
+            },
+        ),
+        // Model-free drafts (point-mass trees without distributions), drafted here.
+        (
+            "n-gram tree",
+            GenerateConfig {
+                widths: vec![3, 2],
+                drafter: DrafterChoice::Ngram,
+                ..base.clone()
+            },
+        ),
+        (
+            "online choice",
+            GenerateConfig {
+                widths: vec![3, 2],
+                drafter: DrafterChoice::Auto,
                 ..base.clone()
             },
         ),

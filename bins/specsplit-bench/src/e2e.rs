@@ -15,8 +15,8 @@ use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
 use specsplit_models::tokenizer::ChatFormat;
 use specsplit_models::transformer::Transformer;
 use specsplit_orchestrator::{
-    ClientSpin, GenerateConfig, Generation, GenerationStats, Mode, Orchestrator, Pipeline,
-    RoundRecord,
+    ClientSpin, DrafterChoice, GenerateConfig, Generation, GenerationStats, Mode, Orchestrator,
+    Pipeline, RoundRecord,
 };
 use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
@@ -45,6 +45,12 @@ pub struct E2eSettings {
     pub dtype: String,
     /// Text prompts, one per line (real tokenizers only); None = the built-in set.
     pub prompts_file: Option<PathBuf>,
+    /// A prompt set of several kinds (see [`crate::prompt_set`]; real tokenizers only).
+    pub prompt_set: Option<PathBuf>,
+    /// Drafters run with the real draft model (each over every shape and pipeline).
+    pub drafters: Vec<DrafterChoice>,
+    /// Most milliseconds one request to the target may take.
+    pub rpc_timeout_ms: u64,
     /// How many prompts to use.
     pub num_prompts: usize,
     /// Length of the pseudo-random prompts of random-weight models.
@@ -230,16 +236,99 @@ pub(crate) async fn load_draft(
     .await?
 }
 
-/// The prompt token sequences.
-fn prompts(s: &E2eSettings, tok: &LoadedModel, random: bool, eos: &[u32]) -> Result<Vec<Vec<u32>>> {
+/// The prompt token sequences, and each one's kind of work (empty without a prompt set).
+fn prompts(
+    s: &E2eSettings,
+    tok: &LoadedModel,
+    random: bool,
+    eos: &[u32],
+) -> Result<(Vec<Vec<u32>>, Vec<String>)> {
     let n = s.num_prompts.max(1);
     if random {
         let vocab = tok.model.config().vocab_size;
-        return Ok((0..n)
+        let ids = (0..n)
             .map(|i| util::random_ids(s.seed.wrapping_add(i as u64), s.prompt_len, vocab, eos))
-            .collect());
+            .collect();
+        return Ok((ids, vec![String::new(); n]));
     }
-    text_prompts(s.prompts_file.as_deref(), n, tok)
+    if let Some(path) = &s.prompt_set {
+        let set: Vec<_> = crate::prompt_set::read(path)?
+            .into_iter()
+            .cycle()
+            .take(n)
+            .collect();
+        let t = &tok.tokenizer;
+        let chat = !matches!(t.chat_format(), ChatFormat::Plain);
+        let ids = set
+            .iter()
+            .map(|p| {
+                let text = if chat {
+                    t.apply_chat_template(&p.text)
+                } else {
+                    p.text.clone()
+                };
+                Ok(t.encode(&text, !chat)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Ok((ids, set.into_iter().map(|p| p.kind).collect()));
+    }
+    let ids = text_prompts(s.prompts_file.as_deref(), n, tok)?;
+    Ok((ids, vec![String::new(); n]))
+}
+
+/// Tokens per second of `gens` per kind of work (prompt `i` of kind `kinds[i]`), in order of
+/// first appearance; `null` without kinds.
+fn by_kind(gens: &[Generation], kinds: &[String]) -> Value {
+    let mut order: Vec<&str> = Vec::new();
+    for k in kinds {
+        if !k.is_empty() && !order.contains(&k.as_str()) {
+            order.push(k);
+        }
+    }
+    if order.is_empty() {
+        return Value::Null;
+    }
+    let mut out = serde_json::Map::new();
+    for k in order {
+        let (tokens, secs) = gens
+            .iter()
+            .zip(kinds)
+            .filter(|(_, kind)| kind.as_str() == k)
+            .fold((0usize, 0.0f64), |(t, e), (g, _)| {
+                (t + g.token_ids.len(), e + g.stats.elapsed_s)
+            });
+        out.insert(
+            k.to_string(),
+            json!(if secs > 0.0 {
+                tokens as f64 / secs
+            } else {
+                0.0
+            }),
+        );
+    }
+    Value::Object(out)
+}
+
+/// `by_kind` as `kind a tok/s, …` for the console.
+fn kinds_label(v: &Value) -> String {
+    v.as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, t)| format!("{k} {:.1} tok/s", t.as_f64().unwrap_or(0.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
+}
+
+/// The name of a drafter choice in rows and labels.
+fn choice_name(d: DrafterChoice) -> &'static str {
+    match d {
+        DrafterChoice::Model => "model",
+        DrafterChoice::Ngram => "ngram",
+        DrafterChoice::Suffix => "suffix",
+        DrafterChoice::Auto => "auto",
+    }
 }
 
 /// The token sequences of `n` text prompts (cycling through them): the lines of `file`, else
@@ -284,6 +373,8 @@ struct SpecRun {
     kind: &'static str,
     pipeline: Pipeline,
     widths: Vec<usize>,
+    /// Its drafter.
+    choice: DrafterChoice,
 }
 
 fn pipeline_name(p: Pipeline) -> &'static str {
@@ -540,7 +631,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         e.extend(draft.tokenizer.eos_token_ids());
         e
     };
-    let prompts = prompts(s, &target, random, target.tokenizer.eos_token_ids())?;
+    let (prompts, kinds) = prompts(s, &target, random, target.tokenizer.eos_token_ids())?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let max_nodes = s
         .trees
@@ -607,6 +698,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         temperature: 0.0,
         seed: 1,
         first_round_overlap: s.first_round_overlap,
+        rpc_timeout_ms: s.rpc_timeout_ms,
         ..GenerateConfig::default()
     };
     let meta_models = json!({"target": target.name, "draft": draft.name});
@@ -627,10 +719,15 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         json!({
             "label": "target-only", "kind": "ar", "mode": "ar", "pipeline": "none",
             "widths": "", "depth": 0, "tree_nodes": 0, "synthetic": false, "beta": null,
-            "drafter": "none", "verify_pass_timings": pass_timings_json(&ar_passes),
+            "drafter": "none", "drafter_choice": "none",
+            "verify_pass_timings": pass_timings_json(&ar_passes),
+            "tok_per_s_by_kind": by_kind(&ar, &kinds),
         }),
         aggregate(&ar, 0, &ar),
     );
+    if !kinds_label(&ar_row["tok_per_s_by_kind"]).is_empty() {
+        eprintln!("  by kind: {}", kinds_label(&ar_row["tok_per_s_by_kind"]));
+    }
     let ar_tps = num(&ar_row, "tok_per_s");
     let ar_steady = num(&ar_row, "steady_tok_per_s");
     eprintln!(
@@ -649,20 +746,24 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     let mut rows = vec![merge(ar_row, meta_models.clone())];
 
     let mut runs: Vec<SpecRun> = Vec::new();
-    for &pipeline in &s.pipelines {
-        for &d in &s.depths {
-            runs.push(SpecRun {
-                kind: "chain",
-                pipeline,
-                widths: vec![1; d],
-            });
-        }
-        for w in &s.trees {
-            runs.push(SpecRun {
-                kind: "tree",
-                pipeline,
-                widths: w.clone(),
-            });
+    for &choice in &s.drafters {
+        for &pipeline in &s.pipelines {
+            for &d in &s.depths {
+                runs.push(SpecRun {
+                    kind: "chain",
+                    pipeline,
+                    widths: vec![1; d],
+                    choice,
+                });
+            }
+            for w in &s.trees {
+                runs.push(SpecRun {
+                    kind: "tree",
+                    pipeline,
+                    widths: w.clone(),
+                    choice,
+                });
+            }
         }
     }
 
@@ -700,8 +801,13 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         let drafter = if beta.is_some() { "synthetic" } else { "real" };
         let mut best: Vec<(Pipeline, usize, f64)> = Vec::new();
         for r in &runs {
+            // Synthetic acceptance is a property of the draft model's worker only.
+            if beta.is_some() && r.choice != DrafterChoice::Model {
+                continue;
+            }
             let cfg = GenerateConfig {
                 mode: Mode::Spec,
+                drafter: r.choice,
                 pipeline: r.pipeline,
                 widths: r.widths.clone(),
                 candidates: s.candidates,
@@ -742,6 +848,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let agg = merge(
                 aggregate(&gens, depth, &ar),
                 json!({
+                    "tok_per_s_by_kind": by_kind(&gens, &kinds),
                     "attempts": attempts,
                     "oracle_references": oracle.as_ref().map(|o| o.num_references()),
                     "verify_pass_timings": pass_timings_json(&passes),
@@ -752,8 +859,9 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             let widths = util::widths_label(&r.widths);
             let expected_len = beta.map(|b| expected_chain_len(b, depth));
             eprintln!(
-                "{drafter}{} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}{}, same {:.2}, draft {:.2} ms (server {:.2}, model {:.2}), verify {:.2} ms (server {:.2}, model {:.2}), overhead {:.3} ms/round, attempts {}",
+                "{drafter}{} {} {} {} [{widths}]: {tps:.1} tok/s ({speedup:.2}x), accept {:.2}, len {:.2}{}, same {:.2}, draft {:.2} ms (server {:.2}, model {:.2}), verify {:.2} ms (server {:.2}, model {:.2}), overhead {:.3} ms/round, attempts {}",
                 beta.map(|b| format!(" β={b}")).unwrap_or_default(),
+                choice_name(r.choice),
                 r.kind,
                 pipeline_name(r.pipeline),
                 num(&agg, "acceptance_rate"),
@@ -772,6 +880,22 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 num(&agg, "mean_round_overhead_ms"),
                 agg["attempts"],
             );
+            if !kinds_label(&agg["tok_per_s_by_kind"]).is_empty() {
+                eprintln!("    by kind: {}", kinds_label(&agg["tok_per_s_by_kind"]));
+            }
+            if r.choice == DrafterChoice::Auto {
+                let per = specsplit_orchestrator::DrafterStats::of_rounds(
+                    &gens
+                        .iter()
+                        .flat_map(|g| g.rounds.clone())
+                        .collect::<Vec<_>>(),
+                );
+                let line: Vec<String> = per
+                    .iter()
+                    .map(|d| format!("{} {} rounds", d.drafter.name(), d.rounds))
+                    .collect();
+                eprintln!("    online choice: {}", line.join(", "));
+            }
             if r.pipeline != Pipeline::Sequential {
                 eprintln!(
                     "    pre-draft: beside {:.0}% of rounds, {:.2} candidates, hit rate {} \
@@ -813,7 +937,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 num(&agg, "steady_round_overhead_ms"),
                 num(&agg, "ttft_ms"),
             );
-            if r.kind == "chain" {
+            if r.kind == "chain" && r.choice == DrafterChoice::Model {
                 match best.iter_mut().find(|b| b.0 == r.pipeline) {
                     Some(b) if b.2 >= tps => {}
                     Some(b) => *b = (r.pipeline, depth, tps),
@@ -821,7 +945,19 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 }
             }
             let row = json!({
-                "label": format!("{}-{}-{widths}", r.kind, pipeline_name(r.pipeline)),
+                // Model rows keep their labels of runs without --drafters.
+                "label": match r.choice {
+                    DrafterChoice::Model => {
+                        format!("{}-{}-{widths}", r.kind, pipeline_name(r.pipeline))
+                    }
+                    c => format!(
+                        "{}-{}-{}-{widths}",
+                        choice_name(c),
+                        r.kind,
+                        pipeline_name(r.pipeline)
+                    ),
+                },
+                "drafter_choice": choice_name(r.choice),
                 "kind": r.kind, "mode": "spec", "pipeline": pipeline_name(r.pipeline),
                 "widths": widths, "depth": depth, "tree_nodes": full_tree_size(&r.widths),
                 "synthetic": beta.is_some(), "beta": beta, "drafter": drafter,
@@ -856,6 +992,8 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "device_target": s.device_target, "device_draft": s.device_draft,
             "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
             "prompts": prompts.len(), "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+            "prompt_kinds": kinds, "prompt_set": s.prompt_set,
+            "drafters": s.drafters.iter().map(|&d| choice_name(d)).collect::<Vec<_>>(),
             "random_prompts": random,
             "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "warmup_passes": s.warmup,
             "first_round_overlap": s.first_round_overlap, "client_spin": s.client_spin,

@@ -17,6 +17,7 @@ mod e2e;
 mod forward;
 mod kernels;
 mod plot;
+mod prompt_set;
 mod report;
 mod rpc;
 mod util;
@@ -25,7 +26,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use specsplit_orchestrator::{ClientSpin, Pipeline};
+use specsplit_orchestrator::{ClientSpin, DrafterChoice, Pipeline};
 
 /// Benchmark harness for SpecSplit.
 #[derive(Parser, Debug)]
@@ -40,7 +41,7 @@ enum Command {
     /// Forward-pass latency (decode, chain and tree verification) and the memory roofline.
     Forward(ForwardArgs),
     /// End-to-end target-only vs speculative decoding over loopback gRPC.
-    E2e(E2eArgs),
+    E2e(Box<E2eArgs>),
     /// PNG plots from the JSON reports in a directory.
     Plot(PlotArgs),
     /// Per-RPC cost on loopback beyond the workers' own handling time.
@@ -121,6 +122,15 @@ enum PipelineArg {
     Predraft,
 }
 
+/// A drafter of `e2e --drafters`.
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum DrafterArg {
+    Model,
+    Ngram,
+    Suffix,
+    Auto,
+}
+
 #[derive(Args, Debug)]
 struct E2eArgs {
     /// Target model spec.
@@ -141,7 +151,21 @@ struct E2eArgs {
     /// Text prompts, one per line (real models; random models use pseudo-random ids).
     #[arg(long)]
     prompts: Option<PathBuf>,
-    /// Number of prompts [default: 8; quick: 2].
+    /// A prompt set of several kinds of work (`## <kind>` lines start prompts; e.g.
+    /// bins/specsplit-bench/prompts/drafters.md: code editing, questions, summaries); rows then
+    /// report tokens per second per kind too. Overrides --prompts.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompts")]
+    prompt_set: Option<PathBuf>,
+    /// Drafters run side by side with the real draft worker, each over every chain and tree
+    /// shape: model, ngram, suffix (model-free, in the orchestrator) and auto (chosen per
+    /// round) [default: model].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    drafters: Option<Vec<DrafterArg>>,
+    /// Most milliseconds one request to the target may take (a slow CPU's long prefills
+    /// need more than the default).
+    #[arg(long, value_name = "MS", default_value_t = 30_000)]
+    rpc_timeout_ms: u64,
+    /// Number of prompts [default: 8; quick: 2; with --prompt-set: the whole set].
     #[arg(long)]
     num_prompts: Option<usize>,
     /// Prompt length of random-weight models, in tokens [default: 128; quick: 32].
@@ -296,8 +320,12 @@ fn e2e(a: E2eArgs) -> Result<()> {
             "e2e-synthetic".into()
         }
     });
+    let num_prompts = match (&a.prompt_set, a.num_prompts) {
+        (Some(set), None) => prompt_set::read(set)?.len(),
+        _ => pick(a.num_prompts, q, 2, 8),
+    };
     let s = e2e::E2eSettings {
-        num_prompts: pick(a.num_prompts, q, 2, 8),
+        num_prompts,
         prompt_len: pick(a.prompt_len, q, 32, 128),
         max_tokens: pick(a.max_tokens, q, 32, 128),
         depths: pick(a.depths, q, vec![2, 4], vec![1, 2, 4, 6, 8, 12]),
@@ -333,6 +361,19 @@ fn e2e(a: E2eArgs) -> Result<()> {
         device_draft: a.device_draft,
         dtype: a.dtype,
         prompts_file: a.prompts,
+        prompt_set: a.prompt_set,
+        rpc_timeout_ms: a.rpc_timeout_ms,
+        drafters: a
+            .drafters
+            .unwrap_or_else(|| vec![DrafterArg::Model])
+            .into_iter()
+            .map(|d| match d {
+                DrafterArg::Model => DrafterChoice::Model,
+                DrafterArg::Ngram => DrafterChoice::Ngram,
+                DrafterArg::Suffix => DrafterChoice::Suffix,
+                DrafterArg::Auto => DrafterChoice::Auto,
+            })
+            .collect(),
         first_round_overlap: a.first_round_overlap,
         client_spin: a.client_spin,
         out: a.out,
@@ -354,7 +395,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(a) => forward(a),
-        Command::E2e(a) => e2e(a),
+        Command::E2e(a) => e2e(*a),
         Command::Plot(a) => plot::run(&a.input, &a.out, a.font.as_deref()),
         Command::Rpc(a) => rpc::main(a),
         Command::Kernels(a) => kernels::main(a),

@@ -220,9 +220,14 @@ fn forward_chart(doc: &Value, stem: &str, out: &Path, text: bool) -> Result<()> 
 }
 
 fn drafter_label(r: &Value) -> String {
-    match r.get("beta").and_then(Value::as_f64) {
-        Some(b) => format!("synthetic β={b}"),
-        None => "real draft".into(),
+    match (
+        r.get("beta").and_then(Value::as_f64),
+        r.get("drafter_choice").and_then(Value::as_str),
+    ) {
+        (Some(b), _) => format!("synthetic β={b}"),
+        // ngram, suffix or auto (rows of `e2e --drafters`).
+        (None, Some(c)) if c != "model" => c.to_string(),
+        (None, _) => "real draft".into(),
     }
 }
 

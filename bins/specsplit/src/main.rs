@@ -209,7 +209,7 @@ async fn run(
         notice(
             &s.log_format,
             &format!(
-                "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} stop={stop}",
+                "[stats] tokens={} tok/s={:.2} ttft={:.1}ms tpot={:.1}ms acceptance={:.1}% mean_accepted_len={:.2} rounds={} overlap_hit_rate={:.1}% draft_failures={} target_only_rounds={} speed_switches={} drafters={} stop={stop}",
                 st.tokens,
                 st.tokens_per_s,
                 st.ttft_ms,
@@ -221,6 +221,7 @@ async fn run(
                 st.draft_failures,
                 st.target_only_rounds,
                 st.speed_switches.len(),
+                drafter_summary(&st.per_drafter),
             ),
             serde_json::json!({"event": "stats", "stats": st, "stop_reason": stop}),
         );
@@ -239,4 +240,21 @@ async fn run(
         }
     }
     Ok(())
+}
+
+/// Rounds, tokens and tokens per second of each drafter, e.g.
+/// `ngram:12r/40t/85.3tok/s,none:3r/3t/20.1tok/s`.
+fn drafter_summary(per: &[specsplit_orchestrator::DrafterStats]) -> String {
+    per.iter()
+        .map(|d| {
+            format!(
+                "{}:{}r/{}t/{:.1}tok/s",
+                d.drafter.name(),
+                d.rounds,
+                d.tokens,
+                d.tokens_per_s
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }

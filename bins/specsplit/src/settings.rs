@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 use specsplit_orchestrator::{
-    AuthToken, ClientSpin, ClientTls, ConnectOptions, GenerateConfig, Mode, Pipeline,
+    AuthToken, ClientSpin, ClientTls, ConnectOptions, DrafterChoice, GenerateConfig, Mode, Pipeline,
 };
 use specsplit_workers::config::{load_section, Secret, WorkerConfig};
 
@@ -19,6 +19,21 @@ pub enum ModeArg {
     Spec,
     /// The target alone, token by token: the reference output speculation must equal.
     Ar,
+}
+
+/// `--drafter`: what proposes the trees.
+#[derive(Clone, Copy, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DrafterArg {
+    /// The draft worker's model.
+    Model,
+    /// N-gram prompt lookup in this process (no draft worker).
+    Ngram,
+    /// Suffix decoding in this process (no draft worker).
+    Suffix,
+    /// Chosen per round from measured speed among the model (with a draft worker), ngram,
+    /// suffix and target-only rounds.
+    Auto,
 }
 
 /// `--pipeline`: how drafting and verification are scheduled.
@@ -139,6 +154,14 @@ pub struct OrchestratorArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) mode: Option<ModeArg>,
+    /// Which drafter proposes the trees (ngram and suffix need no draft worker).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) drafter: Option<DrafterArg>,
+    /// The suffix drafter also matches earlier generations of this process.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) suffix_history: bool,
     /// sequential, overlapped or predraft rounds.
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -199,6 +222,8 @@ pub struct Settings {
     pub(crate) chat_template: bool,
     pub(crate) log_format: String,
     pub(crate) mode: Mode,
+    pub(crate) drafter: DrafterChoice,
+    pub(crate) suffix_history: bool,
     pub(crate) pipeline: Pipeline,
     pub(crate) candidates: usize,
     pub(crate) max_tokens: usize,
@@ -255,6 +280,8 @@ impl Default for Settings {
             chat_template: true,
             log_format: "text".into(),
             mode: g.mode,
+            drafter: g.drafter,
+            suffix_history: g.suffix_history,
             pipeline: g.pipeline,
             candidates: g.candidates,
             max_tokens: g.max_tokens,
@@ -322,6 +349,8 @@ impl Settings {
     pub fn generate_config(&self) -> GenerateConfig {
         GenerateConfig {
             mode: self.mode,
+            drafter: self.drafter,
+            suffix_history: self.suffix_history,
             pipeline: self.pipeline,
             candidates: self.candidates,
             max_tokens: self.max_tokens,

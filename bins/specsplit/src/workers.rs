@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 use specsplit_models::tokenizer::TextTokenizer;
-use specsplit_orchestrator::{Mode, Orchestrator};
+use specsplit_orchestrator::{DrafterChoice, Mode, Orchestrator};
 use specsplit_workers::config::WorkerConfig;
 use specsplit_workers::launch;
 
@@ -42,8 +42,11 @@ pub async fn connect(s: &Settings) -> Result<Connected> {
 
 async fn connect_unchecked(s: &Settings) -> Result<Connected> {
     let spec = s.mode == Mode::Spec;
-    if s.target_addr.is_empty() && (s.draft_addr.is_empty() || !spec) {
-        let (ip, d, t, tokenizer) = start_in_process(s, spec).await?;
+    // The model drafter needs a draft worker; the online choice uses one where there is one.
+    let needs_draft = spec && s.drafter == DrafterChoice::Model;
+    let uses_draft = needs_draft || (spec && s.drafter == DrafterChoice::Auto);
+    if s.target_addr.is_empty() && (s.draft_addr.is_empty() || !uses_draft) {
+        let (ip, d, t, tokenizer) = start_in_process(s, uses_draft).await?;
         let orch = Orchestrator::connect_with(d.as_deref(), &t, s.client_spin).await?;
         return Ok(Connected {
             in_process: Some(ip),
@@ -51,10 +54,10 @@ async fn connect_unchecked(s: &Settings) -> Result<Connected> {
             tokenizer,
         });
     }
-    if s.target_addr.is_empty() || (spec && s.draft_addr.is_empty()) {
-        bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar needs only --target-addr");
+    if s.target_addr.is_empty() || (needs_draft && s.draft_addr.is_empty()) {
+        bail!("give both --draft-addr and --target-addr (or neither, to start both in-process); --mode ar and the ngram, suffix and auto drafters need only --target-addr");
     }
-    let d = spec.then(|| s.draft_addr.clone());
+    let d = (uses_draft && !s.draft_addr.is_empty()).then(|| s.draft_addr.clone());
     let opts = s.connect_options()?;
     let orch = Orchestrator::connect_with_options(d.as_deref(), &s.target_addr, &opts).await?;
     let tokenizer = remote_tokenizer(s, orch.target_model()).await?;

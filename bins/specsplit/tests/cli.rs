@@ -478,3 +478,43 @@ async fn remote_workers_over_tls_with_a_token() {
     assert!(err.contains("UnknownIssuer"), "{err}");
     target.stop().await;
 }
+
+#[test]
+fn model_free_drafters_need_no_draft_model_and_report_each_rounds_drafter() {
+    let ar = generate_json(&["--mode", "ar"]);
+    // No draft worker is started for ngram: a draft model that does not exist is never loaded.
+    let out = specsplit(&[
+        "generate",
+        "Hello, speculative world!",
+        "--target-model",
+        "random:tiny:7",
+        "--draft-model",
+        "no-such-model",
+        "--no-chat-template",
+        "--max-tokens",
+        "20",
+        "--json",
+        "--drafter",
+        "ngram",
+    ]);
+    assert!(
+        out.status.success(),
+        "specsplit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ngram: Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    assert_eq!(ngram["token_ids"], ar["token_ids"]);
+    assert_eq!(ngram["config"]["drafter"], "ngram");
+    for r in ngram["rounds"].as_array().unwrap() {
+        assert_eq!(r["drafter"], "ngram", "{r}");
+    }
+    let per = ngram["stats"]["per_drafter"].as_array().unwrap();
+    assert_eq!(per.len(), 1);
+    assert_eq!(per[0]["drafter"], "ngram");
+    let auto = generate_json(&["--drafter", "auto", "--widths", "2,1"]);
+    assert_eq!(auto["token_ids"], ar["token_ids"]);
+    for r in auto["rounds"].as_array().unwrap() {
+        let d = r["drafter"].as_str().unwrap();
+        assert!(["model", "ngram", "suffix", "none"].contains(&d), "{r}");
+    }
+}

@@ -5,10 +5,12 @@
 //! - [`sampling`]: temperature / top-k / top-p transforms shared by draft and target.
 //! - [`verify`]: greedy and lossless stochastic verification of a tree.
 //! - [`device`]: binding a GPU context to the calling thread.
+//! - [`drafter`]: model-free drafters (n-gram prompt lookup, suffix decoding).
 //! - [`cache`]: pre-allocated per-session KV caches with O(1) rollback and path compaction.
 
 pub mod cache;
 pub mod device;
+pub mod drafter;
 pub mod mask;
 pub mod sampling;
 pub mod tree;

@@ -12,16 +12,20 @@
 //! against a frozen worker, and a generation runs to the target's context and stops there.
 
 mod adaptive;
+mod bandit;
 mod client;
+mod drafter;
 mod predraft_plan;
 mod stats;
 
 pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
+pub use bandit::DrafterBandit;
 pub use client::{
     AuthToken, ClientSpin, ClientTls, ConnectOptions, Orchestrator, OrchestratorError,
 };
+pub use drafter::{Drafter, DrafterChoice};
 pub use predraft_plan::{PreDraftPlanner, Shape, MAX_CANDIDATES};
-pub use stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
+pub use stats::{DrafterStats, GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 
 use serde::{Deserialize, Serialize};
 
@@ -77,6 +81,11 @@ pub enum StopReason {
 pub struct GenerateConfig {
     /// Speculative or target-only.
     pub mode: Mode,
+    /// Which drafter proposes the trees of a speculative generation.
+    pub drafter: DrafterChoice,
+    /// The suffix drafter also matches this orchestrator's earlier generations (kept in a
+    /// store capped at 65,536 tokens, oldest evicted first), not only the session's tokens.
+    pub suffix_history: bool,
     /// How drafting and verification are scheduled.
     pub pipeline: Pipeline,
     /// Candidate tokens per outcome the pre-draft pipeline pre-drafts: 0 lets its cost model
@@ -133,6 +142,8 @@ impl Default for GenerateConfig {
     fn default() -> Self {
         Self {
             mode: Mode::Spec,
+            drafter: DrafterChoice::Model,
+            suffix_history: false,
             pipeline: Pipeline::Overlapped,
             candidates: 0,
             max_tokens: 128,

@@ -2,6 +2,8 @@
 
 use serde::Serialize;
 
+use crate::drafter::Drafter;
+
 /// Why a round verified no draft tree.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -20,6 +22,10 @@ pub enum NoDraft {
     Slow,
     /// The sequence plus a tree would exceed what the draft or the target accepts.
     Limit,
+    /// The online choice picked a target-only round.
+    Chosen,
+    /// The drafter proposed no tree (a model-free drafter found nothing to continue).
+    NoMatch,
 }
 
 /// What happened in one round.
@@ -68,6 +74,8 @@ pub struct RoundRecord {
     pub predraft_hit: Option<bool>,
     /// Why the round verified no tree (None when it verified one).
     pub no_draft: Option<NoDraft>,
+    /// The drafter chosen for the round (`none` for a target-only round by mode or choice).
+    pub drafter: Drafter,
 }
 
 impl RoundRecord {
@@ -130,6 +138,57 @@ pub struct GenerationStats {
     pub target_only_rounds: usize,
     /// Switches between speculative and target-only rounds made on measured speed.
     pub speed_switches: Vec<SpeedSwitch>,
+    /// The rounds of each drafter that was chosen for some, in order of first use.
+    pub per_drafter: Vec<DrafterStats>,
+}
+
+/// The rounds one drafter was chosen for, summarised.
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct DrafterStats {
+    /// The drafter.
+    pub drafter: Drafter,
+    /// Rounds it was chosen for.
+    pub rounds: usize,
+    /// Tokens those rounds emitted.
+    pub tokens: usize,
+    /// Draft tokens accepted in them.
+    pub accepted: usize,
+    /// Their wall time, in ms.
+    pub round_ms: f64,
+    /// Tokens per second over those rounds.
+    pub tokens_per_s: f64,
+}
+
+impl DrafterStats {
+    /// The summary per drafter of `rounds`, in order of first use.
+    pub fn of_rounds(rounds: &[RoundRecord]) -> Vec<Self> {
+        let mut out: Vec<Self> = Vec::new();
+        for r in rounds {
+            let i = match out.iter().position(|s| s.drafter == r.drafter) {
+                Some(i) => i,
+                None => {
+                    out.push(Self {
+                        drafter: r.drafter,
+                        ..Self::default()
+                    });
+                    out.len() - 1
+                }
+            };
+            let s = &mut out[i];
+            s.rounds += 1;
+            s.tokens += r.emitted.len();
+            s.accepted += r.accepted;
+            s.round_ms += r.round_ms;
+        }
+        for s in &mut out {
+            s.tokens_per_s = if s.round_ms > 0.0 {
+                s.tokens as f64 * 1e3 / s.round_ms
+            } else {
+                0.0
+            };
+        }
+        out
+    }
 }
 
 impl GenerationStats {
@@ -172,6 +231,7 @@ impl GenerationStats {
             draft_failures: 0,
             target_only_rounds: rounds.iter().filter(|r| r.tree_nodes == 0).count(),
             speed_switches: Vec::new(),
+            per_drafter: DrafterStats::of_rounds(rounds),
         }
     }
 }
@@ -230,6 +290,24 @@ mod tests {
             (s.mean_accepted_len - 2.0).abs() < 1e-12,
             "speculative rounds only"
         );
+    }
+
+    #[test]
+    fn rounds_are_summarised_per_drafter() {
+        let with = |d: Drafter, r: RoundRecord| RoundRecord { drafter: d, ..r };
+        let rounds = vec![
+            with(Drafter::Ngram, round(4, 3, None)),
+            with(Drafter::None, round(0, 0, None)),
+            with(Drafter::Ngram, round(4, 1, None)),
+        ];
+        let per = DrafterStats::of_rounds(&rounds);
+        assert_eq!(
+            per.iter().map(|s| s.drafter).collect::<Vec<_>>(),
+            vec![Drafter::Ngram, Drafter::None]
+        );
+        assert_eq!((per[0].rounds, per[0].tokens, per[0].accepted), (2, 6, 4));
+        assert!((per[0].tokens_per_s - 6.0 / 24.0 * 1e3).abs() < 1e-9);
+        assert_eq!((per[1].rounds, per[1].tokens), (1, 1));
     }
 
     #[test]

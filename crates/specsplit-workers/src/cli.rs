@@ -125,6 +125,15 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "SECS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drain_secs: Option<u64>,
+    /// Draft worker: model (the draft model), or ngram / suffix (model-free: no model loaded)
+    /// [default: model].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<crate::model_free::DrafterKind>,
+    /// Draft worker with --drafter suffix: also match the worker's earlier sessions.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub suffix_history: bool,
 }
 
 impl WorkerArgs {
@@ -209,6 +218,27 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Worke
             }))
         }
     };
+    if kind == WorkerKind::Draft && cfg.drafter != crate::model_free::DrafterKind::Model {
+        let worker = launch::model_free_draft_worker(&cfg)?;
+        let (listener, addr) = launch::bind(&cfg).await?;
+        tracing::info!(
+            %addr,
+            drafter = ?cfg.drafter,
+            tls = cfg.tls_cert.is_some(),
+            mutual_tls = cfg.tls_client_ca.is_some(),
+            token = opts.token.is_some(),
+            "serving (no model loaded)"
+        );
+        let r =
+            crate::service::serve_model_free_draft_with(worker, listener, shutdown_signal(), opts)
+                .await;
+        if let Some(task) = endpoints {
+            task.abort();
+        }
+        r?;
+        tracing::info!("stopped");
+        return Ok(());
+    }
     tracing::info!(?kind, model = %cfg.model, device = %cfg.device, "loading model");
     let model = {
         let cfg = cfg.clone();

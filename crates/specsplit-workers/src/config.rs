@@ -81,6 +81,15 @@ pub struct WorkerConfig {
     /// Seconds the worker goes on serving after SIGTERM or Ctrl-C, its health reporting
     /// NOT_SERVING, before it stops taking calls and finishes those in flight.
     pub drain_secs: u64,
+    /// What proposes a draft worker's trees: `model` (the draft model), or `ngram` / `suffix`
+    /// (model-free: no model is loaded and `model`, `device` and `dtype` are unused). The
+    /// target ignores it.
+    #[serde(default)]
+    pub drafter: crate::model_free::DrafterKind,
+    /// With `drafter = "suffix"`: also match the sequences of the worker's earlier sessions
+    /// (a shared store capped at 65,536 tokens, oldest evicted first).
+    #[serde(default)]
+    pub suffix_history: bool,
 }
 
 /// A secret setting: its `Debug` form hides it (the effective configuration is logged).
@@ -152,6 +161,8 @@ impl WorkerConfig {
             insecure: false,
             metrics_listen: None,
             drain_secs: 0,
+            drafter: crate::model_free::DrafterKind::Model,
+            suffix_history: false,
         }
     }
 }

@@ -12,9 +12,10 @@ use tokio::net::TcpListener;
 
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
+use crate::model_free::ModelFreeEngine;
 use crate::service::{
-    serve_draft, serve_target, DraftWorker, Execution, Lifecycle, ServeOptions, TargetWorker,
-    WorkerInfo,
+    serve_draft, serve_target, DraftWorker, Execution, Lifecycle, ModelFreeDraftWorker,
+    ServeOptions, TargetWorker, WorkerInfo,
 };
 use crate::session::SessionLimits;
 use crate::target::TargetEngine;
@@ -215,6 +216,26 @@ pub fn draft_worker(cfg: &WorkerConfig, m: LoadedModel) -> DraftWorker {
     let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions);
     DraftWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec)
+}
+
+/// A draft worker service that loads no model: `cfg.drafter` (n-gram or suffix) answers its
+/// draft requests on the CPU.
+pub fn model_free_draft_worker(cfg: &WorkerConfig) -> Result<ModelFreeDraftWorker, LaunchError> {
+    let engine = ModelFreeEngine::new(cfg.drafter, cfg.suffix_history)
+        .map_err(|e| LaunchError::Config(e.to_string()))?;
+    let info = WorkerInfo {
+        model_name: format!("{:?}", cfg.drafter).to_ascii_lowercase(),
+        vocab_size: 0,
+        eos_token_ids: Vec::new(),
+        max_context: cfg.max_context,
+        max_tree_nodes: cfg.max_tree_nodes,
+        max_tree_depth: cfg.max_tree_depth,
+        max_prompt_len: cfg.prompt_limit().min(cfg.max_context),
+        device: "cpu".into(),
+    };
+    // CPU work, no busy-polling after an answer.
+    let exec = Execution::for_device("cpu", Some(Duration::ZERO));
+    Ok(ModelFreeDraftWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec))
 }
 
 /// A target worker service over a loaded model.

@@ -12,6 +12,7 @@ pub mod engine_session;
 pub mod error;
 pub mod launch;
 pub mod metrics;
+pub mod model_free;
 pub mod predraft;
 pub mod service;
 pub mod session;

@@ -11,6 +11,7 @@ mod worker;
 use std::sync::Arc;
 use std::time::Duration;
 
+use specsplit_core::drafter::suffix::{SharedSuffixStore, SuffixConfig, SuffixStore};
 use specsplit_proto::draft_service_client::DraftServiceClient;
 use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{EndSessionRequest, PingRequest};
@@ -48,6 +49,8 @@ pub struct Orchestrator {
     draft_limits: Option<WorkerLimits>,
     /// The pre-draft pipeline's cost model, shared by the generations.
     planner: Arc<std::sync::Mutex<crate::PreDraftPlanner>>,
+    /// Earlier generations for the suffix drafter (used with `suffix_history`).
+    suffix_store: SharedSuffixStore,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -120,7 +123,9 @@ impl Orchestrator {
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES);
                 let dp = ping("draft", addr, d.ping(PingRequest {})).await?;
-                if dp.vocab_size != tp.vocab_size {
+                // A model-free draft worker reports no vocabulary (0): it copies token ids it
+                // was sent, and its trees are checked against the target's vocabulary.
+                if dp.vocab_size != 0 && dp.vocab_size != tp.vocab_size {
                     return Err(OrchestratorError::Incompatible(format!(
                         "the draft model '{}' has a vocabulary of {} tokens but the target model \
                          '{}' has {}: speculative decoding needs the same tokenizer on both sides",
@@ -150,6 +155,7 @@ impl Orchestrator {
             target_limits: WorkerLimits::of(&tp),
             draft_limits,
             planner: Arc::default(),
+            suffix_store: SuffixStore::shared(SuffixConfig::default()),
             rt,
         })
     }
@@ -244,9 +250,11 @@ impl Orchestrator {
                 "the prompt holds no tokens".into(),
             ));
         }
-        if cfg.mode == Mode::Spec && self.draft.is_none() {
+        if cfg.mode == Mode::Spec && cfg.drafter.needs_draft_worker() && self.draft.is_none() {
             return Err(OrchestratorError::Config(
-                "speculative mode needs a draft worker address".into(),
+                "speculative mode with the model drafter needs a draft worker address \
+                 (the ngram, suffix and auto drafters need none)"
+                    .into(),
             ));
         }
         let t = &self.target_limits;

@@ -20,7 +20,8 @@ const NODE_WIRE_BYTES: usize = 64;
 pub struct WorkerInfo {
     /// Name of the loaded model.
     pub model_name: String,
-    /// Vocabulary size (logit rows).
+    /// Vocabulary size (logit rows); 0 for a model-free draft worker, which takes any token
+    /// id (the orchestrator checks its trees against the target's vocabulary).
     pub vocab_size: usize,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,

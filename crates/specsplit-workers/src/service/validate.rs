@@ -24,8 +24,8 @@ impl WorkerInfo {
         ))
     }
 
-    /// The token ids of request field `what`, each within the vocabulary, at most
-    /// `max_prompt_len` of them.
+    /// The token ids of request field `what`, each within the vocabulary (any non-negative
+    /// id with a vocabulary of 0), at most `max_prompt_len` of them.
     pub(super) fn tokens(&self, ids: &[i32], what: &str) -> Result<Vec<u32>, Status> {
         if ids.len() > self.max_prompt_len {
             return Err(Status::invalid_argument(format!(
@@ -37,7 +37,7 @@ impl WorkerInfo {
         ids.iter()
             .enumerate()
             .map(|(i, &t)| {
-                if t < 0 || t as usize >= self.vocab_size {
+                if t < 0 || (self.vocab_size > 0 && t as usize >= self.vocab_size) {
                     Err(Status::invalid_argument(format!(
                         "{what}[{i}] = {t} is outside the vocabulary [0, {})",
                         self.vocab_size

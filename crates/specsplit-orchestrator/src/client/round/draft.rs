@@ -206,7 +206,6 @@ async fn draft_call(
     let Some(draft) = &o.draft else {
         return Err(OrchestratorError::Config("no draft worker".into()));
     };
-    let outcomes_asked = outcomes.is_some();
     let req = DraftRequest {
         request_id: format!("{session}-{request_no}"),
         prompt_token_ids: seq.iter().map(|&t| t as i32).collect(),
@@ -232,18 +231,18 @@ async fn draft_call(
     let server = ServerTimes::of(r.telemetry.as_ref());
     let bad = |e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}"));
     // An answer to an outcome set carries its trees as pre-drafts only; a pre-draft whose
-    // candidate ends the sequence has none.
-    let parse = |nodes: &[specsplit_proto::TokenNode], root, may_be_empty: bool| {
-        if nodes.is_empty() && may_be_empty {
+    // candidate ends the sequence has none, and a model-free draft worker answers no tree
+    // where it finds nothing to continue.
+    let parse = |nodes: &[specsplit_proto::TokenNode], root| {
+        if nodes.is_empty() {
             return Ok(TokenTree::new());
         }
         TokenTree::from_proto(nodes, root, r.siblings_without_replacement, limits).map_err(bad)
     };
-    let is_predraft = outcomes_asked;
-    let tree = parse(&r.draft_tree, r.root_distribution.as_ref(), is_predraft)?;
+    let tree = parse(&r.draft_tree, r.root_distribution.as_ref())?;
     let mut predrafts = Vec::with_capacity(r.predrafts.len());
     for p in &r.predrafts {
-        let t = parse(&p.draft_tree, p.root_distribution.as_ref(), true)?;
+        let t = parse(&p.draft_tree, p.root_distribution.as_ref())?;
         if p.accepted_length < 0 || p.token_id < 0 || p.token_id as usize >= o.vocab_size {
             return Err(OrchestratorError::Protocol(format!(
                 "draft worker sent a pre-draft for an impossible outcome ({}, {})",

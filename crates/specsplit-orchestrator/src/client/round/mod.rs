@@ -8,16 +8,20 @@ mod verify;
 
 use std::time::{Duration, Instant};
 
+use specsplit_core::drafter::ngram::NgramDrafter;
+use specsplit_core::drafter::suffix::{SuffixConfig, SuffixDrafter};
+use specsplit_core::drafter::DraftShape;
 use specsplit_core::tree::{TokenTree, TreeLimits};
 
 use specsplit_core::tree::full_tree_size;
 
-use super::tree::{first_child_path, subtree};
+use super::tree::{first_child_path, fit_tree_widths, subtree};
 use super::worker::known;
 use super::{Orchestrator, OrchestratorError};
 use crate::adaptive::{resize_widths, DepthController, DraftBackoff, SpeedGovernor};
+use crate::bandit::DrafterBandit;
 use crate::stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
-use crate::{GenerateConfig, Generation, Mode, Pipeline, StopReason};
+use crate::{Drafter, DrafterChoice, GenerateConfig, Generation, Mode, Pipeline, StopReason};
 use verify::{Verdict, Verified};
 
 /// A draft tree and how long drafting it took.
@@ -117,6 +121,8 @@ struct Round {
     overlap_hit: Option<bool>,
     /// Whether a pre-draft ran beside its verify call.
     beside: bool,
+    /// The drafter chosen for it.
+    drafter: Drafter,
 }
 
 impl Round {
@@ -171,6 +177,15 @@ pub(super) struct Run<'a> {
     planned_depth: Option<usize>,
     /// The target's log-probability of each token of `out` (with `cfg.logprobs`).
     logprobs: Vec<f32>,
+    /// The online choice of a drafter per round (with `DrafterChoice::Auto`).
+    bandit: Option<DrafterBandit>,
+    /// The model-free drafters, run here on the sequence.
+    ngram: NgramDrafter,
+    suffix: SuffixDrafter,
+    /// Whether the suffix drafter was used (its generation then goes to the shared store).
+    suffix_used: bool,
+    /// Tokens of the prompt.
+    prompt_len: usize,
 }
 
 /// Milliseconds since `t`.
@@ -210,6 +225,33 @@ impl<'a> Run<'a> {
             switches: Vec::new(),
             planned_depth: None,
             logprobs: Vec::new(),
+            bandit: (cfg.drafter == DrafterChoice::Auto && cfg.mode == Mode::Spec).then(|| {
+                let mut arms = vec![Drafter::Ngram, Drafter::Suffix];
+                if o.draft.is_some() {
+                    arms.push(Drafter::Model);
+                }
+                DrafterBandit::new(&arms)
+            }),
+            ngram: NgramDrafter::default(),
+            suffix: SuffixDrafter::new(
+                SuffixConfig::default(),
+                cfg.suffix_history.then(|| o.suffix_store.clone()),
+            ),
+            suffix_used: false,
+            prompt_len: 0,
+        }
+    }
+
+    /// The drafter of the next round: the configured one, or the online choice's.
+    fn choose_drafter(&self) -> Drafter {
+        if self.cfg.mode == Mode::Ar {
+            return Drafter::None;
+        }
+        match self.cfg.drafter {
+            DrafterChoice::Model => Drafter::Model,
+            DrafterChoice::Ngram => Drafter::Ngram,
+            DrafterChoice::Suffix => Drafter::Suffix,
+            DrafterChoice::Auto => self.bandit.as_ref().map_or(Drafter::None, |b| b.choose()),
         }
     }
 
@@ -224,6 +266,7 @@ impl<'a> Run<'a> {
         self.deadline = (self.cfg.deadline_ms > 0)
             .then(|| self.start + Duration::from_millis(self.cfg.deadline_ms));
         self.seq = prompt.to_vec();
+        self.prompt_len = prompt.len();
         let stop = loop {
             if let Some(stop) = self.stop_before_round() {
                 break stop;
@@ -278,6 +321,7 @@ impl<'a> Run<'a> {
         let start = Instant::now();
         let no = self.rounds.len();
         let remaining = self.cfg.max_tokens - self.out.len();
+        let drafter = self.choose_drafter();
         let (widths, mut no_draft) = if self.cfg.mode == Mode::Ar {
             (Vec::new(), Some(NoDraft::Mode))
         } else {
@@ -290,14 +334,24 @@ impl<'a> Run<'a> {
             };
             self.widths = resize_widths(&self.cfg.widths, d);
             let wanted = resize_widths(&self.widths, d.min(remaining - 1));
+            let auto = self.cfg.drafter == DrafterChoice::Auto;
             if wanted.is_empty() {
                 (wanted, Some(NoDraft::LastToken))
-            } else if self.draft_off {
+            } else if drafter == Drafter::None {
+                (Vec::new(), Some(NoDraft::Chosen))
+            } else if drafter == Drafter::Model && self.draft_off {
                 (Vec::new(), Some(NoDraft::Limit))
-            } else if !self.backoff.ready(no) {
+            } else if drafter == Drafter::Model && !self.backoff.ready(no) {
                 (Vec::new(), Some(NoDraft::Backoff))
-            } else if !self.governor.speculate(no) {
+            } else if !auto && !self.governor.speculate(no) {
+                // The online choice measures target-only rounds as an arm of its own.
                 (Vec::new(), Some(NoDraft::Slow))
+            } else if drafter.is_model_free() {
+                // Only the target's room bounds a tree drafted here.
+                let (room, levels) = self.target_room();
+                let w = fit_tree_widths(&wanted, room, levels);
+                let why = w.is_empty().then_some(NoDraft::Limit);
+                (w, why)
             } else {
                 let w = self.fit_widths(&wanted);
                 let why = w.is_empty().then_some(NoDraft::Limit);
@@ -309,6 +363,7 @@ impl<'a> Run<'a> {
         // after the prompt (as an overlapped pre-draft does), and the part of that tree
         // below the root the target picked is verified next round.
         let first = no == 0
+            && drafter == Drafter::Model
             && !widths.is_empty()
             && self.cfg.overlaps_first_round()
             && (self.cfg.pipeline != Pipeline::Predraft || self.plan(widths.len()).beside());
@@ -325,7 +380,30 @@ impl<'a> Run<'a> {
             drafted: Drafted::none(0.0),
             overlap_hit: None,
             beside: false,
+            drafter,
         }
+    }
+
+    /// A tree of the round's model-free drafter after the sequence, within the round's widths'
+    /// room (timed; `NoDraft::NoMatch` when it finds nothing to continue).
+    fn draft_here(&mut self, round: &mut Round) {
+        let t0 = Instant::now();
+        let shape = DraftShape::of_widths(&round.widths);
+        let tree = match round.drafter {
+            Drafter::Ngram => self.ngram.draft(&self.seq, shape),
+            Drafter::Suffix => {
+                self.suffix_used = true;
+                self.suffix.draft(&self.seq, shape)
+            }
+            Drafter::Model | Drafter::None => TokenTree::new(),
+        };
+        if tree.is_empty() {
+            round.no_draft = Some(NoDraft::NoMatch);
+        }
+        round.drafted = Drafted {
+            tree,
+            ..Drafted::none(ms_since(t0))
+        };
     }
 
     /// Gives the round its tree: none where it drafts none (or drafts beside the prefill),
@@ -336,6 +414,10 @@ impl<'a> Run<'a> {
         if round.widths.is_empty() || round.first {
             return None;
         }
+        if round.drafter.is_model_free() {
+            self.draft_here(round);
+            return None;
+        }
         match pre_drafted {
             Some(pre) if !pre.tree.is_empty() => {
                 // Never deeper than what may still be emitted.
@@ -344,6 +426,9 @@ impl<'a> Run<'a> {
             }
             pre => match self.draft(round.no, &round.widths).await {
                 DraftOutcome::Tree(d) => {
+                    if d.tree.is_empty() {
+                        round.no_draft = Some(NoDraft::NoMatch);
+                    }
                     // A first draft also feeds the prompt: not a level's cost.
                     if let (Some(_), Ok(mut p)) = (self.target_cached, self.o.planner.lock()) {
                         p.observe_draft(round.widths.len(), d.ms);
@@ -388,7 +473,10 @@ impl<'a> Run<'a> {
     /// remain beyond the path and the draft accepts the request.
     fn predraft_beside_verify(&mut self, round: &mut Round) -> Option<PreDraftInFlight> {
         let pipeline = self.cfg.pipeline;
-        if round.widths.is_empty() || !(pipeline != Pipeline::Sequential || round.first) {
+        if round.drafter != Drafter::Model
+            || round.widths.is_empty()
+            || !(pipeline != Pipeline::Sequential || round.first)
+        {
             return None;
         }
         let tree = &round.drafted.tree;
@@ -486,13 +574,17 @@ impl<'a> Run<'a> {
     /// speculative round's acceptance and timings.
     fn adapt_depth(&mut self, round: &Round, verdict: &Verdict) {
         // A round that sends the whole sequence (a prefill) says nothing about a verify's cost.
-        if !round.drafted.tree.is_empty() && self.target_cached.is_some() {
+        let model = round.drafter == Drafter::Model;
+        if model && !round.drafted.tree.is_empty() && self.target_cached.is_some() {
             if let Ok(mut p) = self.o.planner.lock() {
                 let accepted = verdict.verified.accepted.len();
                 p.observe_verify(round.depth(), accepted, verdict.ms, round.beside);
             }
         }
-        if self.cfg.adaptive_depth && !round.drafted.tree.is_empty() {
+        // Its acceptance and draft cost are one drafter's: the online choice's mix of drafters
+        // would blend them, so under it the depth stays as configured.
+        let one_drafter = self.cfg.drafter != DrafterChoice::Auto;
+        if self.cfg.adaptive_depth && one_drafter && !round.drafted.tree.is_empty() {
             self.depth.observe(
                 round.depth(),
                 verdict.verified.accepted.len(),
@@ -622,8 +714,13 @@ impl<'a> Run<'a> {
         let round_ms = ms_since(round.start);
         // A round that sent the whole sequence (a prefill) says nothing about the pace.
         if self.cfg.mode == Mode::Spec && !prefill {
-            let target_only = round.drafted.tree.is_empty();
-            self.observe_pace(round.no, target_only, emitted.len(), round_ms, verdict.ms);
+            match &mut self.bandit {
+                Some(b) => b.observe(round.drafter, emitted.len(), round_ms),
+                None => {
+                    let target_only = round.drafted.tree.is_empty();
+                    self.observe_pace(round.no, target_only, emitted.len(), round_ms, verdict.ms);
+                }
+            }
         }
         let tree = &round.drafted.tree;
         self.rounds.push(RoundRecord {
@@ -649,6 +746,7 @@ impl<'a> Run<'a> {
             } else {
                 None
             },
+            drafter: round.drafter,
         });
     }
 
@@ -683,7 +781,10 @@ impl<'a> Run<'a> {
     }
 
     /// The generation's result, stopped for `stop`.
-    fn finish(self, stop: StopReason) -> Generation {
+    fn finish(mut self, stop: StopReason) -> Generation {
+        if self.suffix_used {
+            self.suffix.finish(&self.seq, self.prompt_len);
+        }
         let elapsed = self.start.elapsed().as_secs_f64();
         let mut stats = GenerationStats::from_rounds(&self.rounds, elapsed, self.ttft_ms);
         stats.draft_failures = self.draft_failures;
