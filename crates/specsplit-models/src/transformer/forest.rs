@@ -170,24 +170,7 @@ impl Transformer {
     /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
     /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.
     pub fn grow_chains(&self, b: &ChainGrowth, cache: &SessionCache) -> Result<(), ModelError> {
-        let cap = b.capacity;
-        if cache.capacity() != cap || *cache.spec() != self.cache_spec(cap) {
-            return Err(ModelError::Input(format!(
-                "chain growth buffers are for {cap} entries, the cache is {:?}",
-                cache.spec()
-            )));
-        }
-        let layers = match self.fused_layers() {
-            Ok(l) if self.grow_chains_fit(cap, b.rows) => l,
-            _ => {
-                return Err(ModelError::Unsupported(format!(
-                    "no {}-row chain growth for this model (needs bf16 on CUDA with the fused \
-                     batch-invariant kernels)",
-                    b.rows
-                )))
-            }
-        };
-        let (shape, scale) = self.fused_attn_shape(cap);
+        let layers = self.exact_rows_layers("chain growth", b.capacity, b.rows, cache)?;
         let launch = self.kernels.launch();
         let product =
             |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| fused::bi_matmul(x, w, bias, launch);
@@ -195,24 +178,9 @@ impl Transformer {
         for level in 0..b.depth {
             let (positions, slots) = (b.positions.get(level)?, b.slots.get(level)?);
             let keys = &b.keys[level];
-            let (h, head) = self.fused_stack(&layers, &ids, &product, |i, qkv| {
-                let (kb, vb) = cache.buffers(i)?;
-                let q = fused::qkv_rope_rows(
-                    qkv,
-                    &self.cos,
-                    &self.sin,
-                    &positions,
-                    kb,
-                    vb,
-                    fused::RowSlots::Listed(&slots),
-                    shape,
-                    self.rope_interleaved,
-                    launch,
-                )?;
-                Ok(fused::rows_attention(
-                    &q, kb, vb, keys, shape, scale, launch,
-                )?)
-            })?;
+            let slots = fused::RowSlots::Listed(&slots);
+            let (h, head) =
+                self.rows_stack(&layers, &product, &ids, &positions, slots, keys, cache)?;
             let logits = product(&h, head, None)?.to_dtype(DType::F32)?;
             let lse = logits.log_sum_exp(1)?;
             let greedy = logits.argmax(1)?;

@@ -312,46 +312,21 @@ impl Transformer {
         cache: &SessionCache,
     ) -> Result<(Tensor, &'a Tensor), ModelError> {
         use crate::fused;
-        let cap = b.capacity;
-        if cache.capacity() != cap || *cache.spec() != self.cache_spec(cap) {
-            return Err(ModelError::Input(format!(
-                "exact rows buffers are for {cap} entries, the cache is {:?}",
-                cache.spec()
-            )));
-        }
-        let layers = match self.fused_layers() {
-            Ok(l) if self.exact_rows_fit(cap, b.rows) => l,
-            _ => {
-                return Err(ModelError::Unsupported(format!(
-                    "no exact {}-row pass for this model (needs bf16 on CUDA with the fused \
-                     batch-invariant kernels)",
-                    b.rows
-                )))
-            }
-        };
-        let (shape, scale) = self.fused_attn_shape(cap);
+        let layers = self.exact_rows_layers("exact rows pass", b.capacity, b.rows, cache)?;
         let launch = self.kernels.launch();
         let product =
             |x: &Tensor, w: &Tensor, b: Option<&Tensor>| fused::bi_matmul(x, w, b, launch);
-        self.fused_stack(&layers, &b.tokens, &product, |i, qkv| {
-            let (kb, vb) = cache.buffers(i)?;
-            // The rows kernel of a pass, with the slots read from the positions.
-            let q = fused::qkv_rope_rows(
-                qkv,
-                &self.cos,
-                &self.sin,
-                &b.positions,
-                kb,
-                vb,
-                fused::RowSlots::Listed(&b.positions),
-                shape,
-                self.rope_interleaved,
-                launch,
-            )?;
-            Ok(fused::rows_attention(
-                &q, kb, vb, &b.keys, shape, scale, launch,
-            )?)
-        })
+        // A chain's slots are its positions, read on the device.
+        let slots = fused::RowSlots::Listed(&b.positions);
+        self.rows_stack(
+            &layers,
+            &product,
+            &b.tokens,
+            &b.positions,
+            slots,
+            &b.keys,
+            cache,
+        )
     }
 
     /// [`Transformer::static_step`] with the fused kernels ([`Transformer::fused_stack`] with

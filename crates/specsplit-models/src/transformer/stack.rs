@@ -34,13 +34,32 @@ impl Transformer {
         cache: &mut SessionCache,
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        let slots = crate::fused::RowSlots::After(cache.len());
+        let (h, head) = self.rows_stack(layers, product, tokens, positions, slots, keys, cache)?;
+        cache.advance(tokens.dim(0)?)?;
+        let h = h.index_select(rows, 0)?;
+        Ok(product(&h, head, None)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`Transformer::fused_stack`] of a pass's rows with `product`: rotary at `positions`,
+    /// K/V written at `slots`, and each row's attention over the slots `keys` give it. The
+    /// final-normed hidden rows and the head; the cache's length is left alone.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rows_stack<'a>(
+        &'a self,
+        layers: &[FusedLayer<'_>],
+        product: Product<'_>,
+        tokens: &Tensor,
+        positions: &Tensor,
+        slots: crate::fused::RowSlots<'_>,
+        keys: &crate::fused::PassKeys,
+        cache: &SessionCache,
+    ) -> Result<(Tensor, &'a Tensor), ModelError> {
         use crate::fused;
-        let past = cache.len();
         let (shape, scale) = self.fused_attn_shape(cache.capacity());
-        let store: &SessionCache = cache;
         let launch = self.kernels.launch();
-        let (h, head) = self.fused_stack(layers, tokens, product, |i, qkv| {
-            let (kb, vb) = store.buffers(i)?;
+        self.fused_stack(layers, tokens, product, |i, qkv| {
+            let (kb, vb) = cache.buffers(i)?;
             let q = fused::qkv_rope_rows(
                 qkv,
                 &self.cos,
@@ -48,7 +67,7 @@ impl Transformer {
                 positions,
                 kb,
                 vb,
-                fused::RowSlots::After(past),
+                slots,
                 shape,
                 self.rope_interleaved,
                 launch,
@@ -56,10 +75,32 @@ impl Transformer {
             Ok(fused::rows_attention(
                 &q, kb, vb, keys, shape, scale, launch,
             )?)
-        })?;
-        cache.advance(tokens.dim(0)?)?;
-        let h = h.index_select(rows, 0)?;
-        Ok(product(&h, head, None)?.to_dtype(DType::F32)?)
+        })
+    }
+
+    /// The fused layers for a batch-invariant pass of `rows` rows over `cache`, whose
+    /// buffers (named `what` in errors) are for caches of `capacity` slots: fails unless the
+    /// cache is of that capacity and shape and [`Transformer::exact_rows_fit`] holds.
+    pub(super) fn exact_rows_layers(
+        &self,
+        what: &str,
+        capacity: usize,
+        rows: usize,
+        cache: &SessionCache,
+    ) -> Result<Vec<FusedLayer<'_>>, ModelError> {
+        if cache.capacity() != capacity || *cache.spec() != self.cache_spec(capacity) {
+            return Err(ModelError::Input(format!(
+                "{what} buffers are for {capacity} entries, the cache is {:?}",
+                cache.spec()
+            )));
+        }
+        match self.fused_layers() {
+            Ok(l) if self.exact_rows_fit(capacity, rows) => Ok(l),
+            _ => Err(ModelError::Unsupported(format!(
+                "no {rows}-row {what} for this model (needs bf16 on CUDA with the fused \
+                 batch-invariant kernels)"
+            ))),
+        }
     }
 
     /// The attention shape of the fused kernels over caches of `capacity` slots, and the
