@@ -229,9 +229,7 @@ pub async fn worker_main(kind: WorkerKind, args: WorkerArgs) -> Result<(), Worke
             token = opts.token.is_some(),
             "serving (no model loaded)"
         );
-        let r =
-            crate::service::serve_model_free_draft_with(worker, listener, shutdown_signal(), opts)
-                .await;
+        let r = serve_draft_with(worker, listener, shutdown_signal(), opts).await;
         if let Some(task) = endpoints {
             task.abort();
         }

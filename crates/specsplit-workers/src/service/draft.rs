@@ -16,6 +16,7 @@ use super::serve::{serve, ServeOptions};
 use super::validate::{check_request_ids, draft_widths, outcome_set, sampling_from};
 use super::worker::Worker;
 use crate::draft::{DraftEngine, DraftParams};
+use crate::engine_session::SessionEngine;
 use crate::session::SessionSecret;
 
 /// The draft worker's gRPC service.
@@ -132,13 +133,18 @@ pub async fn serve_draft(
     serve_draft_with(worker, listener, shutdown, ServeOptions::default()).await
 }
 
-/// [`serve_draft`] as `opts` say (TLS, a bearer token, draining).
-pub async fn serve_draft_with(
-    worker: DraftWorker,
+/// [`serve_draft`] as `opts` say (TLS, a bearer token, draining), for any draft worker (a
+/// model's or a model-free one).
+pub async fn serve_draft_with<E>(
+    worker: Worker<E>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
     opts: ServeOptions,
-) -> Result<(), tonic::transport::Error> {
+) -> Result<(), tonic::transport::Error>
+where
+    E: SessionEngine,
+    Worker<E>: DraftService,
+{
     let store = worker.sessions();
     let decode = worker.info().max_draft_request_bytes();
     let encode = worker.info().max_verify_request_bytes();

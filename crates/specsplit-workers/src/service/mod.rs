@@ -22,7 +22,7 @@ pub use draft::{serve_draft, serve_draft_with, DraftWorker};
 pub use execution::{on_cuda, Execution, WorkPlacement, DEFAULT_SERVER_SPIN};
 pub use info::WorkerInfo;
 pub use lifecycle::Lifecycle;
-pub use model_free::{serve_model_free_draft, serve_model_free_draft_with, ModelFreeDraftWorker};
+pub use model_free::{serve_model_free_draft, ModelFreeDraftWorker};
 pub use serve::ServeOptions;
 pub use target::{serve_target, serve_target_with, TargetWorker};
 pub use validate::MAX_ID_BYTES;

@@ -5,14 +5,14 @@ use std::future::Future;
 use std::time::Instant;
 
 use specsplit_proto::convert::TreeWire;
-use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
+use specsplit_proto::draft_service_server::DraftService;
 use specsplit_proto::{
     DraftRequest, DraftResponse, EndSessionRequest, EndSessionResponse, PingRequest, PingResponse,
 };
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
-use super::serve::{serve, ServeOptions};
+use super::serve::ServeOptions;
 use super::validate::{check_request_ids, draft_widths, sampling_from};
 use super::worker::Worker;
 use crate::model_free::ModelFreeEngine;
@@ -85,21 +85,5 @@ pub async fn serve_model_free_draft(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    serve_model_free_draft_with(worker, listener, shutdown, ServeOptions::default()).await
-}
-
-/// [`serve_model_free_draft`] as `opts` say (TLS, a bearer token, draining).
-pub async fn serve_model_free_draft_with(
-    worker: ModelFreeDraftWorker,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send,
-    opts: ServeOptions,
-) -> Result<(), tonic::transport::Error> {
-    let store = worker.sessions();
-    let decode = worker.info().max_draft_request_bytes();
-    let encode = worker.info().max_verify_request_bytes();
-    let svc = DraftServiceServer::new(worker)
-        .max_decoding_message_size(decode)
-        .max_encoding_message_size(encode);
-    serve(svc, store, listener, shutdown, opts).await
+    super::draft::serve_draft_with(worker, listener, shutdown, ServeOptions::default()).await
 }
