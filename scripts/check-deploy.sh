@@ -210,16 +210,18 @@ def struct_fields(path, struct):
     m = re.search(r"\bstruct\s+" + struct + r"\s*\{(.*?)\n\}", src, re.S)
     if not m:
         return None
-    fields = set(re.findall(r"^\s*(?:pub\s+)?([a-z_][a-z0-9_]*)\s*:", m.group(1), re.M))
+    fields = set(re.findall(r"^\s*(?:pub(?:\([a-z]+\))?\s+)?([a-z_][a-z0-9_]*)\s*:",
+                            m.group(1), re.M))
     return fields or None
 
 
 # The source is the authority when it is there; the lists above are the fallback.
 WORKER_KEYS = struct_fields("crates/specsplit-workers/src/config.rs", "WorkerConfig") or WORKER_KEYS
-ORCH_KEYS = struct_fields("bins/specsplit/src/main.rs", "Settings") or ORCH_KEYS
+ORCH_KEYS = struct_fields("bins/specsplit/src/settings.rs", "Settings") or ORCH_KEYS
 KEYS = {"draft": WORKER_KEYS, "target": WORKER_KEYS, "orchestrator": ORCH_KEYS}
 POSITIVE = {"max_sessions", "session_ttl_secs", "max_context", "memory_budget_mb",
-            "max_tree_nodes", "max_prompt_len", "max_tokens", "min_depth", "max_depth"}
+            "max_tree_nodes", "max_prompt_len", "max_tokens", "min_depth", "max_depth",
+            "max_concurrent", "http_max_body_bytes"}
 NON_NEGATIVE = {"top_k", "seed", "deadline_ms", "spare_sessions", "spin_ms", "drain_secs"}
 CHOICES = {"dtype": ("", "f32", "f16", "bf16"), "log_format": ("text", "json"),
            "mode": ("spec", "ar"), "pipeline": ("sequential", "overlapped")}
@@ -245,10 +247,11 @@ def check_value(where, key, value):
     if key == "widths" and not (isinstance(value, list) and value
                                 and all(is_int(w) and w > 0 for w in value)):
         return f"{where}.widths = {value!r}: expected a list of positive integers"
-    if key in ("listen", "metrics_listen") and not (isinstance(value, str) and re.fullmatch(
+    if key in ("listen", "metrics_listen", "http_listen") and not (isinstance(value, str) and re.fullmatch(
             r"(\[[0-9a-fA-F:.]+\]|[^:\s]+):\d{1,5}", value)):
         return f"{where}.{key} = {value!r}: expected HOST:PORT"
-    if key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "auth_token_file") and \
+    if key in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "auth_token_file",
+               "api_key_file") and \
             not (isinstance(value, str) and value.startswith("/")):
         return f"{where}.{key} = {value!r}: expected an absolute path"
     if key == "device" and not (isinstance(value, str) and re.fullmatch(r"cpu|cuda(:\d+)?", value)):
@@ -459,7 +462,9 @@ def consistency():
 
     configmaps = {(c.get("metadata") or {}).get("name"): c for c in by_kind.get("ConfigMap", [])}
     ROLE = {"specsplit-draft": ("draft", "specsplit.DraftService"),
-            "specsplit-target": ("target", "specsplit.TargetService")}
+            "specsplit-target": ("target", "specsplit.TargetService"),
+            # `specsplit serve`: HTTP probes only, its port from [orchestrator] http_listen.
+            "specsplit": ("orchestrator", None)}
     deployments = by_kind.get("Deployment", [])
     checked_confs = {}
     if not deployments:
@@ -482,7 +487,7 @@ def consistency():
         for c in pod.get("containers") or []:
             cmd = (c.get("command") or [""])[0]
             role = ROLE.get(os.path.basename(cmd))
-            if not role:
+            if not role or (role[0] == "orchestrator" and (c.get("args") or [""])[0] != "serve"):
                 continue
             roles_seen += 1
             section, svc = role
@@ -511,6 +516,8 @@ def consistency():
                     if h.get("path") not in ("/health", "/ready"):
                         problems.append(f"{cname}: {probe_kind} asks for {h.get('path')!r}; the worker "
                                         f"serves /health and /ready")
+                elif svc is None:
+                    problems.append(f"{cname}: {probe_kind} must be an HTTP probe of /health or /ready")
                 else:
                     problems.append(f"{cname}: {probe_kind} is neither a gRPC nor an HTTP probe")
             ready = c.get("readinessProbe") or {}
@@ -542,7 +549,7 @@ def consistency():
                                 checked_confs[(cmname, key)] = check_toml(
                                     cmap["data"][key], f"ConfigMap/{cmname} {key}")
                             conf = checked_confs[(cmname, key)]
-                            for lk in ("listen", "metrics_listen"):
+                            for lk in ("listen", "metrics_listen", "http_listen"):
                                 listen = ((conf or {}).get(section) or {}).get(lk)
                                 if listen and int(listen.rsplit(":", 1)[1]) not in ports:
                                     problems.append(f"{cname}: [{section}] {lk} {listen} is not a "
@@ -558,7 +565,7 @@ def consistency():
             if grace < 30 + pre_sleep:
                 problems.append(f"terminationGracePeriodSeconds {grace} < 30 s drain + {pre_sleep} s preStop")
         if roles_seen == 0:
-            problems.append("no container runs specsplit-draft or specsplit-target")
+            problems.append("no container runs specsplit-draft, specsplit-target or specsplit serve")
         for p in problems:
             bad(f"Deployment/{dname}: {p}")
         if not problems:
