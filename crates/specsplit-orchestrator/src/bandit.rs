@@ -8,6 +8,14 @@ use crate::drafter::Drafter;
 /// settles within a handful of rounds per arm.
 const EXPLORATION: f64 = 0.3;
 
+/// Rounds of earlier generations an arm starts a generation with, at most (their measured rate
+/// kept): enough that an arm known to be slow is not tried again at once, few enough that a
+/// generation's own rounds soon outweigh them.
+const PRIOR_PLAYS: f64 = 3.0;
+
+/// Rounds of all generations a memory keeps per arm (older ones weigh less as newer come).
+const MEMORY_PLAYS: f64 = 64.0;
+
 /// One arm's plays and measured totals.
 #[derive(Debug, Clone)]
 struct Arm {
@@ -101,6 +109,77 @@ impl DrafterBandit {
     pub fn plays(&self) -> Vec<(Drafter, u32)> {
         self.arms.iter().map(|a| (a.drafter, a.plays)).collect()
     }
+
+    /// [`DrafterBandit::new`] starting from what earlier generations measured (`memory`): each
+    /// arm measured there starts with up to [`PRIOR_PLAYS`] rounds at its measured rate, so a
+    /// generation does not try again at once an arm that was slow before (a draft model whose
+    /// every first round feeds it the whole prompt, on a CPU).
+    pub fn with_memory(arms: &[Drafter], memory: &DrafterMemory) -> Self {
+        let mut b = Self::new(arms);
+        for a in &mut b.arms {
+            if let Some(m) = memory
+                .arms
+                .iter()
+                .find(|m| m.drafter == a.drafter && m.ms > 0.0)
+            {
+                let plays = m.plays.min(PRIOR_PLAYS);
+                a.plays = plays as u32;
+                a.tokens = m.tokens * plays / m.plays;
+                a.ms = m.ms * plays / m.plays;
+            }
+        }
+        b
+    }
+}
+
+/// What the generations of one orchestrator measured of each drafter, for the next ones
+/// ([`DrafterBandit::with_memory`]): at most [`MEMORY_PLAYS`] rounds an arm, older rounds
+/// scaled down as new ones come.
+#[derive(Debug, Clone, Default)]
+pub struct DrafterMemory {
+    arms: Vec<MemoryArm>,
+}
+
+#[derive(Debug, Clone)]
+struct MemoryArm {
+    drafter: Drafter,
+    plays: f64,
+    tokens: f64,
+    ms: f64,
+}
+
+impl DrafterMemory {
+    /// Adds a generation's measured rounds (those it played itself, not its prior).
+    pub fn absorb(&mut self, generation: &DrafterBandit, prior: &DrafterBandit) {
+        for (a, p) in generation.arms.iter().zip(&prior.arms) {
+            let plays = f64::from(a.plays.saturating_sub(p.plays));
+            if plays <= 0.0 {
+                continue;
+            }
+            let (tokens, ms) = (a.tokens - p.tokens, a.ms - p.ms);
+            let m = match self.arms.iter_mut().position(|m| m.drafter == a.drafter) {
+                Some(i) => &mut self.arms[i],
+                None => {
+                    self.arms.push(MemoryArm {
+                        drafter: a.drafter,
+                        plays: 0.0,
+                        tokens: 0.0,
+                        ms: 0.0,
+                    });
+                    self.arms.last_mut().expect("just pushed")
+                }
+            };
+            m.plays += plays;
+            m.tokens += tokens;
+            m.ms += ms;
+            if m.plays > MEMORY_PLAYS {
+                let keep = MEMORY_PLAYS / m.plays;
+                m.plays *= keep;
+                m.tokens *= keep;
+                m.ms *= keep;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -165,5 +244,43 @@ mod tests {
         assert_eq!(b.choose(), Drafter::Suffix);
         b.observe(Drafter::Model, 3, 1.0);
         assert_eq!(b.plays(), vec![(Drafter::Suffix, 0), (Drafter::None, 0)]);
+    }
+
+    #[test]
+    fn an_arm_slow_in_earlier_generations_is_not_tried_first_again() {
+        let arms = [Drafter::Ngram, Drafter::Suffix, Drafter::Model];
+        // A first generation tries every arm; the model's rounds are 20 times slower.
+        let first = DrafterBandit::new(&arms);
+        let mut played = first.clone();
+        for _ in 0..10 {
+            played.observe(Drafter::Ngram, 3, 100.0);
+            played.observe(Drafter::Suffix, 3, 110.0);
+            played.observe(Drafter::Model, 3, 2000.0);
+            played.observe(Drafter::None, 1, 90.0);
+        }
+        let mut memory = DrafterMemory::default();
+        memory.absorb(&played, &first);
+        // The next generation starts from that: no arm is unplayed, the slow model is not picked.
+        let next = DrafterBandit::with_memory(&arms, &memory);
+        assert!(
+            next.plays().iter().all(|&(_, p)| p > 0),
+            "{:?}",
+            next.plays()
+        );
+        assert_eq!(next.choose(), Drafter::Ngram);
+        // Over a generation's rounds at the same rates, the model gets none of them.
+        let mut b = next.clone();
+        for _ in 0..30 {
+            let d = b.choose();
+            assert_ne!(d, Drafter::Model);
+            b.observe(d, 3, if d == Drafter::Ngram { 100.0 } else { 110.0 });
+        }
+        // The memory keeps a bounded number of rounds; an unplayed arm stays unknown.
+        for _ in 0..20 {
+            memory.absorb(&played, &first);
+        }
+        assert!(memory.arms.iter().all(|m| m.plays <= MEMORY_PLAYS + 1e-9));
+        let fresh = DrafterBandit::with_memory(&[Drafter::Ngram], &DrafterMemory::default());
+        assert_eq!(fresh.choose(), Drafter::Ngram);
     }
 }

@@ -51,6 +51,8 @@ pub struct Orchestrator {
     planner: Arc<std::sync::Mutex<crate::PreDraftPlanner>>,
     /// Earlier generations for the suffix drafter (used with `suffix_history`).
     suffix_store: SharedSuffixStore,
+    /// What the generations measured of each drafter, for the online choice of the next ones.
+    drafter_memory: Arc<std::sync::Mutex<crate::bandit::DrafterMemory>>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -156,6 +158,7 @@ impl Orchestrator {
             draft_limits,
             planner: Arc::default(),
             suffix_store: SuffixStore::shared(SuffixConfig::default()),
+            drafter_memory: Arc::default(),
             rt,
         })
     }

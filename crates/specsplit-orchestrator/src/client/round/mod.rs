@@ -177,8 +177,10 @@ pub(super) struct Run<'a> {
     planned_depth: Option<usize>,
     /// The target's log-probability of each token of `out` (with `cfg.logprobs`).
     logprobs: Vec<f32>,
-    /// The online choice of a drafter per round (with `DrafterChoice::Auto`).
+    /// The online choice of a drafter per round (with `DrafterChoice::Auto`), and how it
+    /// started (from earlier generations' measurements).
     bandit: Option<DrafterBandit>,
+    bandit_prior: Option<DrafterBandit>,
     /// The model-free drafters, run here on the sequence.
     ngram: NgramDrafter,
     suffix: SuffixDrafter,
@@ -201,7 +203,7 @@ impl<'a> Run<'a> {
         secret: &'a str,
         cfg: &'a GenerateConfig,
     ) -> Self {
-        Self {
+        let mut run = Self {
             o,
             session,
             secret,
@@ -230,8 +232,14 @@ impl<'a> Run<'a> {
                 if o.draft.is_some() {
                     arms.push(Drafter::Model);
                 }
-                DrafterBandit::new(&arms)
+                let memory = o
+                    .drafter_memory
+                    .lock()
+                    .map(|m| m.clone())
+                    .unwrap_or_default();
+                DrafterBandit::with_memory(&arms, &memory)
             }),
+            bandit_prior: None,
             ngram: NgramDrafter::default(),
             suffix: SuffixDrafter::new(
                 SuffixConfig::default(),
@@ -239,7 +247,9 @@ impl<'a> Run<'a> {
             ),
             suffix_used: false,
             prompt_len: 0,
-        }
+        };
+        run.bandit_prior = run.bandit.clone();
+        run
     }
 
     /// The drafter of the next round: the configured one, or the online choice's.
@@ -782,6 +792,11 @@ impl<'a> Run<'a> {
 
     /// The generation's result, stopped for `stop`.
     fn finish(mut self, stop: StopReason) -> Generation {
+        if let (Some(b), Some(p)) = (&self.bandit, &self.bandit_prior) {
+            if let Ok(mut m) = self.o.drafter_memory.lock() {
+                m.absorb(b, p);
+            }
+        }
         if self.suffix_used {
             self.suffix.finish(&self.seq, self.prompt_len);
         }
