@@ -19,7 +19,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::generation::{Event, Scored, Server};
 use super::metrics::ServerMetrics;
-use super::openai::{ApiError, ChatRequest, CompletionRequest, Content, Message, Prompt, Usage};
+use super::openai::{
+    ApiError, ChatRequest, CompletionRequest, Content, Message, Prompt, Sampling, Usage,
+};
 
 /// `GET /v1/models`: the one model served.
 pub async fn models(State(server): State<Arc<Server>>) -> Json<Value> {
@@ -122,26 +124,13 @@ async fn complete(
         Prompt::Tokens(ids) => ids,
         Prompt::TokenLists(v) => one(v)?,
     };
-    let job = server.job(prompt, &mut req.sampling, "prompt", logprobs)?;
-    let usage = req
-        .sampling
-        .stream_options
-        .as_ref()
-        .is_some_and(|o| o.include_usage);
-    let shape = Shape {
-        id: server.new_id("cmpl"),
-        created: server.created,
-        model: server.model.clone(),
-        chat: false,
+    generate(
+        &server,
+        prompt,
+        &mut req.sampling,
+        "prompt",
+        false,
         logprobs,
-    };
-    let metrics = server.metrics.clone();
-    respond(
-        server.start(job),
-        shape,
-        req.sampling.stream,
-        usage,
-        metrics,
     )
     .await
 }
@@ -171,28 +160,42 @@ async fn chat(
         .render_chat(&messages, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
     let prompt = server.encode(&text, false)?;
-    let job = server.job(prompt, &mut req.sampling, "messages", req.logprobs)?;
-    let usage = req
-        .sampling
+    let logprobs = req.logprobs;
+    generate(
+        &server,
+        prompt,
+        &mut req.sampling,
+        "messages",
+        true,
+        logprobs,
+    )
+    .await
+}
+
+/// Checks `prompt` and `sampling` (`prompt_param` names the prompt's field in errors), starts
+/// the generation and answers it as a completion or a chat completion, streamed or not.
+async fn generate(
+    server: &Arc<Server>,
+    prompt: Vec<u32>,
+    sampling: &mut Sampling,
+    prompt_param: &'static str,
+    chat: bool,
+    logprobs: bool,
+) -> Result<Response, ApiError> {
+    let job = server.job(prompt, sampling, prompt_param, logprobs)?;
+    let usage = sampling
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage);
     let shape = Shape {
-        id: server.new_id("chatcmpl"),
+        id: server.new_id(if chat { "chatcmpl" } else { "cmpl" }),
         created: server.created,
         model: server.model.clone(),
-        chat: true,
-        logprobs: req.logprobs,
+        chat,
+        logprobs,
     };
     let metrics = server.metrics.clone();
-    respond(
-        server.start(job),
-        shape,
-        req.sampling.stream,
-        usage,
-        metrics,
-    )
-    .await
+    respond(server.start(job), shape, sampling.stream, usage, metrics).await
 }
 
 /// The one prompt of a batch.
