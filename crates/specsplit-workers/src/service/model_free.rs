@@ -68,14 +68,14 @@ impl DraftService for ModelFreeDraftWorker {
     }
 
     async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
-        Ok(Response::new(Worker::ping(self)))
+        self.answer_ping()
     }
 
     async fn end_session(
         &self,
         request: Request<EndSessionRequest>,
     ) -> Result<Response<EndSessionResponse>, Status> {
-        Worker::end_session(self, request.into_inner()).map(Response::new)
+        self.answer_end_session(request)
     }
 }
 

@@ -38,17 +38,11 @@ impl TargetService for TargetWorker {
         &self,
         request: Request<EndSessionRequest>,
     ) -> Result<Response<EndSessionResponse>, Status> {
-        let start = Instant::now();
-        let r = Worker::end_session(self, request.into_inner()).map(Response::new);
-        self.observe("EndSession", start, &r);
-        r
+        self.answer_end_session(request)
     }
 
     async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
-        let start = Instant::now();
-        let r = Ok(Response::new(Worker::ping(self)));
-        self.observe("Ping", start, &r);
-        r
+        self.answer_ping()
     }
 }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use specsplit_proto::{EndSessionRequest, EndSessionResponse, PingResponse};
-use tonic::Status;
+use tonic::{Request, Response, Status};
 
 use super::execution::Execution;
 use super::validate::check_ids;
@@ -150,13 +150,27 @@ impl<E: SessionEngine> Worker<E> {
         self.exec.run(session, move |s| f(&engine, s)).await
     }
 
-    /// The `Ping` answer.
-    pub(super) fn ping(&self) -> PingResponse {
-        self.info.ping(E::WORKER_TYPE)
+    /// Answers `Ping` (counted in the metrics), for every kind of worker.
+    pub(super) fn answer_ping(&self) -> Result<Response<PingResponse>, Status> {
+        let start = std::time::Instant::now();
+        let r = Ok(Response::new(self.info.ping(E::WORKER_TYPE)));
+        self.observe("Ping", start, &r);
+        r
+    }
+
+    /// Answers `EndSession` (counted in the metrics), for every kind of worker.
+    pub(super) fn answer_end_session(
+        &self,
+        request: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        let start = std::time::Instant::now();
+        let r = self.end_session(request.into_inner()).map(Response::new);
+        self.observe("EndSession", start, &r);
+        r
     }
 
     /// Ends the session a request names (`EndSession`).
-    pub(super) fn end_session(&self, r: EndSessionRequest) -> Result<EndSessionResponse, Status> {
+    fn end_session(&self, r: EndSessionRequest) -> Result<EndSessionResponse, Status> {
         check_ids(&[
             ("session_id", &r.session_id),
             ("session_secret", &r.session_secret),
