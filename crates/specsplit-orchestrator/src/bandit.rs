@@ -1,5 +1,7 @@
 //! The online choice of a drafter per round: UCB1 over the measured tokens per second of each
-//! arm (each available drafter, and target-only rounds).
+//! arm (each available drafter, and target-only rounds). The draft model and target-only
+//! rounds are measured when played; the model-free drafters every round, by scoring what they
+//! would have proposed ([`crate::shadow`]), so they need no rounds of their own to be known.
 
 use crate::drafter::Drafter;
 
@@ -16,16 +18,38 @@ const PRIOR_PLAYS: f64 = 3.0;
 /// Rounds of all generations a memory keeps per arm (older ones weigh less as newer come).
 const MEMORY_PLAYS: f64 = 64.0;
 
-/// One arm's plays and measured totals.
+/// Rounds an arm's estimate weighs at most within a generation: older rounds are scaled down
+/// as new ones come, so the choice follows a generation whose text changes kind.
+const WINDOW: f64 = 24.0;
+
+/// One arm's measured rounds: the estimate's (windowed, a prior included) and the
+/// generation's own.
 #[derive(Debug, Clone)]
 struct Arm {
     drafter: Drafter,
-    plays: u32,
+    /// Rounds behind the estimate (at most [`WINDOW`]).
+    weight: f64,
     tokens: f64,
     ms: f64,
+    /// This generation's own rounds and their totals.
+    plays: u32,
+    own_tokens: f64,
+    own_ms: f64,
 }
 
 impl Arm {
+    fn new(drafter: Drafter) -> Self {
+        Self {
+            drafter,
+            weight: 0.0,
+            tokens: 0.0,
+            ms: 0.0,
+            plays: 0,
+            own_tokens: 0.0,
+            own_ms: 0.0,
+        }
+    }
+
     /// Tokens per millisecond measured (0 before any time is measured).
     fn rate(&self) -> f64 {
         if self.ms > 0.0 {
@@ -36,10 +60,11 @@ impl Arm {
     }
 }
 
-/// UCB1 over drafters: every arm is played once (in the order given), then each round plays
-/// the arm maximising `rate / best rate + c · √(2 ln N / plays)`, where a rate is the arm's
-/// emitted tokens over its rounds' wall time (rounds that fed the prompt excluded by the
-/// caller). Deterministic: ties go to the arm listed first.
+/// UCB1 over drafters: every arm without a measurement is played first (in the order given),
+/// then each round plays the arm maximising `rate / best rate + c · √(2 ln N / n)`, where a
+/// rate is the arm's emitted tokens over its rounds' wall time (rounds that fed the prompt
+/// excluded by the caller) and `n` the rounds behind it. Deterministic: ties go to the arm
+/// listed first.
 #[derive(Debug, Clone)]
 pub struct DrafterBandit {
     arms: Vec<Arm>,
@@ -56,15 +81,7 @@ impl DrafterBandit {
             }
         }
         Self {
-            arms: list
-                .into_iter()
-                .map(|drafter| Arm {
-                    drafter,
-                    plays: 0,
-                    tokens: 0.0,
-                    ms: 0.0,
-                })
-                .collect(),
+            arms: list.into_iter().map(Arm::new).collect(),
         }
     }
 
@@ -75,14 +92,14 @@ impl DrafterBandit {
 
     /// The arm to play next.
     pub fn choose(&self) -> Drafter {
-        if let Some(a) = self.arms.iter().find(|a| a.plays == 0) {
+        if let Some(a) = self.arms.iter().find(|a| a.weight == 0.0) {
             return a.drafter;
         }
         let best = self.arms.iter().map(Arm::rate).fold(0.0, f64::max);
-        let n: f64 = self.arms.iter().map(|a| f64::from(a.plays)).sum();
+        let n: f64 = self.arms.iter().map(|a| a.weight).sum();
         let score = |a: &Arm| {
             let mean = if best > 0.0 { a.rate() / best } else { 0.0 };
-            mean + EXPLORATION * (2.0 * n.ln() / f64::from(a.plays)).sqrt()
+            mean + EXPLORATION * (2.0 * n.max(1.0).ln() / a.weight).sqrt()
         };
         let mut pick = &self.arms[0];
         for a in &self.arms[1..] {
@@ -93,19 +110,29 @@ impl DrafterBandit {
         pick.drafter
     }
 
-    /// Records a round played with `drafter`: `tokens` emitted in `ms` milliseconds.
+    /// Records a round of `drafter` (played, or scored without playing it): `tokens` emitted
+    /// in `ms` milliseconds.
     pub fn observe(&mut self, drafter: Drafter, tokens: usize, ms: f64) {
         if !(ms.is_finite() && ms >= 0.0) {
             return;
         }
         if let Some(a) = self.arms.iter_mut().find(|a| a.drafter == drafter) {
             a.plays = a.plays.saturating_add(1);
+            a.own_tokens += tokens as f64;
+            a.own_ms += ms;
+            a.weight += 1.0;
             a.tokens += tokens as f64;
             a.ms += ms;
+            if a.weight > WINDOW {
+                let keep = WINDOW / a.weight;
+                a.weight *= keep;
+                a.tokens *= keep;
+                a.ms *= keep;
+            }
         }
     }
 
-    /// Rounds played per arm, in order.
+    /// This generation's rounds per arm (played, or scored without playing), in order.
     pub fn plays(&self) -> Vec<(Drafter, u32)> {
         self.arms.iter().map(|a| (a.drafter, a.plays)).collect()
     }
@@ -123,7 +150,7 @@ impl DrafterBandit {
                 .find(|m| m.drafter == a.drafter && m.ms > 0.0)
             {
                 let plays = m.plays.min(PRIOR_PLAYS);
-                a.plays = plays as u32;
+                a.weight = plays;
                 a.tokens = m.tokens * plays / m.plays;
                 a.ms = m.ms * plays / m.plays;
             }
@@ -149,14 +176,14 @@ struct MemoryArm {
 }
 
 impl DrafterMemory {
-    /// Adds a generation's measured rounds (those it played itself, not its prior).
-    pub fn absorb(&mut self, generation: &DrafterBandit, prior: &DrafterBandit) {
-        for (a, p) in generation.arms.iter().zip(&prior.arms) {
-            let plays = f64::from(a.plays.saturating_sub(p.plays));
+    /// Adds a generation's measured rounds (its own, not its prior).
+    pub fn absorb(&mut self, generation: &DrafterBandit) {
+        for a in &generation.arms {
+            let plays = f64::from(a.plays);
             if plays <= 0.0 {
                 continue;
             }
-            let (tokens, ms) = (a.tokens - p.tokens, a.ms - p.ms);
+            let (tokens, ms) = (a.own_tokens, a.own_ms);
             let m = match self.arms.iter_mut().position(|m| m.drafter == a.drafter) {
                 Some(i) => &mut self.arms[i],
                 None => {
@@ -259,14 +286,10 @@ mod tests {
             played.observe(Drafter::None, 1, 90.0);
         }
         let mut memory = DrafterMemory::default();
-        memory.absorb(&played, &first);
+        memory.absorb(&played);
         // The next generation starts from that: no arm is unplayed, the slow model is not picked.
         let next = DrafterBandit::with_memory(&arms, &memory);
-        assert!(
-            next.plays().iter().all(|&(_, p)| p > 0),
-            "{:?}",
-            next.plays()
-        );
+        assert!(next.arms.iter().all(|a| a.weight > 0.0), "{next:?}");
         assert_eq!(next.choose(), Drafter::Ngram);
         // Over a generation's rounds at the same rates, the model gets none of them.
         let mut b = next.clone();
@@ -277,7 +300,7 @@ mod tests {
         }
         // The memory keeps a bounded number of rounds; an unplayed arm stays unknown.
         for _ in 0..20 {
-            memory.absorb(&played, &first);
+            memory.absorb(&played);
         }
         assert!(memory.arms.iter().all(|m| m.plays <= MEMORY_PLAYS + 1e-9));
         let fresh = DrafterBandit::with_memory(&[Drafter::Ngram], &DrafterMemory::default());

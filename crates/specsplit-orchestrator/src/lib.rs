@@ -15,8 +15,11 @@ mod adaptive;
 mod bandit;
 mod client;
 mod drafter;
+mod online_choice;
 mod predraft_plan;
+mod shadow;
 mod stats;
+mod verify_cost;
 
 pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
 pub use bandit::DrafterBandit;
@@ -24,8 +27,11 @@ pub use client::{
     AuthToken, ClientSpin, ClientTls, ConnectOptions, Orchestrator, OrchestratorError,
 };
 pub use drafter::{Drafter, DrafterChoice};
+pub use online_choice::{ChoiceMemory, OnlineChoice, PlayedRound};
 pub use predraft_plan::{PreDraftPlanner, Shape, MAX_CANDIDATES};
+pub use shadow::{ShadowDrafts, ShadowRound};
 pub use stats::{DrafterStats, GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
+pub use verify_cost::VerifyCost;
 
 use serde::{Deserialize, Serialize};
 

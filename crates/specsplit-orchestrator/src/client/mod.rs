@@ -52,7 +52,7 @@ pub struct Orchestrator {
     /// Earlier generations for the suffix drafter (used with `suffix_history`).
     suffix_store: SharedSuffixStore,
     /// What the generations measured of each drafter, for the online choice of the next ones.
-    drafter_memory: Arc<std::sync::Mutex<crate::bandit::DrafterMemory>>,
+    choice_memory: Arc<std::sync::Mutex<crate::ChoiceMemory>>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -158,7 +158,7 @@ impl Orchestrator {
             draft_limits,
             planner: Arc::default(),
             suffix_store: SuffixStore::shared(SuffixConfig::default()),
-            drafter_memory: Arc::default(),
+            choice_memory: Arc::default(),
             rt,
         })
     }

@@ -19,7 +19,7 @@ use super::tree::{first_child_path, fit_tree_widths, subtree};
 use super::worker::known;
 use super::{Orchestrator, OrchestratorError};
 use crate::adaptive::{resize_widths, DepthController, DraftBackoff, SpeedGovernor};
-use crate::bandit::DrafterBandit;
+use crate::online_choice::{OnlineChoice, PlayedRound};
 use crate::stats::{GenerationStats, NoDraft, RoundRecord, SpeedSwitch};
 use crate::{Drafter, DrafterChoice, GenerateConfig, Generation, Mode, Pipeline, StopReason};
 use verify::{Verdict, Verified};
@@ -177,10 +177,8 @@ pub(super) struct Run<'a> {
     planned_depth: Option<usize>,
     /// The target's log-probability of each token of `out` (with `cfg.logprobs`).
     logprobs: Vec<f32>,
-    /// The online choice of a drafter per round (with `DrafterChoice::Auto`), and how it
-    /// started (from earlier generations' measurements).
-    bandit: Option<DrafterBandit>,
-    bandit_prior: Option<DrafterBandit>,
+    /// The online choice of a drafter per round (with `DrafterChoice::Auto`).
+    choice: Option<OnlineChoice>,
     /// The model-free drafters, run here on the sequence.
     ngram: NgramDrafter,
     suffix: SuffixDrafter,
@@ -203,7 +201,7 @@ impl<'a> Run<'a> {
         secret: &'a str,
         cfg: &'a GenerateConfig,
     ) -> Self {
-        let mut run = Self {
+        Self {
             o,
             session,
             secret,
@@ -227,19 +225,14 @@ impl<'a> Run<'a> {
             switches: Vec::new(),
             planned_depth: None,
             logprobs: Vec::new(),
-            bandit: (cfg.drafter == DrafterChoice::Auto && cfg.mode == Mode::Spec).then(|| {
-                let mut arms = vec![Drafter::Ngram, Drafter::Suffix];
-                if o.draft.is_some() {
-                    arms.push(Drafter::Model);
-                }
+            choice: (cfg.drafter == DrafterChoice::Auto && cfg.mode == Mode::Spec).then(|| {
                 let memory = o
-                    .drafter_memory
+                    .choice_memory
                     .lock()
                     .map(|m| m.clone())
                     .unwrap_or_default();
-                DrafterBandit::with_memory(&arms, &memory)
+                OnlineChoice::new(o.draft.is_some(), &memory)
             }),
-            bandit_prior: None,
             ngram: NgramDrafter::default(),
             suffix: SuffixDrafter::new(
                 SuffixConfig::default(),
@@ -247,9 +240,7 @@ impl<'a> Run<'a> {
             ),
             suffix_used: false,
             prompt_len: 0,
-        };
-        run.bandit_prior = run.bandit.clone();
-        run
+        }
     }
 
     /// The drafter of the next round: the configured one, or the online choice's.
@@ -261,7 +252,7 @@ impl<'a> Run<'a> {
             DrafterChoice::Model => Drafter::Model,
             DrafterChoice::Ngram => Drafter::Ngram,
             DrafterChoice::Suffix => Drafter::Suffix,
-            DrafterChoice::Auto => self.bandit.as_ref().map_or(Drafter::None, |b| b.choose()),
+            DrafterChoice::Auto => self.choice.as_ref().map_or(Drafter::None, |c| c.choose()),
         }
     }
 
@@ -345,6 +336,14 @@ impl<'a> Run<'a> {
             self.widths = resize_widths(&self.cfg.widths, d);
             let wanted = resize_widths(&self.widths, d.min(remaining - 1));
             let auto = self.cfg.drafter == DrafterChoice::Auto;
+            if self.choice.is_some() {
+                // Every model-free drafter proposes, played or not: the choice scores them all.
+                let (room, levels) = self.target_room();
+                let w = fit_tree_widths(&wanted, room, levels);
+                if let Some(c) = &mut self.choice {
+                    c.propose(&self.seq, &w, &mut self.ngram, &mut self.suffix);
+                }
+            }
             if wanted.is_empty() {
                 (wanted, Some(NoDraft::LastToken))
             } else if drafter == Drafter::None {
@@ -397,6 +396,19 @@ impl<'a> Run<'a> {
     /// A tree of the round's model-free drafter after the sequence, within the round's widths'
     /// room (timed; `NoDraft::NoMatch` when it finds nothing to continue).
     fn draft_here(&mut self, round: &mut Round) {
+        if let Some((tree, ms)) = self.choice.as_ref().and_then(|c| c.proposal(round.drafter)) {
+            if round.drafter == Drafter::Suffix {
+                self.suffix_used = true;
+            }
+            if tree.is_empty() {
+                round.no_draft = Some(NoDraft::NoMatch);
+            }
+            round.drafted = Drafted {
+                tree,
+                ..Drafted::none(ms)
+            };
+            return;
+        }
         let t0 = Instant::now();
         let shape = DraftShape::of_widths(&round.widths);
         let tree = match round.drafter {
@@ -723,14 +735,24 @@ impl<'a> Run<'a> {
     ) {
         let round_ms = ms_since(round.start);
         // A round that sent the whole sequence (a prefill) says nothing about the pace.
-        if self.cfg.mode == Mode::Spec && !prefill {
-            match &mut self.bandit {
-                Some(b) => b.observe(round.drafter, emitted.len(), round_ms),
-                None => {
-                    let target_only = round.drafted.tree.is_empty();
-                    self.observe_pace(round.no, target_only, emitted.len(), round_ms, verdict.ms);
-                }
-            }
+        if let Some(c) = &mut self.choice {
+            let sent = if prefill {
+                self.seq.len() - emitted.len()
+            } else {
+                1
+            };
+            let played = PlayedRound {
+                drafter: round.drafter,
+                rows: sent + round.drafted.tree.len(),
+                emitted: emitted.len(),
+                verify_ms: verdict.ms,
+                round_ms,
+                prefill,
+            };
+            c.record(played, &self.seq);
+        } else if self.cfg.mode == Mode::Spec && !prefill {
+            let target_only = round.drafted.tree.is_empty();
+            self.observe_pace(round.no, target_only, emitted.len(), round_ms, verdict.ms);
         }
         let tree = &round.drafted.tree;
         self.rounds.push(RoundRecord {
@@ -792,9 +814,9 @@ impl<'a> Run<'a> {
 
     /// The generation's result, stopped for `stop`.
     fn finish(mut self, stop: StopReason) -> Generation {
-        if let (Some(b), Some(p)) = (&self.bandit, &self.bandit_prior) {
-            if let Ok(mut m) = self.o.drafter_memory.lock() {
-                m.absorb(b, p);
+        if let Some(c) = &self.choice {
+            if let Ok(mut m) = self.o.choice_memory.lock() {
+                c.finish(&mut m);
             }
         }
         if self.suffix_used {
