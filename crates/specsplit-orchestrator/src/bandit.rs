@@ -7,8 +7,10 @@ use crate::drafter::Drafter;
 
 /// Weight of the exploration bonus against rates normalised to the best arm's (1.0). UCB1's
 /// own constant (1) explores for most of a generation of a few dozen rounds; a smaller one
-/// settles within a handful of rounds per arm.
-const EXPLORATION: f64 = 0.3;
+/// settles within a handful of rounds per arm. The model-free drafters, scored every round,
+/// make the rounds counted grow fast, so an arm measured on a few rounds keeps a bonus of
+/// about 0.15–0.2 here: it is tried again while its rate is within that of the best.
+const EXPLORATION: f64 = 0.1;
 
 /// Rounds of earlier generations an arm starts a generation with, at most (their measured rate
 /// kept): enough that an arm known to be slow is not tried again at once, few enough that a

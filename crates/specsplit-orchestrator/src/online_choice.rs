@@ -91,7 +91,7 @@ impl OnlineChoice {
     /// scores the proposals the grown `sequence` settles.
     pub fn record(&mut self, round: PlayedRound, sequence: &[u32]) {
         self.cost
-            .observe(round.rows, round.verify_ms, round.round_ms);
+            .observe(round.rows, round.verify_ms, round.draft_ms, round.round_ms);
         // A model-free drafter's rounds are counted by scoring its proposals, played or not.
         if !round.prefill && !round.drafter.is_model_free() {
             self.bandit
@@ -128,6 +128,8 @@ pub struct PlayedRound {
     pub emitted: usize,
     /// The verify's wall time (ms).
     pub verify_ms: f64,
+    /// What drafting the round's tree took on the round's path (ms).
+    pub draft_ms: f64,
     /// The round's wall time (ms).
     pub round_ms: f64,
     /// Whether the round sent the whole sequence.
@@ -186,6 +188,7 @@ mod tests {
                     rows,
                     emitted,
                     verify_ms,
+                    draft_ms: 0.0,
                     round_ms: verify_ms + 1.0,
                     prefill: first,
                 },

@@ -10,7 +10,8 @@ const NEW_WEIGHT: f64 = 0.25;
 /// Row counts measured at most; beyond, a pass is priced by extrapolation.
 const MAX_ROWS: usize = 4096;
 
-/// Measured verify wall times by rows, and the mean time a round spends beside its verify.
+/// Measured verify wall times by rows, and the mean time a round spends beside its verify and
+/// its drafting.
 #[derive(Debug, Clone, Default)]
 pub struct VerifyCost {
     /// Rows → running mean of the verify's wall time (ms).
@@ -25,16 +26,24 @@ fn blend(old: Option<f64>, new: f64) -> f64 {
 }
 
 impl VerifyCost {
-    /// Records a round that sent `rows` rows: its verify took `verify_ms`, the whole round
-    /// `round_ms`. Non-finite or negative times and rows beyond the table are ignored.
-    pub fn observe(&mut self, rows: usize, verify_ms: f64, round_ms: f64) {
+    /// Records a round that sent `rows` rows: its verify took `verify_ms` and its drafting
+    /// `draft_ms` of the whole round's `round_ms`. Non-finite or negative times and rows beyond
+    /// the table are ignored.
+    pub fn observe(&mut self, rows: usize, verify_ms: f64, draft_ms: f64, round_ms: f64) {
         let finite = |x: f64| x.is_finite() && x >= 0.0;
-        if rows == 0 || rows > MAX_ROWS || !finite(verify_ms) || !finite(round_ms) {
+        if rows == 0
+            || rows > MAX_ROWS
+            || !finite(verify_ms)
+            || !finite(draft_ms)
+            || !finite(round_ms)
+        {
             return;
         }
         let v = blend(self.by_rows.get(&rows).copied(), verify_ms);
         self.by_rows.insert(rows, v);
-        let beside = (round_ms - verify_ms).max(0.0);
+        // What a round spends beside its verify and its drafter's work: the same for every
+        // drafter.
+        let beside = (round_ms - verify_ms - draft_ms).max(0.0);
         self.overhead_ms = Some(blend(self.overhead_ms, beside));
     }
 
@@ -44,7 +53,7 @@ impl VerifyCost {
     }
 
     /// The expected wall time of a round sending `rows` rows (its verify and the time beside
-    /// it): the measured mean at that row count, else interpolated between the nearest
+    /// it, without drafting): the measured mean at that row count, else interpolated between the nearest
     /// measured counts, else extrapolated along the slope between the smallest and the largest
     /// measured counts (flat from one measurement). `None` before any measurement.
     pub fn round_ms(&self, rows: usize) -> Option<f64> {
@@ -87,38 +96,39 @@ mod tests {
     fn measured_counts_are_kept_and_others_interpolated_or_extrapolated() {
         let mut c = VerifyCost::default();
         assert_eq!(c.round_ms(1), None);
-        c.observe(1, 10.0, 12.0);
+        c.observe(1, 10.0, 0.5, 12.5);
         // One measurement: flat everywhere, plus the time beside the verify.
         assert_eq!(c.verify_ms(5), Some(10.0));
         assert_eq!(c.round_ms(5), Some(12.0));
-        c.observe(5, 30.0, 32.0);
+        c.observe(5, 30.0, 0.0, 32.0);
         assert_eq!(c.verify_ms(5), Some(30.0));
         assert_eq!(c.verify_ms(3), Some(20.0));
         // Beyond the largest count: the slope from 1 to 5 rows (5 ms a row).
         assert_eq!(c.verify_ms(9), Some(50.0));
         // A running mean: a new measurement moves the estimate a quarter of the way.
-        c.observe(1, 14.0, 16.0);
+        c.observe(1, 14.0, 0.0, 16.0);
         assert_eq!(c.verify_ms(1), Some(11.0));
     }
 
     #[test]
     fn bad_measurements_are_ignored() {
         let mut c = VerifyCost::default();
-        c.observe(0, 1.0, 1.0);
-        c.observe(2, f64::NAN, 1.0);
-        c.observe(2, 1.0, -1.0);
-        c.observe(MAX_ROWS + 1, 1.0, 1.0);
+        c.observe(0, 1.0, 0.0, 1.0);
+        c.observe(2, f64::NAN, 0.0, 1.0);
+        c.observe(2, 1.0, 0.0, -1.0);
+        c.observe(2, 1.0, f64::INFINITY, 1.0);
+        c.observe(MAX_ROWS + 1, 1.0, 0.0, 1.0);
         assert!(c.is_empty());
         // A round no longer than its verify has no time beside it.
-        c.observe(2, 5.0, 4.0);
+        c.observe(2, 5.0, 0.0, 4.0);
         assert_eq!(c.round_ms(2), Some(5.0));
     }
 
     #[test]
     fn a_falling_measurement_never_makes_larger_passes_cheaper() {
         let mut c = VerifyCost::default();
-        c.observe(1, 10.0, 10.0);
-        c.observe(4, 8.0, 8.0);
+        c.observe(1, 10.0, 0.0, 10.0);
+        c.observe(4, 8.0, 0.0, 8.0);
         assert_eq!(c.verify_ms(10), Some(8.0));
     }
 }

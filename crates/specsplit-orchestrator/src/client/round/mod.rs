@@ -746,6 +746,7 @@ impl<'a> Run<'a> {
                 rows: sent + round.drafted.tree.len(),
                 emitted: emitted.len(),
                 verify_ms: verdict.ms,
+                draft_ms: round.drafted.ms,
                 round_ms,
                 prefill,
             };
