@@ -154,7 +154,7 @@ pub struct OrchestratorArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) mode: Option<ModeArg>,
-    /// Which drafter proposes the trees (ngram and suffix need no draft worker).
+    /// Which drafter proposes the trees (ngram and suffix need no draft worker) [default: auto].
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) drafter: Option<DrafterArg>,
@@ -280,7 +280,9 @@ impl Default for Settings {
             chat_template: true,
             log_format: "text".into(),
             mode: g.mode,
-            drafter: g.drafter,
+            // The online choice: measured no slower than the target alone on the CPU quick start
+            // and within 2.5% of the best single drafter on one GPU (docs/benchmarks.md §7).
+            drafter: DrafterChoice::Auto,
             suffix_history: g.suffix_history,
             pipeline: g.pipeline,
             candidates: g.candidates,

@@ -46,6 +46,12 @@ async fn connect_unchecked(s: &Settings) -> Result<Connected> {
     let needs_draft = spec && s.drafter == DrafterChoice::Model;
     let uses_draft = needs_draft || (spec && s.drafter == DrafterChoice::Auto);
     if s.target_addr.is_empty() && (s.draft_addr.is_empty() || !uses_draft) {
+        // In-process workers on a CPU: the online choice starts no draft model there. A draft
+        // model's first round feeds it the whole prompt on the cores the target decodes on,
+        // and the 0.5B draft measured 0.27× the 1.5B target alone on 2 cores
+        // (docs/benchmarks.md §7); loading it costs memory and time for no gain.
+        let on_gpu = s.device.starts_with("cuda");
+        let uses_draft = needs_draft || (uses_draft && on_gpu);
         let (ip, d, t, tokenizer) = start_in_process(s, uses_draft).await?;
         let orch = Orchestrator::connect_with(d.as_deref(), &t, s.client_spin).await?;
         return Ok(Connected {
