@@ -137,7 +137,7 @@ impl Session {
 }
 
 /// Every valid entry of every layer of `cache`, as bits.
-fn kv_bits(cache: &SessionCache, layers: usize) -> Vec<Vec<u32>> {
+fn kv_bits(cache: &SessionCache, layers: usize) -> KvBits {
     (0..layers)
         .flat_map(|l| {
             let (k, v) = cache.layer(l);
@@ -158,7 +158,7 @@ fn kv_bits(cache: &SessionCache, layers: usize) -> Vec<Vec<u32>> {
 }
 
 /// The whole K/V buffers of `cache` (written or not), as bits.
-fn buffer_bits(cache: &SessionCache, layers: usize) -> Vec<Vec<u32>> {
+fn buffer_bits(cache: &SessionCache, layers: usize) -> KvBits {
     (0..layers)
         .flat_map(|l| {
             let (k, v) = cache.buffers(l).unwrap();
@@ -178,11 +178,17 @@ fn buffer_bits(cache: &SessionCache, layers: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Runs `sessions` through one `forward_sessions` call: each one's logits and cache.
+/// A session's logits, row by row.
+type Logits = Vec<Vec<f32>>;
+
+/// A cache's K/V, buffer by buffer, as bits.
+type KvBits = Vec<Vec<u32>>;
+
+/// Runs `sessions` through one `forward_sessions` call: each one's logits, and the caches.
 fn together(
     m: &Transformer,
     sessions: &[&Session],
-) -> Result<(Vec<Vec<Vec<f32>>>, Vec<SessionCache>), (ModelError, Vec<SessionCache>)> {
+) -> (Result<Vec<Logits>, ModelError>, Vec<SessionCache>) {
     let masks: Vec<TreeMask> = sessions.iter().map(|s| s.mask()).collect();
     let inputs: Vec<(Vec<u32>, Vec<u32>)> = sessions
         .iter()
@@ -205,13 +211,8 @@ fn together(
         .collect();
     let out = m.forward_sessions(&mut parts);
     drop(parts);
-    match out {
-        Ok(logits) => Ok((
-            logits.iter().map(|t| t.to_vec2().unwrap()).collect(),
-            caches,
-        )),
-        Err(e) => Err((e, caches)),
-    }
+    let logits = out.map(|ts| ts.iter().map(|t| t.to_vec2().unwrap()).collect());
+    (logits, caches)
 }
 
 /// Sessions of different cache lengths: a one-token decode, a chain, a branching tree, and the
@@ -231,7 +232,7 @@ fn sessions() -> Vec<Session> {
 fn check_sessions_match_alone(m: &Transformer, what: &str) {
     let all = sessions();
     let layers = m.config().num_hidden_layers;
-    let alone: Vec<(Vec<Vec<f32>>, Vec<Vec<u32>>)> = all
+    let alone: Vec<(Logits, KvBits)> = all
         .iter()
         .map(|s| {
             let (logits, cache) = s.alone(m);
@@ -245,7 +246,8 @@ fn check_sessions_match_alone(m: &Transformer, what: &str) {
                 order.reverse();
             }
             let group: Vec<&Session> = order.iter().map(|&i| &all[i]).collect();
-            let (logits, caches) = together(m, &group).unwrap();
+            let (logits, caches) = together(m, &group);
+            let logits = logits.unwrap();
             for (j, &i) in order.iter().enumerate() {
                 assert_eq!(
                     logits[j], alone[i].0,
@@ -288,14 +290,15 @@ fn check_rejected(m: &Transformer, bad: Session, expect: &str) {
     let all = sessions();
     let layers = m.config().num_hidden_layers;
     let group = [&all[0], &all[1], &bad];
-    let before: Vec<(usize, Vec<Vec<u32>>)> = group
+    let before: Vec<(usize, KvBits)> = group
         .iter()
         .map(|s| {
             let c = s.cache(m);
             (c.len(), buffer_bits(&c, layers))
         })
         .collect();
-    let Err((e, caches)) = together(m, &group) else {
+    let (out, caches) = together(m, &group);
+    let Err(e) = out else {
         panic!("a bad part ({expect}) was accepted");
     };
     let e = e.to_string();
