@@ -385,3 +385,19 @@ fn no_parts_give_no_logits() {
     let m = dense(DType::F32);
     assert!(m.forward_sessions(&mut []).unwrap().is_empty());
 }
+
+#[test]
+fn a_session_that_wants_no_rows_still_gets_its_kv() {
+    let m = dense(DType::F32);
+    let layers = m.config().num_hidden_layers;
+    let all = sessions();
+    let mut quiet = Session::new(2, 12, random_tree(9, 3, 5), 0);
+    let (_, alone) = quiet.alone(&m);
+    quiet.rows.clear();
+    let (logits, caches) = together(&m, &[&all[0], &quiet, &all[3]]);
+    let logits = logits.unwrap();
+    assert!(logits[1].is_empty());
+    assert_eq!(logits[0], all[0].alone(&m).0);
+    assert_eq!(logits[2], all[3].alone(&m).0);
+    assert_eq!(kv_bits(&caches[1], layers), kv_bits(&alone, layers));
+}

@@ -33,12 +33,41 @@ pub struct SessionPass<'a> {
     pub rows: &'a [u32],
 }
 
-/// How a run of sessions goes through the model.
+/// How sessions go through the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Group {
-    /// The sessions of the range share one pass of the per-row path named.
-    Joint(Range<usize>, ForwardPath),
+    /// The sessions of the range share one pass where the plan for their rows is per-row
+    /// (else each runs alone).
+    Shared(Range<usize>),
     /// The session runs alone through [`Transformer::forward_tree`].
     Alone(usize),
+}
+
+/// Groups sessions of `rows` new tokens each for passes of at most `limit` rows: runs of
+/// consecutive sessions of at most `limit` rows in all, in order, and alone every session of
+/// more rows than `limit`.
+fn pack(rows: &[usize], limit: usize) -> Vec<Group> {
+    let mut groups = Vec::new();
+    let (mut start, mut sum) = (0, 0);
+    let close = |groups: &mut Vec<Group>, range: Range<usize>| {
+        if !range.is_empty() {
+            groups.push(Group::Shared(range));
+        }
+    };
+    for (i, &n) in rows.iter().enumerate() {
+        if n > limit {
+            close(&mut groups, start..i);
+            groups.push(Group::Alone(i));
+            (start, sum) = (i + 1, 0);
+        } else if sum + n > limit {
+            close(&mut groups, start..i);
+            (start, sum) = (i, n);
+        } else {
+            sum += n;
+        }
+    }
+    close(&mut groups, start..rows.len());
+    groups
 }
 
 /// Whether `path` computes every row from that row alone, so that sessions can share it.
@@ -151,36 +180,17 @@ impl Transformer {
 
     /// The groups the checked `parts` run in (see [`Transformer::forward_sessions`]).
     fn session_groups(&self, parts: &[SessionPass<'_>]) -> Vec<Group> {
-        let total = parts.iter().map(|p| p.tokens.len()).sum();
-        let path = self.plan(Pass::Forward { rows: total });
+        let rows: Vec<usize> = parts.iter().map(|p| p.tokens.len()).collect();
+        let path = self.plan(Pass::Forward {
+            rows: rows.iter().sum(),
+        });
         if joint_path(path) {
-            return vec![Group::Joint(0..parts.len(), path)];
+            vec![Group::Shared(0..parts.len())]
+        } else if self.gpu_batch_invariant(1) {
+            pack(&rows, BI_MAX_ROWS)
+        } else {
+            (0..parts.len()).map(Group::Alone).collect()
         }
-        if !self.gpu_batch_invariant(1) {
-            return (0..parts.len()).map(Group::Alone).collect();
-        }
-        let mut groups = Vec::new();
-        let (mut start, mut rows) = (0, 0);
-        let close = |groups: &mut Vec<Group>, range: Range<usize>, rows: usize| {
-            if !range.is_empty() {
-                groups.push(Group::Joint(range, self.plan(Pass::Forward { rows })));
-            }
-        };
-        for (i, p) in parts.iter().enumerate() {
-            let n = p.tokens.len();
-            if n > BI_MAX_ROWS {
-                close(&mut groups, start..i, rows);
-                groups.push(Group::Alone(i));
-                (start, rows) = (i + 1, 0);
-            } else if rows + n > BI_MAX_ROWS {
-                close(&mut groups, start..i, rows);
-                (start, rows) = (i, n);
-            } else {
-                rows += n;
-            }
-        }
-        close(&mut groups, start..parts.len(), rows);
-        groups
     }
 
     /// Runs the checked `parts` group by group; `keys` holds each part's visible keys.
@@ -191,16 +201,18 @@ impl Transformer {
     ) -> Result<Vec<Tensor>, ModelError> {
         let mut out = Vec::with_capacity(parts.len());
         for group in self.session_groups(parts) {
-            match group {
-                Group::Joint(range, path) if joint_path(path) => {
-                    out.extend(self.joint_pass(&mut parts[range.clone()], &keys[range], path)?)
+            let range = match group {
+                Group::Shared(range) => range,
+                Group::Alone(i) => i..i + 1,
+            };
+            let rows = parts[range.clone()].iter().map(|p| p.tokens.len()).sum();
+            let path = self.plan(Pass::Forward { rows });
+            if joint_path(path) {
+                out.extend(self.joint_pass(&mut parts[range.clone()], &keys[range], path)?);
+            } else {
+                for p in &mut parts[range] {
+                    out.push(self.session_alone(p)?);
                 }
-                Group::Joint(range, _) => {
-                    for p in &mut parts[range] {
-                        out.push(self.session_alone(p)?);
-                    }
-                }
-                Group::Alone(i) => out.push(self.session_alone(&mut parts[i])?),
             }
         }
         Ok(out)
@@ -338,5 +350,54 @@ impl Transformer {
             at += p.rows.len();
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_pack_in_order_into_passes_of_at_most_the_limit() {
+        use Group::{Alone, Shared};
+        assert_eq!(pack(&[30, 30, 20, 1], 64), [Shared(0..2), Shared(2..4)]);
+        assert_eq!(pack(&[70, 3], 64), [Alone(0), Shared(1..2)]);
+        assert_eq!(pack(&[3, 70], 64), [Shared(0..1), Alone(1)]);
+        assert_eq!(
+            pack(&[64, 1, 65, 63, 1, 1], 64),
+            [
+                Shared(0..1),
+                Shared(1..2),
+                Alone(2),
+                Shared(3..5),
+                Shared(5..6)
+            ]
+        );
+        assert_eq!(pack(&[], 64), []);
+    }
+
+    #[test]
+    fn a_cpu_model_shares_one_pass_among_all_sessions() {
+        let cfg = crate::config::ModelConfig::preset("tiny").unwrap();
+        let m = Transformer::random(cfg, 1, DType::F32, &candle_core::Device::Cpu).unwrap();
+        let mask = specsplit_core::mask::TreeMask::from_parents(&[None]).unwrap();
+        let mut caches: Vec<SessionCache> = (0..3).map(|_| m.new_cache(300).unwrap()).collect();
+        let tokens = vec![1u32; 200];
+        let positions: Vec<u32> = (0..200).collect();
+        let parts: Vec<SessionPass<'_>> = caches
+            .iter_mut()
+            .map(|cache| SessionPass {
+                tokens: &tokens,
+                positions: &positions,
+                tree: TreeRows {
+                    mask: &mask,
+                    prefix: 0,
+                    first_row: 0,
+                },
+                cache,
+                rows: &[],
+            })
+            .collect();
+        assert_eq!(m.session_groups(&parts), [Group::Shared(0..3)]);
     }
 }
