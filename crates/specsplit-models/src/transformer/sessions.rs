@@ -380,7 +380,8 @@ mod tests {
     fn a_cpu_model_shares_one_pass_among_all_sessions() {
         let cfg = crate::config::ModelConfig::preset("tiny").unwrap();
         let m = Transformer::random(cfg, 1, DType::F32, &candle_core::Device::Cpu).unwrap();
-        let mask = specsplit_core::mask::TreeMask::from_parents(&[None]).unwrap();
+        let chain: Vec<Option<usize>> = (0..200).map(|i: usize| i.checked_sub(1)).collect();
+        let mask = specsplit_core::mask::TreeMask::from_parents(&chain).unwrap();
         let mut caches: Vec<SessionCache> = (0..3).map(|_| m.new_cache(300).unwrap()).collect();
         let tokens = vec![1u32; 200];
         let positions: Vec<u32> = (0..200).collect();
