@@ -1430,3 +1430,188 @@ fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
         assert_eq!(cache.len(), prompt.len());
     }
 }
+
+/// One session of [`sessions_pass_matches_each_session_alone_bit_for_bit`]: a prompt in its
+/// cache, a tree whose first `cached` nodes are in the cache too, and the rows it wants of the
+/// nodes after them.
+struct GpuSession {
+    prompt: Vec<u32>,
+    parents: Vec<Option<usize>>,
+    nodes: Vec<u32>,
+    cached: usize,
+    rows: Vec<u32>,
+}
+
+impl GpuSession {
+    fn new(seed: u32, prompt: usize, parents: Vec<Option<usize>>, cached: usize) -> Self {
+        let token = |i: usize| (i as u32 * 97 + seed * 31 + 7) % 8192;
+        let n = parents.len() - cached;
+        Self {
+            prompt: (0..prompt).map(token).collect(),
+            nodes: (prompt..prompt + parents.len()).map(token).collect(),
+            rows: (0..n as u32).rev().filter(|r| r % 2 == 0).collect(),
+            parents,
+            cached,
+        }
+    }
+
+    fn mask(&self) -> specsplit_core::mask::TreeMask {
+        specsplit_core::mask::TreeMask::from_parents(&self.parents).unwrap()
+    }
+
+    fn tree<'a>(
+        &self,
+        mask: &'a specsplit_core::mask::TreeMask,
+        first_row: usize,
+    ) -> specsplit_models::cpu_attention::TreeRows<'a> {
+        specsplit_models::cpu_attention::TreeRows {
+            mask,
+            prefix: self.prompt.len(),
+            first_row,
+        }
+    }
+
+    /// The new tokens and their positions.
+    fn inputs(&self) -> (Vec<u32>, Vec<u32>) {
+        let positions = self.mask().positions(self.prompt.len());
+        (
+            self.nodes[self.cached..].to_vec(),
+            positions[self.cached..].to_vec(),
+        )
+    }
+
+    /// A cache (of a capacity of its own) holding the prompt and the first `cached` nodes.
+    fn cache(&self, m: &Transformer) -> SessionCache {
+        let u = |v: &[u32]| Tensor::new(v, m.device()).unwrap();
+        let mut cache = m
+            .new_cache(self.prompt.len() + self.parents.len() + 8)
+            .unwrap();
+        m.prefill(&self.prompt, &mut cache).unwrap();
+        if self.cached > 0 {
+            let mask = self.mask();
+            let positions = mask.positions(self.prompt.len());
+            m.forward_tree(
+                &u(&self.nodes[..self.cached]),
+                &u(&positions[..self.cached]),
+                self.tree(&mask, 0),
+                &mut cache,
+                &u(&[0]),
+            )
+            .unwrap();
+        }
+        cache
+    }
+}
+
+/// A cache's valid K/V entries, buffer by buffer, as bits.
+type CacheBits = Vec<Vec<u32>>;
+
+/// Every valid K/V entry of `cache`, as bits.
+fn cache_bits(cache: &SessionCache, layers: usize) -> CacheBits {
+    (0..layers)
+        .flat_map(|l| {
+            let (k, v) = cache.layer(l);
+            [k, v]
+        })
+        .map(|t| host(&t).iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn sessions_pass_matches_each_session_alone_bit_for_bit() {
+    use specsplit_models::transformer::{ForwardPath, Pass};
+    use specsplit_models::SessionPass;
+    let Some(dev) = gpu() else { return };
+    let unfused = KernelOptions {
+        fused: false,
+        ..KernelOptions::default()
+    };
+    let chain = |n: usize| (0..n).map(|i| i.checked_sub(1)).collect::<Vec<_>>();
+    let binary = |n: usize| (0..n).map(|i| i.checked_sub(1).map(|p| p / 2)).collect();
+    // One shared pass (19 rows); groups of a pass past BI_MAX_ROWS (81 rows); a session too
+    // long for the batch-invariant pass (70 rows) beside a short one.
+    let sets = [
+        vec![
+            GpuSession::new(1, 40, chain(5), 0),
+            GpuSession::new(2, 17, binary(9), 0),
+            GpuSession::new(3, 30, binary(7), 3),
+            GpuSession::new(4, 50, chain(1), 0),
+        ],
+        vec![
+            GpuSession::new(5, 20, chain(30), 0),
+            GpuSession::new(6, 33, binary(30), 0),
+            GpuSession::new(7, 10, chain(20), 0),
+            GpuSession::new(8, 5, chain(1), 0),
+        ],
+        vec![
+            GpuSession::new(9, 10, chain(70), 0),
+            GpuSession::new(10, 12, binary(3), 0),
+        ],
+    ];
+    for (name, m) in [
+        ("fused", small_model("qwen2.5-0.5b", 31, &dev)),
+        (
+            "unfused",
+            small_model_with("qwen2.5-0.5b", 31, &dev, unfused),
+        ),
+    ] {
+        let want = if name == "fused" {
+            ForwardPath::FusedExact
+        } else {
+            ForwardPath::ExactUnfused
+        };
+        assert_eq!(m.plan(Pass::Forward { rows: 19 }), want, "{name}");
+        let layers = m.config().num_hidden_layers;
+        let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+        for (k, set) in sets.iter().enumerate() {
+            let alone: Vec<(Vec<Vec<f32>>, CacheBits)> = set
+                .iter()
+                .map(|s| {
+                    let mut cache = s.cache(&m);
+                    let mask = s.mask();
+                    let (tokens, positions) = s.inputs();
+                    let logits = m
+                        .forward_tree(
+                            &u(&tokens),
+                            &u(&positions),
+                            s.tree(&mask, s.cached),
+                            &mut cache,
+                            &u(&s.rows),
+                        )
+                        .unwrap();
+                    (logits.to_vec2().unwrap(), cache_bits(&cache, layers))
+                })
+                .collect();
+            for reversed in [false, true] {
+                let mut order: Vec<usize> = (0..set.len()).collect();
+                if reversed {
+                    order.reverse();
+                }
+                let masks: Vec<_> = order.iter().map(|&i| set[i].mask()).collect();
+                let inputs: Vec<_> = order.iter().map(|&i| set[i].inputs()).collect();
+                let mut caches: Vec<_> = order.iter().map(|&i| set[i].cache(&m)).collect();
+                let mut parts: Vec<SessionPass<'_>> = order
+                    .iter()
+                    .zip(&masks)
+                    .zip(&inputs)
+                    .zip(caches.iter_mut())
+                    .map(|(((&i, mask), (tokens, positions)), cache)| SessionPass {
+                        tokens,
+                        positions,
+                        tree: set[i].tree(mask, set[i].cached),
+                        cache,
+                        rows: &set[i].rows,
+                    })
+                    .collect();
+                let out = m.forward_sessions(&mut parts).unwrap();
+                drop(parts);
+                for (j, &i) in order.iter().enumerate() {
+                    let what = format!("{name}: set {k}, session {i} of {order:?}");
+                    let got: Vec<Vec<f32>> = out[j].to_vec2().unwrap();
+                    assert_eq!(got, alone[i].0, "{what}: logits");
+                    assert_eq!(cache_bits(&caches[j], layers), alone[i].1, "{what}: K/V");
+                }
+            }
+        }
+    }
+}

@@ -13,11 +13,13 @@ mod graph;
 mod linear;
 mod load;
 mod plan;
+mod sessions;
 mod stack;
 
 pub use forest::ChainGrowth;
 pub use graph::{ExactRows, StaticStep};
 pub use plan::{ForwardPath, Pass};
+pub use sessions::SessionPass;
 
 use crate::config::ModelConfig;
 use crate::cpu_attention::{RowKeys, TreeRows, Visibility};
@@ -414,12 +416,27 @@ impl Transformer {
         path: &AttnPath<'_>,
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
+        let qkv = layer.qkv.forward(h, &self.kernels)?;
+        let y = self.attend(index, (&qkv[0], &qkv[1], &qkv[2]), (cos, sin), path, cache)?;
+        Ok(layer.o.forward(&y, &self.kernels)?)
+    }
+
+    /// Rotary, the K/V cache write and attention of layer `index` for the `n` rows of one
+    /// session: `q`, `k`, `v` `(n, heads * head_dim)`, `(n, kv * head_dim)` twice, rotary
+    /// tables gathered at the rows' positions. Returns the attention output `(n, heads *
+    /// head_dim)`, before the output projection.
+    fn attend(
+        &self,
+        index: usize,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (cos, sin): (&Tensor, &Tensor),
+        path: &AttnPath<'_>,
+        cache: &mut SessionCache,
+    ) -> Result<Tensor, ModelError> {
         let c = &self.config;
-        let n = h.dim(0)?;
+        let n = q.dim(0)?;
         let (heads, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rep = heads / kv;
-        let qkv = layer.qkv.forward(h, &self.kernels)?;
-        let (q, k, v) = (&qkv[0], &qkv[1], &qkv[2]);
         let q = q
             .reshape((1, n, heads, hd))?
             .transpose(1, 2)?
@@ -439,7 +456,7 @@ impl Transformer {
                     head_dim: hd,
                     capacity: cache.capacity(),
                 };
-                let y = crate::fused::rows_attention(
+                return Ok(crate::fused::rows_attention(
                     &q.contiguous()?,
                     kb,
                     vb,
@@ -447,8 +464,7 @@ impl Transformer {
                     shape,
                     scale as f32,
                     self.kernels.launch(),
-                )?;
-                return Ok(layer.o.forward(&y, &self.kernels)?);
+                )?);
             }
             AttnPath::PerRow(keys) => (None, Some(*keys)),
             AttnPath::Batched(mask) => (*mask, None),
@@ -471,10 +487,8 @@ impl Transformer {
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             att.reshape((1, kv, rep * n, total))?.matmul(&v_all)?
         };
-        let y = y
-            .reshape((1, heads, n, hd))?
+        Ok(y.reshape((1, heads, n, hd))?
             .transpose(1, 2)?
-            .reshape((n, heads * hd))?;
-        Ok(layer.o.forward(&y, &self.kernels)?)
+            .reshape((n, heads * hd))?)
     }
 }
