@@ -17,3 +17,4 @@ pub mod transformer;
 pub mod weights;
 
 pub use error::ModelError;
+pub use transformer::SessionPass;

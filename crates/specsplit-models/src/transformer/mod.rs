@@ -13,11 +13,13 @@ mod graph;
 mod linear;
 mod load;
 mod plan;
+mod sessions;
 mod stack;
 
 pub use forest::ChainGrowth;
 pub use graph::{ExactRows, StaticStep};
 pub use plan::{ForwardPath, Pass};
+pub use sessions::SessionPass;
 
 use crate::config::ModelConfig;
 use crate::cpu_attention::{RowKeys, TreeRows, Visibility};

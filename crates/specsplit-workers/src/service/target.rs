@@ -1,6 +1,7 @@
 //! The target worker's gRPC service (`TargetService`).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
 use specsplit_proto::target_service_server::{TargetService, TargetServiceServer};
@@ -15,6 +16,7 @@ use super::validate::{
     check_distribution_sizes, check_request_ids, draft_tree, prefix, sampling_from,
 };
 use super::worker::Worker;
+use crate::batcher::{BatchLimits, RoundRequest, VerifyBatcher};
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::session::SessionSecret;
 use crate::target::{Prefix, TargetEngine};
@@ -47,6 +49,24 @@ impl TargetService for TargetWorker {
 }
 
 impl TargetWorker {
+    /// This worker verifying concurrent sessions' rounds in shared passes bounded by `limits`
+    /// ([`VerifyBatcher`]), its model work placed as its [`super::Execution`] says; without it,
+    /// each request's pass runs on its own.
+    pub fn with_batching(mut self, limits: BatchLimits) -> Self {
+        let placement = self.execution().placement();
+        self.batcher = Some(Arc::new(VerifyBatcher::new(
+            self.engine().clone(),
+            limits,
+            placement,
+        )));
+        self
+    }
+
+    /// The verification batcher, when the worker batches.
+    pub fn batcher(&self) -> Option<&Arc<VerifyBatcher>> {
+        self.batcher.as_ref()
+    }
+
     /// `VerifyDrafts`, begun at `start`.
     async fn verify(
         &self,
@@ -71,7 +91,7 @@ impl TargetWorker {
                 )))
             }
             (Prefix::Full(_), true) => {
-                let (session, reservation) = self.anonymous_session(seed)?;
+                let (session, reservation) = self.anonymous_session(seed).await?;
                 (session, Some(reservation))
             }
             (Prefix::Delta { .. }, false) => {
@@ -83,14 +103,38 @@ impl TargetWorker {
                 })?;
                 (session, None)
             }
-            (Prefix::Full(_), false) => (self.named_session(id, secret.as_ref(), seed)?, None),
+            (Prefix::Full(_), false) => {
+                (self.named_session(id, secret.as_ref(), seed).await?, None)
+            }
         };
-        let logprobs = r.return_logprobs;
-        let out = self
-            .run(session, move |engine, s| {
-                engine.verify_scored(s, prefix, &tree, &sampling, logprobs)
-            })
-            .await?;
+        let request = RoundRequest {
+            prefix,
+            tree,
+            params: sampling,
+            logprobs: r.return_logprobs,
+        };
+        let out = match &self.batcher {
+            Some(b) => {
+                let out = b.verify(session, request).await;
+                self.sessions().room_may_be_free();
+                self.execution().answered();
+                let out = out?;
+                self.metrics().observe_pass_sessions(out.pass_sessions);
+                out.outcome
+            }
+            None => {
+                self.run(session, move |engine, s| {
+                    engine.verify_scored(
+                        s,
+                        request.prefix,
+                        &request.tree,
+                        &request.params,
+                        request.logprobs,
+                    )
+                })
+                .await?
+            }
+        };
         let v = &out.verdict;
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
