@@ -353,3 +353,368 @@ fn finish(
         pass_sessions: sessions,
     }));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine_session::SessionEngine;
+    use candle_core::DType;
+    use specsplit_core::verify::Verdict;
+    use specsplit_models::transformer::Transformer;
+
+    fn tiny_engine() -> Arc<TargetEngine> {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 11, DType::F32, &candle_core::Device::Cpu).unwrap();
+        Arc::new(TargetEngine::new(Arc::new(m), 128).with_spare_sessions(0))
+    }
+
+    fn batcher(engine: &Arc<TargetEngine>, placement: WorkPlacement) -> Arc<VerifyBatcher> {
+        let limits = BatchLimits {
+            max_sessions: 8,
+            max_rows: 256,
+        };
+        Arc::new(VerifyBatcher::new(engine.clone(), limits, placement))
+    }
+
+    fn handle(engine: &TargetEngine, seed: u64) -> SessionHandle<TargetSession> {
+        Arc::new(tokio::sync::Mutex::new(engine.new_session(seed).unwrap()))
+    }
+
+    fn prompt(session: usize) -> Vec<u32> {
+        (0..12 + 5 * session as u32)
+            .map(|i| (i * 37 + 5 + 101 * session as u32) % 500)
+            .collect()
+    }
+
+    /// A chain of `tokens`, or a root with the rest as its children when `fork`.
+    fn tree(tokens: &[u32], fork: bool) -> TokenTree {
+        let mut t = TokenTree::new();
+        let mut parent = None;
+        for (i, &tok) in tokens.iter().enumerate() {
+            let node = match parent {
+                None => t.push_root(tok, 0.0),
+                Some(p) => t.push_child(p, tok, 0.0),
+            }
+            .unwrap();
+            if !(fork && i > 0) {
+                parent = Some(node);
+            }
+        }
+        t
+    }
+
+    /// What a session's verifications give: verdict, cached length, log-probabilities.
+    type Seen = (Verdict, usize, Vec<u32>);
+
+    fn seen(o: &VerifyOutcome) -> Seen {
+        let bits = o.logprobs.iter().map(|x| x.to_bits()).collect();
+        (o.verdict.clone(), o.cached_len, bits)
+    }
+
+    /// One session's rounds as an orchestrator sends them: the prompt, then the previous
+    /// round's next token with a draft guessing the target's greedy continuation `cont` (a
+    /// wrong token in some rounds, a fork in one).
+    struct Script {
+        session: usize,
+        cont: Vec<u32>,
+        next: u32,
+        cached: usize,
+        round: usize,
+    }
+
+    impl Script {
+        fn new(engine: &TargetEngine, session: usize) -> Self {
+            // The target's own greedy continuation, one plain step at a time.
+            let mut s = engine.new_session(1).unwrap();
+            let greedy = SamplingParams::default();
+            let mut o = engine
+                .verify(
+                    &mut s,
+                    Prefix::Full(prompt(session)),
+                    &TokenTree::new(),
+                    &greedy,
+                )
+                .unwrap();
+            let mut cont = Vec::new();
+            while cont.len() < 48 {
+                cont.push(o.verdict.next_token);
+                o = engine
+                    .verify(
+                        &mut s,
+                        Prefix::Delta {
+                            new_tokens: vec![o.verdict.next_token],
+                            expected_len: o.cached_len,
+                        },
+                        &TokenTree::new(),
+                        &greedy,
+                    )
+                    .unwrap();
+            }
+            Self {
+                session,
+                cont,
+                next: 0,
+                cached: 0,
+                round: 0,
+            }
+        }
+
+        fn request(&self) -> RoundRequest {
+            let params = SamplingParams::default();
+            if self.round == 0 {
+                return RoundRequest {
+                    prefix: Prefix::Full(prompt(self.session)),
+                    tree: TokenTree::new(),
+                    params,
+                    logprobs: true,
+                };
+            }
+            let done = self.cached - prompt(self.session).len() + 1;
+            let mut guess = [self.cont[done], self.cont[done + 1], self.cont[done + 2]];
+            let k = self.round + self.session;
+            guess[k % 3] += u32::from(k % 2 == 1);
+            RoundRequest {
+                prefix: Prefix::Delta {
+                    new_tokens: vec![self.next],
+                    expected_len: self.cached,
+                },
+                // Some rounds are plain steps (no tree), one has a fork.
+                tree: if k % 4 == 3 {
+                    TokenTree::new()
+                } else {
+                    tree(&guess, k % 5 == 4)
+                },
+                params,
+                logprobs: true,
+            }
+        }
+
+        fn answered(&mut self, o: &VerifyOutcome) {
+            self.next = o.verdict.next_token;
+            self.cached = o.cached_len;
+            self.round += 1;
+        }
+    }
+
+    /// `rounds` rounds of `session` run alone through the engine.
+    fn alone(engine: &TargetEngine, session: usize, rounds: usize) -> Vec<Seen> {
+        let mut script = Script::new(engine, session);
+        let mut s = engine.new_session(1).unwrap();
+        (0..rounds)
+            .map(|_| {
+                let r = script.request();
+                let o = engine
+                    .verify_scored(&mut s, r.prefix, &r.tree, &r.params, r.logprobs)
+                    .unwrap();
+                script.answered(&o);
+                seen(&o)
+            })
+            .collect()
+    }
+
+    /// Holds the batcher's passes, sends each of `requests` from a task of its own, waits
+    /// until all are queued, then lets the pass run; their answers in order.
+    async fn one_pass(
+        b: &Arc<VerifyBatcher>,
+        requests: Vec<(SessionHandle<TargetSession>, RoundRequest)>,
+    ) -> Vec<Result<BatchedOutcome, Status>> {
+        let hold = b.hold().await;
+        let n = requests.len();
+        let tasks: Vec<_> = requests
+            .into_iter()
+            .map(|(s, r)| {
+                let b = b.clone();
+                tokio::spawn(async move { b.verify(s, r).await })
+            })
+            .collect();
+        while b.queued() < n {
+            tokio::task::yield_now().await;
+        }
+        drop(hold);
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    }
+
+    /// Sessions 0..4 run 7 rounds each through the batcher, every round's requests in one
+    /// pass; session 3 joins at the third pass, session 1 leaves after its fourth round.
+    async fn sessions_joining_and_leaving(placement: WorkPlacement) {
+        let engine = tiny_engine();
+        let b = batcher(&engine, placement);
+        const ROUNDS: usize = 7;
+        let mut scripts: Vec<Script> = (0..4).map(|i| Script::new(&engine, i)).collect();
+        let handles: Vec<_> = (0..4).map(|_| handle(&engine, 1)).collect();
+        let mut got: Vec<Vec<Seen>> = vec![Vec::new(); 4];
+        let mut shared = Vec::new();
+        for pass in 0..ROUNDS + 2 {
+            let members: Vec<usize> = (0..4)
+                .filter(|&i| {
+                    let joined = i != 3 || pass >= 2;
+                    let left = i == 1 && scripts[i].round >= 4;
+                    joined && !left && scripts[i].round < ROUNDS
+                })
+                .collect();
+            if members.is_empty() {
+                break;
+            }
+            let requests = members
+                .iter()
+                .map(|&i| (handles[i].clone(), scripts[i].request()))
+                .collect();
+            for (&i, out) in members.iter().zip(one_pass(&b, requests).await) {
+                let out = out.unwrap();
+                scripts[i].answered(&out.outcome);
+                got[i].push(seen(&out.outcome));
+                shared.push(out.pass_sessions);
+            }
+        }
+        for (i, g) in got.iter().enumerate() {
+            let rounds = if i == 1 { 4 } else { ROUNDS };
+            assert_eq!(g.len(), rounds, "session {i}");
+            assert_eq!(
+                *g,
+                alone(&engine, i, rounds),
+                "session {i} verified differently in shared passes"
+            );
+        }
+        assert!(
+            got.iter()
+                .flatten()
+                .any(|(v, _, _)| !v.accepted_tokens.is_empty()),
+            "some drafts were accepted"
+        );
+        let stats = b.stats();
+        assert_eq!(stats.most_sessions, 4, "{stats:?}");
+        assert!(stats.multi_session_passes >= ROUNDS as u64, "{stats:?}");
+        // 3 sessions, 4 once session 3 joined, 3 once session 1 left, and session 3 alone at
+        // the end (the one-session path).
+        for n in [1, 3, 4] {
+            assert!(shared.contains(&n), "{shared:?}");
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn shared_passes_verify_exactly_as_alone_on_the_blocking_pool() {
+        sessions_joining_and_leaving(WorkPlacement::Pool).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shared_passes_verify_exactly_as_alone_inline() {
+        sessions_joining_and_leaving(WorkPlacement::Inline).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_request_fails_alone_and_leaves_its_session_whole() {
+        let engine = tiny_engine();
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let mut scripts: Vec<Script> = (0..3).map(|i| Script::new(&engine, i)).collect();
+        let handles: Vec<_> = (0..3).map(|_| handle(&engine, 1)).collect();
+        let first = (0..3)
+            .map(|i| (handles[i].clone(), scripts[i].request()))
+            .collect();
+        for (i, out) in one_pass(&b, first).await.into_iter().enumerate() {
+            scripts[i].answered(&out.unwrap().outcome);
+        }
+        // Session 1 claims a wrong cached length; session 2 sends a tree beyond the context.
+        let mut wrong_len = scripts[1].request();
+        if let Prefix::Delta { expected_len, .. } = &mut wrong_len.prefix {
+            *expected_len += 1;
+        }
+        let mut too_big = scripts[2].request();
+        too_big.tree = tree(&[7; 120], false);
+        let out = one_pass(
+            &b,
+            vec![
+                (handles[0].clone(), scripts[0].request()),
+                (handles[1].clone(), wrong_len),
+                (handles[2].clone(), too_big),
+            ],
+        )
+        .await;
+        let mut out = out.into_iter();
+        let good = out.next().unwrap().unwrap();
+        assert_eq!(good.pass_sessions, 1, "the refused requests ran no rows");
+        scripts[0].answered(&good.outcome);
+        let e = out.next().unwrap().unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        let e = out.next().unwrap().unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        // The refused sessions go on as if the bad requests had not come.
+        let rest = (0..3)
+            .map(|i| (handles[i].clone(), scripts[i].request()))
+            .collect();
+        let mut got = vec![vec![], vec![], vec![]];
+        for (i, out) in one_pass(&b, rest).await.into_iter().enumerate() {
+            let out = out.unwrap();
+            assert_eq!(out.pass_sessions, 3);
+            got[i].push(seen(&out.outcome));
+        }
+        assert_eq!(got[0][0], alone(&engine, 0, 3)[2]);
+        assert_eq!(got[1][0], alone(&engine, 1, 2)[1]);
+        assert_eq!(got[2][0], alone(&engine, 2, 2)[1]);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_cancelled_request_stalls_nobody_and_leaves_its_session_whole() {
+        let engine = tiny_engine();
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let mut scripts: Vec<Script> = (0..2).map(|i| Script::new(&engine, i)).collect();
+        let handles: Vec<_> = (0..2).map(|_| handle(&engine, 1)).collect();
+        let first = (0..2)
+            .map(|i| (handles[i].clone(), scripts[i].request()))
+            .collect();
+        for (i, out) in one_pass(&b, first).await.into_iter().enumerate() {
+            scripts[i].answered(&out.unwrap().outcome);
+        }
+        let before = handles[0].lock().await.tokens().to_vec();
+        // Session 0's request is queued behind a held pass, then its caller goes away.
+        let hold = b.hold().await;
+        let cancelled = {
+            let (b, s, r) = (b.clone(), handles[0].clone(), scripts[0].request());
+            tokio::spawn(async move { b.verify(s, r).await })
+        };
+        let other = {
+            let (b, s, r) = (b.clone(), handles[1].clone(), scripts[1].request());
+            tokio::spawn(async move { b.verify(s, r).await })
+        };
+        while b.queued() < 2 {
+            tokio::task::yield_now().await;
+        }
+        cancelled.abort();
+        assert!(cancelled.await.unwrap_err().is_cancelled());
+        drop(hold);
+        let out = other.await.unwrap().unwrap();
+        assert_eq!(out.pass_sessions, 1, "the cancelled request ran nothing");
+        assert_eq!(seen(&out.outcome), alone(&engine, 1, 2)[1]);
+        assert_eq!(b.queued(), 0);
+        // Session 0 is as it was, free, and its round runs as it would have.
+        assert_eq!(handles[0].lock().await.tokens(), before.as_slice());
+        let again = b
+            .verify(handles[0].clone(), scripts[0].request())
+            .await
+            .unwrap();
+        assert_eq!(seen(&again.outcome), alone(&engine, 0, 2)[1]);
+    }
+
+    #[test]
+    fn a_pass_takes_queued_requests_within_its_limits() {
+        let r = |tree_nodes: usize| RoundRequest {
+            prefix: Prefix::Delta {
+                new_tokens: vec![1],
+                expected_len: 3,
+            },
+            tree: tree(&vec![2; tree_nodes], false),
+            params: SamplingParams::default(),
+            logprobs: false,
+        };
+        assert_eq!(r(4).pass_rows(), 5);
+        let full = RoundRequest {
+            prefix: Prefix::Full(vec![1, 2, 3]),
+            ..r(0)
+        };
+        assert_eq!(full.pass_rows(), 1, "a prompt's head is prefilled alone");
+    }
+}

@@ -50,8 +50,9 @@ impl TargetService for TargetWorker {
 
 impl TargetWorker {
     /// This worker verifying concurrent sessions' rounds in shared passes bounded by `limits`
-    /// ([`VerifyBatcher`]), its model work placed as its [`super::Execution`] says; without it,
-    /// each request's pass runs on its own.
+    /// ([`VerifyBatcher`]), its model work placed as its [`super::Execution`] says (set that
+    /// first, with [`Worker::with_execution`](super::Worker::with_execution)); without it, each
+    /// request's pass runs on its own.
     pub fn with_batching(mut self, limits: BatchLimits) -> Self {
         let placement = self.execution().placement();
         self.batcher = Some(Arc::new(VerifyBatcher::new(
