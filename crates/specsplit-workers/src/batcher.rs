@@ -699,8 +699,62 @@ mod tests {
         assert_eq!(seen(&again.outcome), alone(&engine, 0, 2)[1]);
     }
 
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_pass_takes_queued_requests_within_its_limits() {
+        let engine = tiny_engine();
+        let mut scripts: Vec<Script> = (0..3).map(|i| Script::new(&engine, i)).collect();
+        let handles: Vec<_> = (0..3).map(|_| handle(&engine, 1)).collect();
+        let requests = |scripts: &[Script]| -> Vec<_> {
+            (0..3)
+                .map(|i| (handles[i].clone(), scripts[i].request()))
+                .collect()
+        };
+        // At most two sessions a pass: the oldest two, then the third.
+        let two = Arc::new(VerifyBatcher::new(
+            engine.clone(),
+            BatchLimits {
+                max_sessions: 2,
+                max_rows: 256,
+            },
+            WorkPlacement::Pool,
+        ));
+        let shared: Vec<usize> = one_pass(&two, requests(&scripts))
+            .await
+            .into_iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let o = o.unwrap();
+                scripts[i].answered(&o.outcome);
+                o.pass_sessions
+            })
+            .collect();
+        assert_eq!(shared, [2, 2, 1]);
+        // Rows: each request's pass runs its new token and its tree's nodes; a limit of 5 rows
+        // takes the oldest request, then the next ones while they fit.
+        let rows: Vec<usize> = requests(&scripts)
+            .iter()
+            .map(|(_, r)| r.pass_rows())
+            .collect();
+        let narrow = Arc::new(VerifyBatcher::new(
+            engine.clone(),
+            BatchLimits {
+                max_sessions: 8,
+                max_rows: 5,
+            },
+            WorkPlacement::Pool,
+        ));
+        let shared: Vec<usize> = one_pass(&narrow, requests(&scripts))
+            .await
+            .into_iter()
+            .map(|o| o.unwrap().pass_sessions)
+            .collect();
+        // The first alone (4 + 4 > 5), the next two together (4 + 1).
+        assert_eq!(rows, [4, 4, 1]);
+        assert_eq!(shared, [1, 2, 2]);
+    }
+
     #[test]
-    fn a_pass_takes_queued_requests_within_its_limits() {
+    fn a_request_counts_the_rows_of_its_pass() {
         let r = |tree_nodes: usize| RoundRequest {
             prefix: Prefix::Delta {
                 new_tokens: vec![1],
