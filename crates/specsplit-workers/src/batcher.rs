@@ -154,9 +154,19 @@ impl VerifyBatcher {
         }
     }
 
+    /// A batcher like this one whose model work is placed as `placement` says (a new queue).
+    pub fn placed(&self, placement: WorkPlacement) -> Self {
+        Self::new(self.engine.clone(), self.limits, placement)
+    }
+
     /// The engine.
     pub fn engine(&self) -> &Arc<TargetEngine> {
         &self.engine
+    }
+
+    /// Where its passes run.
+    pub fn placement(&self) -> WorkPlacement {
+        self.placement
     }
 
     /// The limits of one pass.
@@ -646,15 +656,18 @@ mod tests {
         let rest = (0..3)
             .map(|i| (handles[i].clone(), scripts[i].request()))
             .collect();
-        let mut got = vec![vec![], vec![], vec![]];
-        for (i, out) in one_pass(&b, rest).await.into_iter().enumerate() {
-            let out = out.unwrap();
-            assert_eq!(out.pass_sessions, 3);
-            got[i].push(seen(&out.outcome));
-        }
-        assert_eq!(got[0][0], alone(&engine, 0, 3)[2]);
-        assert_eq!(got[1][0], alone(&engine, 1, 2)[1]);
-        assert_eq!(got[2][0], alone(&engine, 2, 2)[1]);
+        let got: Vec<Seen> = one_pass(&b, rest)
+            .await
+            .into_iter()
+            .map(|out| {
+                let out = out.unwrap();
+                assert_eq!(out.pass_sessions, 3);
+                seen(&out.outcome)
+            })
+            .collect();
+        assert_eq!(got[0], alone(&engine, 0, 3)[2]);
+        assert_eq!(got[1], alone(&engine, 1, 2)[1]);
+        assert_eq!(got[2], alone(&engine, 2, 2)[1]);
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -50,9 +50,8 @@ impl TargetService for TargetWorker {
 
 impl TargetWorker {
     /// This worker verifying concurrent sessions' rounds in shared passes bounded by `limits`
-    /// ([`VerifyBatcher`]), its model work placed as its [`super::Execution`] says (set that
-    /// first, with [`Worker::with_execution`](super::Worker::with_execution)); without it, each
-    /// request's pass runs on its own.
+    /// ([`VerifyBatcher`]), its model work placed as its [`super::Execution`] says; without it,
+    /// each request's pass runs on its own.
     pub fn with_batching(mut self, limits: BatchLimits) -> Self {
         let placement = self.execution().placement();
         self.batcher = Some(Arc::new(VerifyBatcher::new(
@@ -333,6 +332,15 @@ mod tests {
             text.contains("specsplit_verify_pass_sessions_count 14"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_batcher_places_its_passes_as_the_worker_does() {
+        let w = worker(&engine(), 4, Duration::ZERO);
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Pool);
+        let w = w.with_execution(Execution::new(WorkPlacement::Inline, Duration::ZERO));
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Inline);
+        assert_eq!(w.batcher().unwrap().limits().max_sessions, 8);
     }
 
     #[tokio::test(flavor = "current_thread")]

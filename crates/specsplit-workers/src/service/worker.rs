@@ -97,6 +97,9 @@ impl<E: SessionEngine> Worker<E> {
 
     /// This worker running its model work as `exec` says.
     pub fn with_execution(mut self, exec: Execution) -> Self {
+        if let Some(b) = &self.batcher {
+            self.batcher = Some(Arc::new(b.placed(exec.placement())));
+        }
         self.exec = exec;
         self
     }
