@@ -1,18 +1,21 @@
 //! Continuous batching of verification across sessions.
 //!
-//! Verification requests of different sessions that become ready while a pass runs wait in a
-//! queue; the next pass takes every queued request (up to [`BatchLimits`]), prepares each
-//! session alone ([`TargetEngine::prepare`]: its checks, and a prompt's causal prefill), runs
-//! the round's rows of all of them in one model call ([`TargetEngine::pass_sessions`]), then
-//! finishes each ([`TargetEngine::finish`]) and answers each request on its own. A pass of one
-//! session runs the one-session path ([`TargetEngine::pass`], with its captured graphs).
+//! Each request first prepares its round on its own ([`TargetEngine::prepare`]: its checks,
+//! and a new prompt's causal prefill), where its worker's [`WorkPlacement`] says, so that a
+//! bad request fails before it meets any other and a long prompt holds no other session's
+//! round back. Prepared rounds of different sessions that become ready while a pass runs wait
+//! in a queue; the next pass takes every queued round (up to [`BatchLimits`]), runs their rows
+//! in one model call ([`TargetEngine::pass_sessions`]), then finishes each
+//! ([`TargetEngine::finish`]) and answers each request on its own. A pass of one session runs
+//! the one-session path ([`TargetEngine::pass`], with its captured graphs).
 //!
 //! There is no batching thread: the request that finds the device free runs the next pass
-//! (where its worker's [`WorkPlacement`] says) and answers every request in it; the others
-//! wait for their answer or for their turn to run the next pass. Each queued request holds its
-//! session's lock, so one session has at most one request in a pass. A request whose caller
-//! went away before its pass is dropped from the queue untouched; once in a pass, its round
-//! runs to the end (the session stays whole) and the answer is discarded.
+//! (where the placement says) and answers every request in it; the others wait for their
+//! answer or for their turn to run the next pass. Each queued round holds its session's lock,
+//! so one session has at most one round in a pass. A round whose caller went away before its
+//! pass leaves the queue with its session cut back to the round's kept prefix
+//! ([`TargetEngine::abandon`]); once in a pass, the round runs to the end (the session stays
+//! whole) and the answer is discarded.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,18 +52,6 @@ pub struct RoundRequest {
     pub params: SamplingParams,
     /// Whether to return the emitted tokens' log-probabilities.
     pub logprobs: bool,
-}
-
-impl RoundRequest {
-    /// Rows the request's pass runs at most: its last new token and the tree's nodes (a
-    /// prompt's earlier tokens are prefilled alone).
-    fn pass_rows(&self) -> usize {
-        let new = match &self.prefix {
-            Prefix::Full(_) => 1,
-            Prefix::Delta { new_tokens, .. } => usize::from(!new_tokens.is_empty()),
-        };
-        new + self.tree.len()
-    }
 }
 
 /// A verified round and the pass it ran in.
@@ -107,19 +98,20 @@ impl Counters {
 /// The answer channel of one queued request.
 type Answer = oneshot::Sender<Result<BatchedOutcome, EngineError>>;
 
-/// One queued request: its session (locked), what it asks, where its answer goes.
+/// One prepared round waiting for its pass: its session (locked), what it asks, the round,
+/// where its answer goes.
 struct Job {
     session: OwnedMutexGuard<TargetSession>,
     request: RoundRequest,
+    round: PreparedRound,
     answer: Answer,
 }
 
-/// A request whose round is prepared, waiting for its pass.
-struct Member {
-    session: OwnedMutexGuard<TargetSession>,
-    request: RoundRequest,
-    answer: Answer,
-    round: PreparedRound,
+impl Job {
+    /// Rows the round's pass runs.
+    fn rows(&self) -> usize {
+        self.round.pass_rows(&self.request.tree)
+    }
 }
 
 /// Runs the verification rounds of concurrent sessions in shared model passes (see the
@@ -200,17 +192,27 @@ impl VerifyBatcher {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Verifies one round of `session` in the next pass that takes it.
+    /// Verifies one round of `session`: prepares it alone, then runs its rows in the next
+    /// pass that takes it.
     pub async fn verify(
         &self,
         session: SessionHandle<TargetSession>,
         request: RoundRequest,
     ) -> Result<BatchedOutcome, Status> {
         let session = session.lock_owned().await;
+        let engine = self.engine.clone();
+        let (session, request, round) = placed(self.placement, move || {
+            let mut session = session;
+            let round = engine.prepare(&mut session, request.prefix.clone(), &request.tree);
+            (session, request, round)
+        })
+        .await?;
+        let round = round.map_err(Status::from)?;
         let (answer, mut answered) = oneshot::channel();
         self.lock_queue().push_back(Job {
             session,
             request,
+            round,
             answer,
         });
         loop {
@@ -226,19 +228,21 @@ impl VerifyBatcher {
         }
     }
 
-    /// The queued requests of the next pass, oldest first, within the limits (at least one
-    /// when any is queued). Requests whose caller went away are dropped, their sessions
-    /// untouched.
+    /// The queued rounds of the next pass, oldest first, within the limits (at least one when
+    /// any is queued). Rounds whose caller went away are dropped, their sessions cut back to
+    /// the rounds' kept prefixes.
     fn take_batch(&self) -> Vec<Job> {
         let mut queue = self.lock_queue();
         let mut batch: Vec<Job> = Vec::new();
         let mut rows = 0;
         while let Some(job) = queue.front() {
             if job.answer.is_closed() {
-                queue.pop_front();
+                if let Some(mut job) = queue.pop_front() {
+                    self.engine.abandon(&mut job.session, &job.round);
+                }
                 continue;
             }
-            let r = job.request.pass_rows();
+            let r = job.rows();
             let full = batch.len() >= self.limits.max_sessions
                 || (!batch.is_empty() && rows + r > self.limits.max_rows);
             if full {
@@ -283,28 +287,8 @@ impl VerifyBatcher {
     }
 }
 
-/// One pass: prepares each job's round alone (a refused one is answered at once), runs the
-/// prepared rounds' rows together, finishes and answers each.
-fn run_pass(engine: &TargetEngine, counters: &Counters, batch: Vec<Job>) {
-    let mut members = Vec::with_capacity(batch.len());
-    for job in batch {
-        let Job {
-            mut session,
-            request,
-            answer,
-        } = job;
-        match engine.prepare(&mut session, request.prefix.clone(), &request.tree) {
-            Ok(round) => members.push(Member {
-                session,
-                request,
-                answer,
-                round,
-            }),
-            Err(e) => {
-                let _ = answer.send(Err(e));
-            }
-        }
-    }
+/// One pass: runs the prepared rounds' rows together, finishes and answers each.
+fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
     let sessions = members.len();
     counters.pass(sessions);
     if sessions == 1 {
@@ -344,7 +328,7 @@ fn run_pass(engine: &TargetEngine, counters: &Counters, batch: Vec<Job>) {
 /// Finishes `m`'s round with the logits of its pass (of `sessions` sessions) and answers it.
 fn finish(
     engine: &TargetEngine,
-    mut m: Member,
+    mut m: Job,
     logits: Result<candle_core::Tensor, EngineError>,
     sessions: usize,
 ) {
@@ -362,6 +346,27 @@ fn finish(
         outcome,
         pass_sessions: sessions,
     }));
+}
+
+/// Runs `f` where `placement` says: here (`Inline`), under `block_in_place` (`Pool` on a
+/// multi-thread runtime) or on the blocking pool (`Pool` on a current-thread runtime). A panic
+/// in `f` is answered INTERNAL.
+async fn placed<T: Send + 'static>(
+    placement: WorkPlacement,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Status> {
+    let failed = |e: &dyn std::fmt::Display| Status::internal(format!("worker task failed: {e}"));
+    let caught = |f: Box<dyn FnOnce() -> T + Send>| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+            .map_err(|_| failed(&"the model work panicked"))
+    };
+    let multi_thread = tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::MultiThread;
+    match placement {
+        WorkPlacement::Inline => caught(Box::new(f)),
+        WorkPlacement::Pool if multi_thread => tokio::task::block_in_place(|| caught(Box::new(f))),
+        WorkPlacement::Pool => tokio::task::spawn_blocking(f).await.map_err(|e| failed(&e)),
+    }
 }
 
 #[cfg(test)]
@@ -523,23 +528,21 @@ mod tests {
             .collect()
     }
 
-    /// Holds the batcher's passes, sends each of `requests` from a task of its own, waits
-    /// until all are queued, then lets the pass run; their answers in order.
+    /// Holds the batcher's passes, sends each of `requests` from a task of its own (the next
+    /// once the one before is queued, or refused before it queued), then lets the passes run;
+    /// their answers in order.
     async fn one_pass(
         b: &Arc<VerifyBatcher>,
         requests: Vec<(SessionHandle<TargetSession>, RoundRequest)>,
     ) -> Vec<Result<BatchedOutcome, Status>> {
         let hold = b.hold().await;
-        let n = requests.len();
-        let tasks: Vec<_> = requests
-            .into_iter()
-            .map(|(s, r)| {
-                let b = b.clone();
-                tokio::spawn(async move { b.verify(s, r).await })
-            })
-            .collect();
-        while b.queued() < n {
-            tokio::task::yield_now().await;
+        let mut tasks = Vec::new();
+        for (s, r) in requests {
+            let b2 = b.clone();
+            tasks.push(tokio::spawn(async move { b2.verify(s, r).await }));
+            while b.queued() + tasks.iter().filter(|t| t.is_finished()).count() < tasks.len() {
+                tokio::task::yield_now().await;
+            }
         }
         drop(hold);
         let mut out = Vec::new();
@@ -646,7 +649,7 @@ mod tests {
         .await;
         let mut out = out.into_iter();
         let good = out.next().unwrap().unwrap();
-        assert_eq!(good.pass_sessions, 1, "the refused requests ran no rows");
+        assert_eq!(good.pass_sessions, 1, "the refused requests never met it");
         scripts[0].answered(&good.outcome);
         let e = out.next().unwrap().unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
@@ -704,7 +707,15 @@ mod tests {
         assert_eq!(seen(&out.outcome), alone(&engine, 1, 2)[1]);
         assert_eq!(b.queued(), 0);
         // Session 0 is as it was, free, and its round runs as it would have.
-        assert_eq!(handles[0].lock().await.tokens(), before.as_slice());
+        {
+            let s = handles[0].lock().await;
+            assert_eq!(s.tokens(), before.as_slice());
+            assert_eq!(
+                s.cache.len(),
+                before.len(),
+                "the cache holds the tokens, no more"
+            );
+        }
         let again = b
             .verify(handles[0].clone(), scripts[0].request())
             .await
@@ -746,7 +757,7 @@ mod tests {
         // takes the oldest request, then the next ones while they fit.
         let rows: Vec<usize> = requests(&scripts)
             .iter()
-            .map(|(_, r)| r.pass_rows())
+            .map(|(_, r)| 1 + r.tree.len())
             .collect();
         let narrow = Arc::new(VerifyBatcher::new(
             engine.clone(),
@@ -764,24 +775,5 @@ mod tests {
         // The first alone (4 + 4 > 5), the next two together (4 + 1).
         assert_eq!(rows, [4, 4, 1]);
         assert_eq!(shared, [1, 2, 2]);
-    }
-
-    #[test]
-    fn a_request_counts_the_rows_of_its_pass() {
-        let r = |tree_nodes: usize| RoundRequest {
-            prefix: Prefix::Delta {
-                new_tokens: vec![1],
-                expected_len: 3,
-            },
-            tree: tree(&vec![2; tree_nodes], false),
-            params: SamplingParams::default(),
-            logprobs: false,
-        };
-        assert_eq!(r(4).pass_rows(), 5);
-        let full = RoundRequest {
-            prefix: Prefix::Full(vec![1, 2, 3]),
-            ..r(0)
-        };
-        assert_eq!(full.pass_rows(), 1, "a prompt's head is prefilled alone");
     }
 }

@@ -370,6 +370,13 @@ impl TargetEngine {
         Ok(keep + head.len())
     }
 
+    /// Gives up a prepared round that will not run: the session keeps the round's kept prefix
+    /// (its tokens and its cache agree again), as a round refused at its pass would leave it.
+    pub fn abandon(&self, s: &mut TargetSession, round: &PreparedRound) {
+        // Within the cache's length: prepare truncated it to `keep` and only appended since.
+        let _ = s.cache.truncate(round.keep);
+    }
+
     /// The second phase, for one session alone: the round's pass over its last new token and
     /// the tree nodes (each seeing the whole sequence, its ancestors and itself). Returns the
     /// logits rows (tree.len() + 1, vocab): row 0 after the sequence, row i+1 after node i.
