@@ -291,6 +291,9 @@ impl VerifyBatcher {
 fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
     let sessions = members.len();
     counters.pass(sessions);
+    for m in &mut members {
+        engine.resume(&mut m.round, sessions == 1);
+    }
     if sessions == 1 {
         let logits = {
             let m = &mut members[0];

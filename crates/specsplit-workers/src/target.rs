@@ -82,8 +82,11 @@ pub struct PreparedRound {
     cache_hit: bool,
     /// The cache's length when the round's pass starts.
     pass_start: usize,
-    /// When the round's model work began.
+    /// When the round's model work began (moved on by [`TargetEngine::resume`] past the wait
+    /// between preparation and pass).
     started: Instant,
+    /// The model time of the preparation.
+    prepare_time: Duration,
     timer: PassTimer,
 }
 
@@ -341,6 +344,7 @@ impl TargetEngine {
             cache_hit,
             pass_start,
             started,
+            prepare_time: started.elapsed(),
             timer,
         })
     }
@@ -368,6 +372,16 @@ impl TargetEngine {
         let rows = Tensor::new(&[0u32], dev)?;
         self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
         Ok(keep + head.len())
+    }
+
+    /// Marks the start of `round`'s pass after a wait since its preparation: the round's model
+    /// time counts its preparation and its pass, not the wait. The pass is timed on the device
+    /// ([`TargetEngine::with_device_timing`]) only when it runs `alone`: a pass shared by
+    /// several sessions is no one round's.
+    pub fn resume(&self, round: &mut PreparedRound, alone: bool) {
+        let now = Instant::now();
+        round.started = now.checked_sub(round.prepare_time).unwrap_or(now);
+        round.timer = PassTimer::start(self.model.device(), alone && self.device_timing);
     }
 
     /// Gives up a prepared round that will not run: the session keeps the round's kept prefix
