@@ -517,9 +517,18 @@ mod tests {
 
     /// `rounds` rounds of `session` run alone through the engine.
     fn alone(engine: &TargetEngine, session: usize, rounds: usize) -> Vec<Seen> {
+        alone_session(engine, session, rounds).0
+    }
+
+    /// [`alone`], and the session's logits after its last round (as bits).
+    fn alone_session(
+        engine: &TargetEngine,
+        session: usize,
+        rounds: usize,
+    ) -> (Vec<Seen>, Vec<u32>) {
         let mut script = Script::new(engine, session);
         let mut s = engine.new_session(1).unwrap();
-        (0..rounds)
+        let seen = (0..rounds)
             .map(|_| {
                 let r = script.request();
                 let o = engine
@@ -528,7 +537,14 @@ mod tests {
                 script.answered(&o);
                 seen(&o)
             })
-            .collect()
+            .collect();
+        (seen, pending_bits(&s))
+    }
+
+    /// The bits of a session's pending logits.
+    fn pending_bits(s: &TargetSession) -> Vec<u32> {
+        let l: Vec<f32> = s.last_logits.as_ref().unwrap().to_vec1().unwrap();
+        l.iter().map(|x| x.to_bits()).collect()
     }
 
     /// Holds the batcher's passes, sends each of `requests` from a task of its own (the next
@@ -590,10 +606,14 @@ mod tests {
         for (i, g) in got.iter().enumerate() {
             let rounds = if i == 1 { 4 } else { ROUNDS };
             assert_eq!(g.len(), rounds, "session {i}");
+            let (expected, logits) = alone_session(&engine, i, rounds);
             assert_eq!(
-                *g,
-                alone(&engine, i, rounds),
+                *g, expected,
                 "session {i} verified differently in shared passes"
+            );
+            assert!(
+                pending_bits(&*handles[i].lock().await) == logits,
+                "session {i}'s logits after its last round differ"
             );
         }
         assert!(

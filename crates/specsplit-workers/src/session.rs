@@ -540,6 +540,50 @@ mod tests {
         s.reserve_anonymous(10).unwrap();
     }
 
+    #[tokio::test(flavor = "current_thread")]
+    async fn admission_waits_for_room_then_refuses_naming_the_limit() {
+        let s = Arc::new(store(2, 100, 60_000));
+        let wait = Duration::from_secs(600);
+        let first = s.admit_anonymous(40, wait).await.unwrap();
+        let (busy, _) = s.admit_owned("a", None, 40, wait, || Ok(1)).await.unwrap();
+        // Both slots are held: the next request waits until a reservation ends.
+        let waiting = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                s.admit_owned("b", None, 40, wait, || Ok(2))
+                    .await
+                    .map(|(h, created)| (created, *h.try_lock().unwrap()))
+            })
+        };
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished(), "admitted beyond max_sessions");
+        drop(first);
+        assert_eq!(waiting.await.unwrap().unwrap(), (true, 2));
+        // At the memory budget (a and b hold 80 of 100 bytes, both busy), a short wait ends in
+        // a refusal that names the budget.
+        let _b = s.get("b").unwrap();
+        let s3 = store(3, 100, 60_000);
+        let _a = s3.admit_owned("a", None, 60, wait, || Ok(1)).await.unwrap();
+        let Err(EngineError::ResourceExhausted(m)) = s3
+            .admit_owned("b", None, 60, Duration::from_millis(5), || Ok(2))
+            .await
+        else {
+            panic!("the budget has no room for b");
+        };
+        assert!(
+            m.contains("raise memory_budget_mb") && m.contains("within 5 ms"),
+            "{m}"
+        );
+        // A session larger than the whole budget is refused without waiting.
+        let Err(EngineError::ResourceExhausted(m)) = s3.admit_anonymous(101, wait).await else {
+            panic!("larger than the budget");
+        };
+        assert!(m.starts_with("one session needs"), "{m}");
+        drop(busy);
+    }
+
     #[test]
     fn secrets_bind_sessions() {
         let s = store(10, 1000, 60_000);
