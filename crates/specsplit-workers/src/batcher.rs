@@ -66,7 +66,7 @@ pub struct BatchedOutcome {
 /// Counts of the passes a [`VerifyBatcher`] ran.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatchStats {
-    /// Model passes run (a round answered from pending logits runs none).
+    /// Passes run (each over one or more queued rounds).
     pub passes: u64,
     /// Of them, passes over the rows of more than one session.
     pub multi_session_passes: u64,

@@ -274,7 +274,7 @@ impl TargetEngine {
     /// The first phase of a verification round: checks `prefix` and `tree` against the
     /// session and the context, keeps the reusable cached prefix, and runs a long uncached
     /// tail (a prompt) through the model causally, alone, leaving at most one new token for
-    /// the round's pass. A refused round leaves the session as it was.
+    /// the round's pass. A round its checks refuse leaves the session as it was.
     pub fn prepare(
         &self,
         s: &mut TargetSession,
