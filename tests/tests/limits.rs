@@ -456,7 +456,8 @@ async fn sessionless_requests_count_against_the_session_limits() {
         let s = refused(t.verify_drafts(verify()).await, Code::ResourceExhausted);
         assert_eq!(
             s.message(),
-            "all 5 sessions are busy (5 MiB of 4096 MiB used); retry later"
+            "all 5 sessions are busy (5 MiB of 4096 MiB used) and none ended within 1000 ms; \
+             raise max_sessions (or admission_wait_ms to wait longer), or retry later"
         );
         // Named sessions too.
         let mut named = verify();

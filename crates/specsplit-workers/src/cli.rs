@@ -62,6 +62,21 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "MIB")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory_budget_mb: Option<usize>,
+    /// Milliseconds a request for a new session waits for room when every session is busy,
+    /// before RESOURCE_EXHAUSTED (0: refuse at once) [default: 1000].
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admission_wait_ms: Option<u64>,
+    /// Target: most sessions whose verification rounds share one model pass (1: each
+    /// request's pass runs on its own) [default: 64].
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_sessions: Option<usize>,
+    /// Target: most rows (new tokens and draft-tree nodes of all its sessions) in one shared
+    /// pass; a round with more runs alone [default: 2048].
+    #[arg(long, value_name = "ROWS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_rows: Option<usize>,
     /// Most nodes of a draft tree.
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]

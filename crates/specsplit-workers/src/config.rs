@@ -30,6 +30,15 @@ pub struct WorkerConfig {
     pub max_context: usize,
     /// Memory budget for all session caches, in MiB.
     pub memory_budget_mb: usize,
+    /// Milliseconds a request for a new session waits for room when every session is busy
+    /// (at `max_sessions` or `memory_budget_mb`) before RESOURCE_EXHAUSTED; 0 refuses at once.
+    pub admission_wait_ms: u64,
+    /// Target: most sessions whose verification rounds share one model pass; 1 runs each
+    /// request's pass on its own as it comes (no batching). The draft ignores it.
+    pub max_batch_sessions: usize,
+    /// Target: most rows (each session's new token and draft-tree nodes) in one shared pass; a
+    /// round with more runs alone. The draft ignores it.
+    pub max_batch_rows: usize,
     /// Most nodes of a draft tree (target: verified; draft: produced); less than `max_context`.
     pub max_tree_nodes: usize,
     /// Most tokens on a root-to-leaf path of a draft tree (target: verified; draft: produced);
@@ -146,6 +155,9 @@ impl WorkerConfig {
             session_ttl_secs: 300,
             max_context: 4096,
             memory_budget_mb: 8192,
+            admission_wait_ms: 1000,
+            max_batch_sessions: 64,
+            max_batch_rows: 2048,
             max_tree_nodes: 128,
             max_tree_depth: 64,
             max_prompt_len: None,
@@ -182,6 +194,8 @@ impl WorkerConfig {
             ("max_sessions", self.max_sessions),
             ("max_context", self.max_context),
             ("memory_budget_mb", self.memory_budget_mb),
+            ("max_batch_sessions", self.max_batch_sessions),
+            ("max_batch_rows", self.max_batch_rows),
             ("max_tree_nodes", self.max_tree_nodes),
             ("max_tree_depth", self.max_tree_depth),
             ("max_prompt_len", self.prompt_limit()),
@@ -402,6 +416,8 @@ mod tests {
             jail.set_env("SPECSPLIT_TARGET__MAX_CONTEXT", "1234");
             jail.set_env("SPECSPLIT_TARGET__MODEL", "from-env");
             jail.set_env("SPECSPLIT_TARGET__SPIN_MS", "5");
+            jail.set_env("SPECSPLIT_TARGET__ADMISSION_WAIT_MS", "250");
+            jail.set_env("SPECSPLIT_TARGET__MAX_BATCH_SESSIONS", "8");
             let flags = Flags {
                 max_sessions: None,
                 model: Some("from-flag".into()),
@@ -418,6 +434,9 @@ mod tests {
             assert_eq!(c.max_sessions, 7);
             assert_eq!(c.listen, "127.0.0.1:50052");
             assert_eq!(c.spin_ms, Some(5));
+            assert_eq!(c.admission_wait_ms, 250);
+            assert_eq!(c.max_batch_sessions, 8);
+            assert_eq!(c.max_batch_rows, 2048);
             assert!(c.device_timing);
             assert_eq!(c.spare_sessions, 0);
             Ok(())
@@ -470,6 +489,13 @@ mod tests {
                 ..d.clone()
             },
             "max_tree_depth must be at least 1",
+        );
+        bad(
+            WorkerConfig {
+                max_batch_sessions: 0,
+                ..d.clone()
+            },
+            "max_batch_sessions must be at least 1",
         );
         WorkerConfig {
             max_tree_depth: MAX_WIRE_TREE_DEPTH,

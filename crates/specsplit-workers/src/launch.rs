@@ -10,6 +10,7 @@ use candle_core::{DType, Device};
 use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
 use tokio::net::TcpListener;
 
+use crate::batcher::BatchLimits;
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
 use crate::model_free::ModelFreeEngine;
@@ -215,7 +216,14 @@ pub fn draft_worker(cfg: &WorkerConfig, m: LoadedModel) -> DraftWorker {
     let eos = m.tokenizer.eos_token_ids().to_vec();
     let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions);
-    DraftWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec)
+    DraftWorker::new(Arc::new(engine), limits(cfg), info)
+        .with_execution(exec)
+        .with_admission_wait(admission_wait(cfg))
+}
+
+/// How long a request for a new session waits for room (`admission_wait_ms`).
+fn admission_wait(cfg: &WorkerConfig) -> Duration {
+    Duration::from_millis(cfg.admission_wait_ms)
 }
 
 /// A draft worker service that loads no model: `cfg.drafter` (n-gram or suffix) answers its
@@ -235,7 +243,11 @@ pub fn model_free_draft_worker(cfg: &WorkerConfig) -> Result<ModelFreeDraftWorke
     };
     // CPU work, no busy-polling after an answer.
     let exec = Execution::for_device("cpu", Some(Duration::ZERO));
-    Ok(ModelFreeDraftWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec))
+    Ok(
+        ModelFreeDraftWorker::new(Arc::new(engine), limits(cfg), info)
+            .with_execution(exec)
+            .with_admission_wait(admission_wait(cfg)),
+    )
 }
 
 /// A target worker service over a loaded model.
@@ -245,7 +257,17 @@ pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
     let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions)
         .with_device_timing(cfg.device_timing);
-    TargetWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec)
+    let worker = TargetWorker::new(Arc::new(engine), limits(cfg), info)
+        .with_execution(exec)
+        .with_admission_wait(admission_wait(cfg));
+    if cfg.max_batch_sessions > 1 {
+        worker.with_batching(BatchLimits {
+            max_sessions: cfg.max_batch_sessions,
+            max_rows: cfg.max_batch_rows,
+        })
+    } else {
+        worker
+    }
 }
 
 /// Serves a draft worker for `m` on `listener` until `shutdown`.

@@ -4,6 +4,7 @@
 //! and call into `specsplit-core` for the math; the services ([`service`]) translate the wire
 //! protocol, enforce limits and map errors to gRPC status codes. No math lives in the services.
 
+pub mod batcher;
 pub mod cli;
 pub mod config;
 pub mod draft;

@@ -36,6 +36,8 @@ struct SpecCounters {
     draft_tokens: Family<Labels, Counter>,
     accepted_tokens: Family<Labels, Counter>,
     accepted_per_pos: Family<Labels, Counter>,
+    /// Sessions in the model pass of each verification.
+    pass_sessions: Histogram,
 }
 
 /// One worker's metrics, recorded by its gRPC service and rendered for `/metrics`.
@@ -112,7 +114,13 @@ impl WorkerMetrics {
                 draft_tokens: Family::default(),
                 accepted_tokens: Family::default(),
                 accepted_per_pos: Family::default(),
+                pass_sessions: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
             };
+            registry.register(
+                "verify_pass_sessions",
+                "Sessions whose rows shared the model pass of each verification (1: alone)",
+                s.pass_sessions.clone(),
+            );
             registry.register(
                 "spec_decode_num_drafts",
                 "Draft trees verified (vLLM: vllm:spec_decode_num_drafts)",
@@ -184,6 +192,13 @@ impl WorkerMetrics {
             let mut labels = s.model.clone();
             labels.push(("position", pos.to_string()));
             s.accepted_per_pos.get_or_create(&labels).inc();
+        }
+    }
+
+    /// Records one verification whose rows ran in a model pass of `sessions` sessions.
+    pub fn observe_pass_sessions(&self, sessions: usize) {
+        if let Some(s) = &self.spec {
+            s.pass_sessions.observe(sessions as f64);
         }
     }
 

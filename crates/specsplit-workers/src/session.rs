@@ -26,6 +26,10 @@ pub struct SessionLimits {
     pub ttl: Duration,
 }
 
+/// How often a request waiting for room looks again without being woken (a busy session going
+/// idle wakes nobody unless its worker says so).
+const ADMISSION_RECHECK: Duration = Duration::from_millis(20);
+
 /// A shared handle to one session's state.
 pub type SessionHandle<S> = Arc<tokio::sync::Mutex<S>>;
 
@@ -131,6 +135,8 @@ impl<S> std::ops::DerefMut for Inner<S> {
 pub struct SessionStore<S> {
     limits: SessionLimits,
     entries: Mutex<Inner<S>>,
+    /// Woken when room may have come free (a session ended or went idle, a reservation ended).
+    room: tokio::sync::Notify,
 }
 
 /// A sessionless request's share of a [`SessionStore`]'s limits (one session slot and its
@@ -145,6 +151,8 @@ impl<S> Drop for Reservation<'_, S> {
         let mut inner = self.store.lock();
         inner.anonymous -= 1;
         inner.anonymous_bytes -= self.bytes;
+        drop(inner);
+        self.store.room_may_be_free();
     }
 }
 
@@ -158,6 +166,7 @@ impl<S> SessionStore<S> {
                 anonymous: 0,
                 anonymous_bytes: 0,
             }),
+            room: tokio::sync::Notify::new(),
         }
     }
 
@@ -277,6 +286,96 @@ impl<S> SessionStore<S> {
         }
     }
 
+    /// Wakes the requests waiting for room ([`Self::admit_owned`]): a session ended, or one
+    /// went idle (its request finished) and may be evicted now.
+    pub fn room_may_be_free(&self) {
+        self.room.notify_waiters();
+    }
+
+    /// Runs `admit` until it no longer fails for want of room, waiting up to `wait` for room
+    /// to come free (sessions ending, or going idle so that they can be evicted); then
+    /// RESOURCE_EXHAUSTED saying which limit to raise. A request larger than the whole
+    /// budget is refused at once.
+    async fn admitted<T>(
+        &self,
+        bytes: usize,
+        wait: Duration,
+        mut admit: impl FnMut() -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before the attempt, so that room freed during it is not missed.
+            let freed = self.room.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match admit() {
+                Err(EngineError::ResourceExhausted(_))
+                    if bytes <= self.limits.memory_budget_bytes
+                        && tokio::time::Instant::now() < deadline =>
+                {
+                    // A session that went idle without a word is noticed at the next check.
+                    let _ = tokio::time::timeout_at(
+                        deadline.min(tokio::time::Instant::now() + ADMISSION_RECHECK),
+                        freed,
+                    )
+                    .await;
+                }
+                Err(EngineError::ResourceExhausted(_))
+                    if bytes <= self.limits.memory_budget_bytes =>
+                {
+                    return Err(self.no_room(wait));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The refusal of a request that found no room within `wait`.
+    fn no_room(&self, wait: Duration) -> EngineError {
+        let inner = self.lock();
+        let held = inner.map.len() + inner.anonymous;
+        let used = inner.map.values().map(|e| e.bytes).sum::<usize>() + inner.anonymous_bytes;
+        let limit = if held >= self.limits.max_sessions {
+            "max_sessions"
+        } else {
+            "memory_budget_mb"
+        };
+        EngineError::ResourceExhausted(format!(
+            "all {held} sessions are busy ({} MiB of {} MiB used) and none ended within {} ms; \
+             raise {limit} (or admission_wait_ms to wait longer), or retry later",
+            used >> 20,
+            self.limits.memory_budget_bytes >> 20,
+            wait.as_millis()
+        ))
+    }
+
+    /// [`Self::get_or_create_owned`], waiting up to `wait` for room when every session is
+    /// busy (admission control).
+    pub async fn admit_owned(
+        &self,
+        id: &str,
+        secret: Option<&SessionSecret>,
+        bytes: usize,
+        wait: Duration,
+        mut create: impl FnMut() -> Result<S, EngineError>,
+    ) -> Result<(SessionHandle<S>, bool), EngineError> {
+        self.admitted(bytes, wait, || {
+            self.get_or_create_owned(id, secret, bytes, &mut create)
+        })
+        .await
+    }
+
+    /// [`Self::reserve_anonymous`], waiting up to `wait` for room when every session is busy
+    /// (admission control).
+    pub async fn admit_anonymous(
+        &self,
+        bytes: usize,
+        wait: Duration,
+    ) -> Result<Reservation<'_, S>, EngineError> {
+        self.admitted(bytes, wait, || self.reserve_anonymous(bytes))
+            .await
+    }
+
     /// Sessionless requests in flight (each holding a [`Reservation`]).
     pub fn anonymous(&self) -> usize {
         self.lock().anonymous
@@ -312,13 +411,20 @@ impl<S> SessionStore<S> {
         match map.get(id) {
             None => Ok(false),
             Some(e) if !admits(e.secret.as_ref(), secret) => Err(permission_denied()),
-            Some(_) => Ok(map.remove(id).is_some()),
+            Some(_) => {
+                map.remove(id);
+                drop(map);
+                self.room_may_be_free();
+                Ok(true)
+            }
         }
     }
 
     /// Drops a session; returns whether it existed.
     pub fn remove(&self, id: &str) -> bool {
-        self.lock().remove(id).is_some()
+        let removed = self.lock().remove(id).is_some();
+        self.room_may_be_free();
+        removed
     }
 
     /// Drops every idle session unused for longer than the TTL; returns how many.
@@ -327,7 +433,10 @@ impl<S> SessionStore<S> {
         let mut map = self.lock();
         let before = map.len();
         map.retain(|_, e| Arc::strong_count(&e.session) > 1 || e.last_used.elapsed() <= ttl);
-        before - map.len()
+        let dropped = before - map.len();
+        drop(map);
+        self.room_may_be_free();
+        dropped
     }
 
     /// Drops every session (as if all were evicted); returns how many there were.
@@ -335,6 +444,8 @@ impl<S> SessionStore<S> {
         let mut map = self.lock();
         let n = map.len();
         map.clear();
+        drop(map);
+        self.room_may_be_free();
         n
     }
 
@@ -427,6 +538,50 @@ mod tests {
         assert!(m.starts_with("all 2 sessions are busy"), "{m}");
         drop(r);
         s.reserve_anonymous(10).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn admission_waits_for_room_then_refuses_naming_the_limit() {
+        let s = Arc::new(store(2, 100, 60_000));
+        let wait = Duration::from_secs(600);
+        let first = s.admit_anonymous(40, wait).await.unwrap();
+        let (busy, _) = s.admit_owned("a", None, 40, wait, || Ok(1)).await.unwrap();
+        // Both slots are held: the next request waits until a reservation ends.
+        let waiting = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                s.admit_owned("b", None, 40, wait, || Ok(2))
+                    .await
+                    .map(|(h, created)| (created, *h.try_lock().unwrap()))
+            })
+        };
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished(), "admitted beyond max_sessions");
+        drop(first);
+        assert_eq!(waiting.await.unwrap().unwrap(), (true, 2));
+        // At the memory budget (a and b hold 80 of 100 bytes, both busy), a short wait ends in
+        // a refusal that names the budget.
+        let _b = s.get("b").unwrap();
+        let s3 = store(3, 100, 60_000);
+        let _a = s3.admit_owned("a", None, 60, wait, || Ok(1)).await.unwrap();
+        let Err(EngineError::ResourceExhausted(m)) = s3
+            .admit_owned("b", None, 60, Duration::from_millis(5), || Ok(2))
+            .await
+        else {
+            panic!("the budget has no room for b");
+        };
+        assert!(
+            m.contains("raise memory_budget_mb") && m.contains("within 5 ms"),
+            "{m}"
+        );
+        // A session larger than the whole budget is refused without waiting.
+        let Err(EngineError::ResourceExhausted(m)) = s3.admit_anonymous(101, wait).await else {
+            panic!("larger than the budget");
+        };
+        assert!(m.starts_with("one session needs"), "{m}");
+        drop(busy);
     }
 
     #[test]

@@ -13,6 +13,7 @@ use specsplit_core::verify::{self, Verdict};
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
+use specsplit_models::SessionPass;
 
 use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
 use crate::error::CACHE_EVICTED_MARKER;
@@ -68,6 +69,37 @@ pub struct VerifyOutcome {
     /// When asked for: the model's log-probability (log-softmax of its logits, before
     /// temperature and truncation) of each accepted token, then of the next token.
     pub logprobs: Vec<f32>,
+}
+
+/// A verification round between [`TargetEngine::prepare`] and [`TargetEngine::finish`]: the
+/// session's cache holds the kept prefix and every new token but the last.
+pub struct PreparedRound {
+    /// Cached tokens kept from before the round.
+    keep: usize,
+    /// The round's new tokens (all of them; every one but the last is in the cache already).
+    new: Vec<u32>,
+    /// Whether a cached prefix was reused.
+    cache_hit: bool,
+    /// The cache's length when the round's pass starts.
+    pass_start: usize,
+    /// When the round's model work began (moved on by [`TargetEngine::resume`] past the wait
+    /// between preparation and pass).
+    started: Instant,
+    /// The model time of the preparation.
+    prepare_time: Duration,
+    timer: PassTimer,
+}
+
+impl PreparedRound {
+    /// The new tokens the round's pass runs: the last one, if any.
+    fn tail(&self) -> &[u32] {
+        &self.new[self.new.len().saturating_sub(1)..]
+    }
+
+    /// Rows the round's pass runs: its last new token and the tree's nodes.
+    pub fn pass_rows(&self, tree: &TokenTree) -> usize {
+        self.tail().len() + tree.len()
+    }
 }
 
 /// The most pass timings a [`TargetEngine`] keeps until they are taken.
@@ -224,7 +256,8 @@ impl TargetEngine {
         self.verify_scored(s, prefix, tree, params, false)
     }
 
-    /// [`TargetEngine::verify`], with [`VerifyOutcome::logprobs`] filled in when `logprobs`.
+    /// [`TargetEngine::verify`], with [`VerifyOutcome::logprobs`] filled in when `logprobs`:
+    /// [`TargetEngine::prepare`], [`TargetEngine::pass`], then [`TargetEngine::finish`].
     pub fn verify_scored(
         &self,
         s: &mut TargetSession,
@@ -233,6 +266,21 @@ impl TargetEngine {
         params: &SamplingParams,
         logprobs: bool,
     ) -> Result<VerifyOutcome, EngineError> {
+        let round = self.prepare(s, prefix, tree)?;
+        let logits = self.pass(s, &round, tree)?;
+        self.finish(s, round, tree, &logits, params, logprobs)
+    }
+
+    /// The first phase of a verification round: checks `prefix` and `tree` against the
+    /// session and the context, keeps the reusable cached prefix, and runs a long uncached
+    /// tail (a prompt) through the model causally, alone, leaving at most one new token for
+    /// the round's pass. A round its checks refuse leaves the session as it was.
+    pub fn prepare(
+        &self,
+        s: &mut TargetSession,
+        prefix: Prefix,
+        tree: &TokenTree,
+    ) -> Result<PreparedRound, EngineError> {
         let (keep, new, cache_hit) = match prefix {
             Prefix::Full(seq) => {
                 if seq.is_empty() {
@@ -287,13 +335,186 @@ impl TargetEngine {
         if !new.is_empty() {
             s.last_logits = None;
         }
-        let mut timer = PassTimer::start(self.model.device(), self.device_timing);
-        let t0 = Instant::now();
-        let logits = self.forward_round(s, keep, &new, tree)?;
-        let enqueue_time = t0.elapsed();
+        let timer = PassTimer::start(self.model.device(), self.device_timing);
+        let started = Instant::now();
+        let pass_start = self.prefill_head(s, keep, &new)?;
+        Ok(PreparedRound {
+            keep,
+            new,
+            cache_hit,
+            pass_start,
+            started,
+            prepare_time: started.elapsed(),
+            timer,
+        })
+    }
+
+    /// A long uncached tail (the prompt) is prefilled causally first, so the combined
+    /// chain+tree mask of the pass stays small: every new token but the last goes through the
+    /// model after `keep` cached ones. Returns the cache's length after it.
+    fn prefill_head(
+        &self,
+        s: &mut TargetSession,
+        keep: usize,
+        new: &[u32],
+    ) -> Result<usize, EngineError> {
+        if new.len() <= 1 {
+            return Ok(keep);
+        }
+        let dev = self.model.device();
+        // One pass (not `Transformer::prefill`'s chunks): at the 7B shape the chunked
+        // prefill of a 127-token prompt took 27.6 ms against 19.0–19.4 ms in one pass
+        // (target-only TTFT, H100, 2026-11-25, `specsplit-bench e2e`).
+        let head = &new[..new.len() - 1];
+        let ids = Tensor::new(head, dev)?;
+        let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
+        let pos = Tensor::new(pos.as_slice(), dev)?;
+        let rows = Tensor::new(&[0u32], dev)?;
+        self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
+        Ok(keep + head.len())
+    }
+
+    /// Marks the start of `round`'s pass after a wait since its preparation: the round's model
+    /// time counts its preparation and its pass, not the wait. The pass is timed on the device
+    /// ([`TargetEngine::with_device_timing`]) only when it runs `alone`: a pass shared by
+    /// several sessions is no one round's.
+    pub fn resume(&self, round: &mut PreparedRound, alone: bool) {
+        let now = Instant::now();
+        round.started = now.checked_sub(round.prepare_time).unwrap_or(now);
+        round.timer = PassTimer::start(self.model.device(), alone && self.device_timing);
+    }
+
+    /// Gives up a prepared round that will not run: the session keeps the round's kept prefix
+    /// (its tokens and its cache agree again), as a round refused at its pass would leave it.
+    pub fn abandon(&self, s: &mut TargetSession, round: &PreparedRound) {
+        // Within the cache's length: prepare truncated it to `keep` and only appended since.
+        let _ = s.cache.truncate(round.keep);
+    }
+
+    /// The second phase, for one session alone: the round's pass over its last new token and
+    /// the tree nodes (each seeing the whole sequence, its ancestors and itself). Returns the
+    /// logits rows (tree.len() + 1, vocab): row 0 after the sequence, row i+1 after node i.
+    pub fn pass(
+        &self,
+        s: &mut TargetSession,
+        round: &PreparedRound,
+        tree: &TokenTree,
+    ) -> Result<Tensor, EngineError> {
+        // A failed multi-session pass may have left its rows in the cache.
+        s.cache.truncate(round.pass_start)?;
+        self.forward_round(s, round.pass_start, round.tail(), tree)
+    }
+
+    /// The second phase for several sessions in one model call
+    /// ([`Transformer::forward_sessions`]): each member's logits rows as
+    /// [`TargetEngine::pass`] returns them alone. A member with nothing to run (no new token,
+    /// no tree) answers from its pending logits. On an error, the members' caches may hold
+    /// rows of the failed pass: [`TargetEngine::pass`] of a member alone starts over from
+    /// [`PreparedRound`]'s cached length.
+    pub fn pass_sessions(
+        &self,
+        members: &mut [(&mut TargetSession, &PreparedRound, &TokenTree)],
+    ) -> Result<Vec<Tensor>, EngineError> {
+        specsplit_core::device::bind_to_thread(self.model.device())?;
+        // What each member runs: its combined chain+tree, mask, positions and wanted rows.
+        struct Rows {
+            member: usize,
+            combined: TokenTree,
+            mask: TreeMask,
+            prefix: usize,
+            positions: Vec<u32>,
+            want: Vec<u32>,
+        }
+        let mut runs = Vec::new();
+        for (i, (s, round, tree)) in members.iter_mut().enumerate() {
+            s.cache.truncate(round.pass_start)?;
+            let new = round.tail();
+            if new.is_empty() && tree.is_empty() {
+                continue;
+            }
+            let combined = chain_then_tree(new, tree)?;
+            let mask = TreeMask::new(&combined);
+            let positions = mask.positions(round.pass_start);
+            let want = (0..combined.len() as u32).collect();
+            runs.push(Rows {
+                member: i,
+                combined,
+                mask,
+                prefix: round.pass_start,
+                positions,
+                want,
+            });
+        }
+        let mut passed: Vec<Option<Tensor>> = vec![None; members.len()];
+        {
+            let mut caches: Vec<Option<&mut specsplit_core::cache::SessionCache>> = members
+                .iter_mut()
+                .map(|(s, _, _)| Some(&mut s.cache))
+                .collect();
+            let mut parts: Vec<SessionPass<'_>> = runs
+                .iter()
+                .map(|r| SessionPass {
+                    tokens: r.combined.tokens(),
+                    positions: &r.positions,
+                    tree: TreeRows {
+                        mask: &r.mask,
+                        prefix: r.prefix,
+                        first_row: 0,
+                    },
+                    cache: caches[r.member].take().expect("one part per member"),
+                    rows: &r.want,
+                })
+                .collect();
+            let logits = self.model.forward_sessions(&mut parts)?;
+            for (r, l) in runs.iter().zip(logits) {
+                passed[r.member] = Some(l);
+            }
+        }
+        members
+            .iter()
+            .zip(passed)
+            .map(|((s, round, _), l)| {
+                let pending = || {
+                    s.last_logits.as_ref().ok_or_else(|| {
+                        EngineError::FailedPrecondition(format!(
+                            "{CACHE_EVICTED_MARKER}: no pending logits; resend the full prompt"
+                        ))
+                    })
+                };
+                match l {
+                    None => Ok(pending()?.unsqueeze(0)?),
+                    Some(l) if round.tail().is_empty() => {
+                        Ok(Tensor::cat(&[&pending()?.unsqueeze(0)?, &l], 0)?)
+                    }
+                    Some(l) => Ok(l),
+                }
+            })
+            .collect()
+    }
+
+    /// The last phase: the verdict from the pass's `logits`, then the cache keeps only the
+    /// accepted path and the session the logits after it.
+    pub fn finish(
+        &self,
+        s: &mut TargetSession,
+        round: PreparedRound,
+        tree: &TokenTree,
+        logits: &Tensor,
+        params: &SamplingParams,
+        logprobs: bool,
+    ) -> Result<VerifyOutcome, EngineError> {
+        let PreparedRound {
+            keep,
+            new,
+            cache_hit,
+            started,
+            mut timer,
+            ..
+        } = round;
+        let enqueue_time = started.elapsed();
         timer.enqueued(self.model.device());
-        let verdict = self.decide(tree, &logits, params, &mut s.rng)?;
-        let model_time = t0.elapsed();
+        let verdict = self.decide(tree, logits, params, &mut s.rng)?;
+        let model_time = started.elapsed();
         if let Some(device_ms) = timer.device_ms() {
             self.keep_timing(PassTiming {
                 rows: new.len() + tree.len(),
@@ -315,7 +536,7 @@ impl TargetEngine {
         let last_row = verdict.accepted_nodes.last().map_or(0, |&i| i + 1);
         s.last_logits = Some(logits.get(last_row)?);
         let logprobs = if logprobs {
-            emitted_logprobs(&logits, &verdict)?
+            emitted_logprobs(logits, &verdict)?
         } else {
             Vec::new()
         };
@@ -341,22 +562,6 @@ impl TargetEngine {
         tree: &TokenTree,
     ) -> Result<Tensor, EngineError> {
         let dev = self.model.device().clone();
-        // A long uncached tail (the prompt) is prefilled causally first, so the combined
-        // chain+tree mask below stays small.
-        let (keep, new) = if new.len() > 1 {
-            // One pass (not `Transformer::prefill`'s chunks): at the 7B shape the chunked
-            // prefill of a 127-token prompt took 27.6 ms against 19.0–19.4 ms in one pass
-            // (target-only TTFT, H100, 2026-11-25, `specsplit-bench e2e`).
-            let head = &new[..new.len() - 1];
-            let ids = Tensor::new(head, &dev)?;
-            let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
-            let pos = Tensor::new(pos.as_slice(), &dev)?;
-            let rows = Tensor::new(&[0u32], &dev)?;
-            self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
-            (keep + head.len(), &new[new.len() - 1..])
-        } else {
-            (keep, new)
-        };
         if new.is_empty() && tree.is_empty() {
             let l = s.last_logits.as_ref().ok_or_else(|| {
                 EngineError::FailedPrecondition(format!(

@@ -63,14 +63,15 @@ impl DraftWorker {
         let secret = SessionSecret::parse(&r.session_secret)?;
         let seed = sampling.seed;
         let (session, _reservation) = if r.session_id.is_empty() {
-            let (session, reservation) = self.anonymous_session(seed)?;
+            let (session, reservation) = self.anonymous_session(seed).await?;
             (session, Some(reservation))
         } else {
             if r.reset_cache {
                 self.drop_session(&r.session_id, secret.as_ref())?;
             }
             (
-                self.named_session(&r.session_id, secret.as_ref(), seed)?,
+                self.named_session(&r.session_id, secret.as_ref(), seed)
+                    .await?,
                 None,
             )
         };

@@ -138,10 +138,15 @@ impl Execution {
         T: Send + 'static,
     {
         let out = with_session(session, self.placement, f).await?;
+        self.answered();
+        Ok(out)
+    }
+
+    /// Busy-polls for the window from now: a request's model work has ended.
+    pub(super) fn answered(&self) {
         if let Some(l) = &self.linger {
             l.extend();
         }
-        Ok(out)
     }
 }
 

@@ -42,14 +42,15 @@ impl DraftService for ModelFreeDraftWorker {
         let sampling = sampling_from(r.sampling.as_ref(), r.temperature.unwrap_or(0.0))?;
         let secret = SessionSecret::parse(&r.session_secret)?;
         let (session, _reservation) = if r.session_id.is_empty() {
-            let (session, reservation) = self.anonymous_session(sampling.seed)?;
+            let (session, reservation) = self.anonymous_session(sampling.seed).await?;
             (session, Some(reservation))
         } else {
             if r.reset_cache {
                 self.drop_session(&r.session_id, secret.as_ref())?;
             }
             (
-                self.named_session(&r.session_id, secret.as_ref(), sampling.seed)?,
+                self.named_session(&r.session_id, secret.as_ref(), sampling.seed)
+                    .await?,
                 None,
             )
         };

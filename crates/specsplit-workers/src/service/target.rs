@@ -1,6 +1,7 @@
 //! The target worker's gRPC service (`TargetService`).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
 use specsplit_proto::target_service_server::{TargetService, TargetServiceServer};
@@ -15,6 +16,7 @@ use super::validate::{
     check_distribution_sizes, check_request_ids, draft_tree, prefix, sampling_from,
 };
 use super::worker::Worker;
+use crate::batcher::{BatchLimits, RoundRequest, VerifyBatcher};
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::session::SessionSecret;
 use crate::target::{Prefix, TargetEngine};
@@ -47,6 +49,24 @@ impl TargetService for TargetWorker {
 }
 
 impl TargetWorker {
+    /// This worker verifying concurrent sessions' rounds in shared passes bounded by `limits`
+    /// ([`VerifyBatcher`]), its model work placed as its [`super::Execution`] says; without it,
+    /// each request's pass runs on its own.
+    pub fn with_batching(mut self, limits: BatchLimits) -> Self {
+        let placement = self.execution().placement();
+        self.batcher = Some(Arc::new(VerifyBatcher::new(
+            self.engine().clone(),
+            limits,
+            placement,
+        )));
+        self
+    }
+
+    /// The verification batcher, when the worker batches.
+    pub fn batcher(&self) -> Option<&Arc<VerifyBatcher>> {
+        self.batcher.as_ref()
+    }
+
     /// `VerifyDrafts`, begun at `start`.
     async fn verify(
         &self,
@@ -71,7 +91,7 @@ impl TargetWorker {
                 )))
             }
             (Prefix::Full(_), true) => {
-                let (session, reservation) = self.anonymous_session(seed)?;
+                let (session, reservation) = self.anonymous_session(seed).await?;
                 (session, Some(reservation))
             }
             (Prefix::Delta { .. }, false) => {
@@ -83,14 +103,38 @@ impl TargetWorker {
                 })?;
                 (session, None)
             }
-            (Prefix::Full(_), false) => (self.named_session(id, secret.as_ref(), seed)?, None),
+            (Prefix::Full(_), false) => {
+                (self.named_session(id, secret.as_ref(), seed).await?, None)
+            }
         };
-        let logprobs = r.return_logprobs;
-        let out = self
-            .run(session, move |engine, s| {
-                engine.verify_scored(s, prefix, &tree, &sampling, logprobs)
-            })
-            .await?;
+        let request = RoundRequest {
+            prefix,
+            tree,
+            params: sampling,
+            logprobs: r.return_logprobs,
+        };
+        let out = match &self.batcher {
+            Some(b) => {
+                let out = b.verify(session, request).await;
+                self.sessions().room_may_be_free();
+                self.execution().answered();
+                let out = out?;
+                self.metrics().observe_pass_sessions(out.pass_sessions);
+                out.outcome
+            }
+            None => {
+                self.run(session, move |engine, s| {
+                    engine.verify_scored(
+                        s,
+                        request.prefix,
+                        &request.tree,
+                        &request.params,
+                        request.logprobs,
+                    )
+                })
+                .await?
+            }
+        };
         let v = &out.verdict;
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
@@ -134,4 +178,225 @@ pub async fn serve_target_with(
         .max_decoding_message_size(decode)
         .max_encoding_message_size(decode);
     serve(svc, store, listener, shutdown, opts).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use candle_core::DType;
+    use specsplit_core::sampling::SamplingParams;
+    use specsplit_core::tree::TokenTree;
+    use specsplit_models::transformer::Transformer;
+    use specsplit_proto::EndSessionRequest;
+
+    use super::*;
+    use crate::engine_session::SessionEngine;
+    use crate::service::{Execution, WorkPlacement, WorkerInfo};
+    use crate::session::SessionLimits;
+
+    fn engine() -> Arc<TargetEngine> {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 11, DType::F32, &candle_core::Device::Cpu).unwrap();
+        Arc::new(TargetEngine::new(Arc::new(m), 128).with_spare_sessions(0))
+    }
+
+    /// A batching target worker over `engine` holding at most `max_sessions` sessions, whose
+    /// new sessions wait up to `wait` for room.
+    fn worker(engine: &Arc<TargetEngine>, max_sessions: usize, wait: Duration) -> TargetWorker {
+        let limits = SessionLimits {
+            max_sessions,
+            memory_budget_bytes: usize::MAX / 2,
+            ttl: Duration::from_secs(600),
+        };
+        let info = WorkerInfo {
+            model_name: "tiny".into(),
+            vocab_size: engine.model().config().vocab_size,
+            eos_token_ids: vec![],
+            max_context: 128,
+            max_tree_nodes: 32,
+            max_tree_depth: 16,
+            max_prompt_len: 128,
+            device: "cpu".into(),
+        };
+        TargetWorker::new(engine.clone(), limits, info)
+            .with_execution(Execution::new(WorkPlacement::Pool, Duration::ZERO))
+            .with_admission_wait(wait)
+            .with_batching(BatchLimits {
+                max_sessions: 8,
+                max_rows: 256,
+            })
+    }
+
+    fn prompt(i: usize) -> Vec<i32> {
+        (0..10 + 3 * i as i32)
+            .map(|t| (t * 31 + 7 + 50 * i as i32) % 500)
+            .collect()
+    }
+
+    /// A target-only round of session `id`: its prompt, or the previous round's token.
+    fn round(id: &str, i: usize, last: Option<&VerifyResponse>) -> VerifyRequest {
+        let mut r = VerifyRequest {
+            session_id: id.into(),
+            ..Default::default()
+        };
+        match last {
+            None => r.prompt_token_ids = prompt(i),
+            Some(l) => {
+                r.new_token_ids = vec![l.correction_token_id];
+                r.expected_prefix_length = l.cached_length;
+            }
+        }
+        r
+    }
+
+    /// Session `i`'s first `n` tokens decoded by the engine alone.
+    fn alone(engine: &TargetEngine, i: usize, n: usize) -> Vec<i32> {
+        let mut s = engine.new_session(1).unwrap();
+        let greedy = SamplingParams::default();
+        let p: Vec<u32> = prompt(i).iter().map(|&t| t as u32).collect();
+        let mut prefix = Prefix::Full(p);
+        let mut out = Vec::new();
+        while out.len() < n {
+            let o = engine
+                .verify(&mut s, prefix, &TokenTree::new(), &greedy)
+                .unwrap();
+            out.push(o.verdict.next_token as i32);
+            prefix = Prefix::Delta {
+                new_tokens: vec![o.verdict.next_token],
+                expected_len: o.cached_len,
+            };
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn sessions_join_and_end_between_shared_passes() {
+        let engine = engine();
+        let w = Arc::new(worker(&engine, 8, Duration::ZERO));
+        let b = w.batcher().unwrap().clone();
+        let ids = ["a", "b", "c"];
+        let mut last: Vec<Option<VerifyResponse>> = vec![None, None, None];
+        let mut tokens: Vec<Vec<i32>> = vec![vec![]; 3];
+        for pass in 0..6 {
+            // c joins at the third pass; b ends after the fourth.
+            let members: Vec<usize> = (0..3)
+                .filter(|&i| (i != 2 || pass >= 2) && (i != 1 || pass < 4))
+                .collect();
+            let hold = b.hold().await;
+            let tasks: Vec<_> = members
+                .iter()
+                .map(|&i| {
+                    let (w, r) = (w.clone(), round(ids[i], i, last[i].as_ref()));
+                    tokio::spawn(async move { w.verify_drafts(Request::new(r)).await })
+                })
+                .collect();
+            while b.queued() < members.len() {
+                tokio::task::yield_now().await;
+            }
+            drop(hold);
+            for (&i, t) in members.iter().zip(tasks) {
+                let r = t.await.unwrap().unwrap().into_inner();
+                tokens[i].push(r.correction_token_id);
+                last[i] = Some(r);
+            }
+            if pass == 3 {
+                let end = EndSessionRequest {
+                    session_id: "b".into(),
+                    ..Default::default()
+                };
+                assert!(
+                    w.end_session(Request::new(end))
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .was_active
+                );
+            }
+        }
+        assert_eq!(tokens[0], alone(&engine, 0, 6));
+        assert_eq!(tokens[1], alone(&engine, 1, 4));
+        assert_eq!(tokens[2], alone(&engine, 2, 4));
+        // The ended session is gone: its next delta must resend the prompt.
+        let e = w
+            .verify_drafts(Request::new(round("b", 1, last[1].as_ref())))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(e.message().contains(CACHE_EVICTED_MARKER), "{e:?}");
+        assert!(b.stats().multi_session_passes >= 6, "{:?}", b.stats());
+        assert_eq!(b.stats().most_sessions, 3);
+        let text = w.scrape()();
+        assert!(
+            text.contains("specsplit_verify_pass_sessions_count 14"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_batcher_places_its_passes_as_the_worker_does() {
+        let w = worker(&engine(), 4, Duration::ZERO);
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Pool);
+        let w = w.with_execution(Execution::new(WorkPlacement::Inline, Duration::ZERO));
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Inline);
+        assert_eq!(w.batcher().unwrap().limits().max_sessions, 8);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_new_session_waits_for_room_then_is_admitted_or_refused() {
+        let engine = engine();
+        let w = Arc::new(worker(&engine, 1, Duration::from_secs(600)));
+        w.verify_drafts(Request::new(round("a", 0, None)))
+            .await
+            .unwrap();
+        // Session a is busy (a request of it holds its handle): b cannot evict it, and waits.
+        let busy = w.sessions().get("a").unwrap();
+        let waiting = {
+            let w = w.clone();
+            tokio::spawn(async move { w.verify_drafts(Request::new(round("b", 1, None))).await })
+        };
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            !waiting.is_finished(),
+            "b was admitted while a held the only slot"
+        );
+        // a ends: b gets its room.
+        let end = EndSessionRequest {
+            session_id: "a".into(),
+            ..Default::default()
+        };
+        w.end_session(Request::new(end)).await.unwrap();
+        drop(busy);
+        let r = waiting.await.unwrap().unwrap().into_inner();
+        assert_eq!(r.correction_token_id, alone(&engine, 1, 1)[0]);
+        // With b busy and a short wait, c is refused once the wait is over, told what to raise.
+        let short = Arc::new(worker(&engine, 1, Duration::from_millis(30)));
+        short
+            .verify_drafts(Request::new(round("b", 1, None)))
+            .await
+            .unwrap();
+        let _busy = short.sessions().get("b").unwrap();
+        let e = short
+            .verify_drafts(Request::new(round("c", 2, None)))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            e.message().contains("raise max_sessions") && e.message().contains("30 ms"),
+            "{}",
+            e.message()
+        );
+        // A sessionless request waits and is refused the same way.
+        let e = short
+            .verify_drafts(Request::new(VerifyRequest {
+                prompt_token_ids: prompt(0),
+                ..Default::default()
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    }
 }

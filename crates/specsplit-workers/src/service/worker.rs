@@ -2,6 +2,7 @@
 //! session store, the limits it reports and enforces, and how its model work runs.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use specsplit_proto::{EndSessionRequest, EndSessionResponse, PingResponse};
 use tonic::{Request, Response, Status};
@@ -9,6 +10,7 @@ use tonic::{Request, Response, Status};
 use super::execution::Execution;
 use super::validate::check_ids;
 use super::WorkerInfo;
+use crate::batcher::VerifyBatcher;
 use crate::engine_session::SessionEngine;
 use crate::metrics::{StoreUsage, WorkerMetrics};
 use crate::session::{Reservation, SessionHandle, SessionLimits, SessionSecret, SessionStore};
@@ -26,6 +28,10 @@ pub struct Worker<E: SessionEngine> {
     info: WorkerInfo,
     exec: Execution,
     metrics: Arc<WorkerMetrics>,
+    /// How long a request for a new session waits for room when every session is busy.
+    admission_wait: Duration,
+    /// The target's verification batcher; none runs each request's pass on its own.
+    pub(super) batcher: Option<Arc<VerifyBatcher>>,
 }
 
 /// Renders a worker's metrics as they stand, for `/metrics`.
@@ -43,7 +49,21 @@ impl<E: SessionEngine> Worker<E> {
             exec: Execution::for_device(&info.device, None),
             info,
             metrics: Arc::new(metrics),
+            admission_wait: Duration::ZERO,
+            batcher: None,
         }
+    }
+
+    /// This worker making a request for a new session wait up to `wait` for room when every
+    /// session is busy, before it answers RESOURCE_EXHAUSTED (zero: at once).
+    pub fn with_admission_wait(mut self, wait: Duration) -> Self {
+        self.admission_wait = wait;
+        self
+    }
+
+    /// How long a request for a new session waits for room.
+    pub fn admission_wait(&self) -> Duration {
+        self.admission_wait
     }
 
     /// This worker's metrics.
@@ -77,8 +97,16 @@ impl<E: SessionEngine> Worker<E> {
 
     /// This worker running its model work as `exec` says.
     pub fn with_execution(mut self, exec: Execution) -> Self {
+        if let Some(b) = &self.batcher {
+            self.batcher = Some(Arc::new(b.placed(exec.placement())));
+        }
         self.exec = exec;
         self
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<E> {
+        &self.engine
     }
 
     /// How this worker runs its model work.
@@ -98,27 +126,35 @@ impl<E: SessionEngine> Worker<E> {
 
     /// A new session for a request without a `session_id`, and the reservation of one
     /// session's share of the limits that it holds while it runs.
-    pub(super) fn anonymous_session(
+    pub(super) async fn anonymous_session(
         &self,
         seed: u64,
     ) -> Result<AnonymousSession<'_, E::Session>, Status> {
-        let reservation = self.store.reserve_anonymous(self.engine.session_bytes())?;
+        let reservation = self
+            .store
+            .admit_anonymous(self.engine.session_bytes(), self.admission_wait)
+            .await?;
         let session = self.engine.new_session(seed).map_err(Status::from)?;
         Ok((Arc::new(tokio::sync::Mutex::new(session)), reservation))
     }
 
     /// The session `id` names, created (bound to `secret`, seeded by `seed`) if absent.
-    pub(super) fn named_session(
+    pub(super) async fn named_session(
         &self,
         id: &str,
         secret: Option<&SessionSecret>,
         seed: u64,
     ) -> Result<SessionHandle<E::Session>, Status> {
-        let (session, _) =
-            self.store
-                .get_or_create_owned(id, secret, self.engine.session_bytes(), || {
-                    self.engine.new_session(seed)
-                })?;
+        let (session, _) = self
+            .store
+            .admit_owned(
+                id,
+                secret,
+                self.engine.session_bytes(),
+                self.admission_wait,
+                || self.engine.new_session(seed),
+            )
+            .await?;
         Ok(session)
     }
 
@@ -147,7 +183,10 @@ impl<E: SessionEngine> Worker<E> {
         f: impl FnOnce(&E, &mut E::Session) -> Result<T, EngineError> + Send + 'static,
     ) -> Result<T, Status> {
         let engine = self.engine.clone();
-        self.exec.run(session, move |s| f(&engine, s)).await
+        let out = self.exec.run(session, move |s| f(&engine, s)).await;
+        // The session is idle again: a request waiting for room may evict it now.
+        self.store.room_may_be_free();
+        out
     }
 
     /// Answers `Ping` (counted in the metrics), for every kind of worker.
