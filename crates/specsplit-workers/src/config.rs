@@ -90,6 +90,16 @@ pub struct WorkerConfig {
     /// (a shared store capped at 65,536 tokens, oldest evicted first).
     #[serde(default)]
     pub suffix_history: bool,
+    /// Whether the target advises each session's next draft depth from its load (measured
+    /// pass times per row count and acceptance; `VerifyResponse.max_draft_depth`). The draft
+    /// ignores it.
+    #[serde(default = "default_load_gate")]
+    pub load_gate: bool,
+}
+
+/// The default of [`WorkerConfig::load_gate`]: on.
+fn default_load_gate() -> bool {
+    true
 }
 
 /// A secret setting: its `Debug` form hides it (the effective configuration is logged).
@@ -163,6 +173,7 @@ impl WorkerConfig {
             drain_secs: 0,
             drafter: crate::model_free::DrafterKind::Model,
             suffix_history: false,
+            load_gate: true,
         }
     }
 }

@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
+use crate::load_gate::LoadAdvisor;
 use crate::model_free::ModelFreeEngine;
 use crate::service::{
     serve_draft, serve_target, DraftWorker, Execution, Lifecycle, ModelFreeDraftWorker,
@@ -245,7 +246,12 @@ pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
     let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions)
         .with_device_timing(cfg.device_timing);
-    TargetWorker::new(Arc::new(engine), limits(cfg), info).with_execution(exec)
+    let gate = cfg
+        .load_gate
+        .then(|| Arc::new(LoadAdvisor::new(cfg.max_tree_depth)));
+    TargetWorker::new(Arc::new(engine), limits(cfg), info)
+        .with_execution(exec)
+        .with_load_gate(gate)
 }
 
 /// Serves a draft worker for `m` on `listener` until `shutdown`.

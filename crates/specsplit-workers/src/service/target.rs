@@ -63,6 +63,11 @@ impl TargetWorker {
         let secret = SessionSecret::parse(&r.session_secret)?;
         let (id, seed) = (r.session_id.as_str(), sampling.seed);
         let draft_tokens = tree.len();
+        let draft_depth = if tree.is_empty() {
+            0
+        } else {
+            tree.max_depth() + 1
+        };
         let (session, _reservation) = match (&prefix, id.is_empty()) {
             (Prefix::Delta { .. }, true) => {
                 return Err(Status::failed_precondition(format!(
@@ -86,6 +91,7 @@ impl TargetWorker {
             (Prefix::Full(_), false) => (self.named_session(id, secret.as_ref(), seed)?, None),
         };
         let logprobs = r.return_logprobs;
+        let in_flight = self.load_gate().map(|g| g.enter());
         let out = self
             .run(session, move |engine, s| {
                 engine.verify_scored(s, prefix, &tree, &sampling, logprobs)
@@ -94,6 +100,11 @@ impl TargetWorker {
         let v = &out.verdict;
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
+        let max_draft_depth = self.load_gate().and_then(|g| {
+            let (rows, time) = (out.tokens_processed, out.model_time);
+            g.observe_and_advise(rows, time, draft_depth, v.accepted_tokens.len())
+        });
+        drop(in_flight);
         Ok(Response::new(VerifyResponse {
             request_id: r.request_id,
             accepted_token_ids: v.accepted_tokens.iter().map(|&t| t as i32).collect(),
@@ -106,6 +117,7 @@ impl TargetWorker {
             cached_length: out.cached_len as i32,
             accepted_node_indices: v.accepted_nodes.iter().map(|&i| i as i32).collect(),
             token_logprobs: out.logprobs,
+            max_draft_depth: max_draft_depth.map(|d| d.min(i32::MAX as usize) as i32),
         }))
     }
 }

@@ -10,6 +10,7 @@ use super::execution::Execution;
 use super::validate::check_ids;
 use super::WorkerInfo;
 use crate::engine_session::SessionEngine;
+use crate::load_gate::LoadAdvisor;
 use crate::metrics::{StoreUsage, WorkerMetrics};
 use crate::session::{Reservation, SessionHandle, SessionLimits, SessionSecret, SessionStore};
 use crate::EngineError;
@@ -26,6 +27,8 @@ pub struct Worker<E: SessionEngine> {
     info: WorkerInfo,
     exec: Execution,
     metrics: Arc<WorkerMetrics>,
+    /// The load-gated depth advice this worker answers with (`None`: no advice).
+    load_gate: Option<Arc<LoadAdvisor>>,
 }
 
 /// Renders a worker's metrics as they stand, for `/metrics`.
@@ -43,7 +46,19 @@ impl<E: SessionEngine> Worker<E> {
             exec: Execution::for_device(&info.device, None),
             info,
             metrics: Arc::new(metrics),
+            load_gate: None,
         }
+    }
+
+    /// This worker advising draft depths by load through `advisor` (`None`: no advice).
+    pub fn with_load_gate(mut self, advisor: Option<Arc<LoadAdvisor>>) -> Self {
+        self.load_gate = advisor;
+        self
+    }
+
+    /// The load-gated depth advice this worker answers with, if any.
+    pub fn load_gate(&self) -> Option<&LoadAdvisor> {
+        self.load_gate.as_deref()
     }
 
     /// This worker's metrics.
