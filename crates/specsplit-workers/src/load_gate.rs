@@ -164,8 +164,13 @@ impl Drop for InFlight<'_> {
 impl LoadAdvisor {
     /// An advisor over a fresh gate advising depths up to `max_depth`.
     pub fn new(max_depth: usize) -> Self {
+        Self::with_gate(LoadGate::new(max_depth))
+    }
+
+    /// An advisor over `gate`, as it has measured so far.
+    pub fn with_gate(gate: LoadGate) -> Self {
         Self {
-            gate: Mutex::new(LoadGate::new(max_depth)),
+            gate: Mutex::new(gate),
             in_flight: AtomicUsize::new(0),
         }
     }
