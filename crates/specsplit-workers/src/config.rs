@@ -599,4 +599,25 @@ mod tests {
             Ok(())
         });
     }
+
+    #[test]
+    fn load_gate_is_on_by_default_and_the_file_or_the_flag_turns_it_off() {
+        use crate::cli::{WorkerArgs, WorkerKind};
+        figment::Jail::expect_with(|jail| {
+            let on = WorkerArgs::default().resolve(WorkerKind::Target).unwrap();
+            assert!(on.load_gate);
+            jail.create_file("c.toml", "[target]\nload_gate = false\n")?;
+            let file = WorkerArgs {
+                config: Some("c.toml".into()),
+                ..Default::default()
+            };
+            assert!(!file.resolve(WorkerKind::Target).unwrap().load_gate);
+            let flag = WorkerArgs {
+                load_gate: Some(false),
+                ..Default::default()
+            };
+            assert!(!flag.resolve(WorkerKind::Target).unwrap().load_gate);
+            Ok(())
+        });
+    }
 }
