@@ -22,8 +22,8 @@ const PASS_WEIGHT: f64 = 0.2;
 /// Passes the gate must have measured before it advises.
 const MIN_PASSES: u64 = 4;
 
-/// Drafted tokens the gate must have seen verified before it advises.
-const MIN_DRAFTED: u64 = 8;
+/// Draft tokens the gate must have seen tried before it advises.
+const MIN_TRIED: u64 = 8;
 
 /// The acceptance estimate is kept below 1 so that deeper drafts always cost something.
 const MAX_ACCEPTANCE: f64 = 0.999;
@@ -47,8 +47,9 @@ pub struct LoadGate {
     table: [Option<Point>; BUCKETS],
     /// Passes measured.
     passes: u64,
-    /// Draft tokens verified and accepted, the latter weighted as the former.
-    drafted: u64,
+    /// Draft tokens tried (every accepted one, and the first rejected one of each verdict)
+    /// and accepted.
+    tried: u64,
     accepted: u64,
 }
 
@@ -59,7 +60,7 @@ impl LoadGate {
             max_depth,
             table: [None; BUCKETS],
             passes: 0,
-            drafted: 0,
+            tried: 0,
             accepted: 0,
         }
     }
@@ -84,15 +85,20 @@ impl LoadGate {
     }
 
     /// Records one verdict: `accepted` of the `drafted` tokens on the draft's longest path.
+    /// A draft token is tried when every token before it was accepted: the accepted ones, and
+    /// the first rejected one if any.
     pub fn observe_verdict(&mut self, drafted: usize, accepted: usize) {
-        self.drafted += drafted as u64;
-        self.accepted += accepted.min(drafted) as u64;
+        let accepted = accepted.min(drafted);
+        self.accepted += accepted as u64;
+        self.tried += (accepted + usize::from(accepted < drafted)) as u64;
     }
 
-    /// The running acceptance estimate α (accepted of drafted), `None` before enough drafts.
+    /// The running per-token acceptance estimate α: accepted ÷ tried draft tokens (the
+    /// geometric model's maximum-likelihood estimate, unbiased by the chains' depth); `None`
+    /// before enough tries.
     pub fn acceptance(&self) -> Option<f64> {
-        (self.drafted >= MIN_DRAFTED)
-            .then(|| (self.accepted as f64 / self.drafted as f64).min(MAX_ACCEPTANCE))
+        (self.tried >= MIN_TRIED)
+            .then(|| (self.accepted as f64 / self.tried as f64).min(MAX_ACCEPTANCE))
     }
 
     /// The pass time the table predicts for `rows` rows, in seconds: piecewise linear between
@@ -209,14 +215,30 @@ impl LoadAdvisor {
 mod tests {
     use super::*;
 
-    /// A gate fed passes of every row count in `rows` timed by `t` (seconds), and `alpha`.
+    /// A gate fed passes of every row count in `rows` timed by `t` (seconds), and verdicts of
+    /// a per-token acceptance of 0.8.
     fn gate(max: usize, rows: impl IntoIterator<Item = usize>, t: impl Fn(f64) -> f64) -> LoadGate {
         let mut g = LoadGate::new(max);
         for r in rows {
             g.observe_pass(r, Duration::from_secs_f64(t(r as f64)));
         }
-        g.observe_verdict(100, 80);
+        for i in 0..100 {
+            g.observe_verdict(1, usize::from(i % 5 != 0));
+        }
         g
+    }
+
+    #[test]
+    fn acceptance_is_per_token_whatever_the_depth() {
+        // Chains of depth 4 with α = 0.5: every accept/reject pattern in proportion.
+        let mut g = LoadGate::new(4);
+        for (accepted, times) in [(0, 8), (1, 4), (2, 2), (3, 1), (4, 1)] {
+            for _ in 0..times {
+                g.observe_verdict(4, accepted);
+            }
+        }
+        let a = g.acceptance().expect("enough tries");
+        assert!((a - 0.5).abs() < 1e-9, "{a}");
     }
 
     #[test]
@@ -255,7 +277,10 @@ mod tests {
         for r in 1..=64 {
             g.observe_pass(r, Duration::from_millis(20));
         }
-        g.observe_verdict(50, 0);
+        for _ in 0..10 {
+            g.observe_verdict(5, 0);
+        }
+        assert_eq!(g.acceptance(), Some(0.0));
         assert_eq!(g.advise(1), Some(0));
     }
 
