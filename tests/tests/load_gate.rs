@@ -74,3 +74,34 @@ async fn advice_zero_makes_rounds_target_only_and_exact() {
 async fn advice_caps_the_depth_and_stays_exact() {
     check(2).await;
 }
+
+/// With `load_gate` on (the default) a target advises once it has measured enough passes and
+/// verdicts; off, it never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_setting_switches_the_advice() {
+    for on in [true, false] {
+        let cfg = specsplit_workers::config::WorkerConfig {
+            load_gate: on,
+            ..config("random:tiny:7", true)
+        };
+        let target = specsplit_e2e::start_target(&cfg).await;
+        let draft = start_draft(&config("random:tiny:7", false)).await;
+        let orch = Orchestrator::connect(Some(&draft.url), &target.url)
+            .await
+            .unwrap();
+        // A prefill of other rows than a verify's: the gate needs two row counts to advise.
+        let prompt: Vec<u32> = (3..43).collect();
+        let cfg = GenerateConfig {
+            mode: Mode::Spec,
+            pipeline: Pipeline::Sequential,
+            max_tokens: 40,
+            widths: vec![1; 4],
+            ..Default::default()
+        };
+        let g = orch.generate(&prompt, &cfg, |_| {}).await.unwrap();
+        let advised = g.rounds.iter().any(|r| r.advised_depth.is_some());
+        assert_eq!(advised, on, "load_gate {on}: {:?}", g.rounds);
+        target.stop().await;
+        draft.stop().await;
+    }
+}

@@ -76,8 +76,8 @@ pub struct RoundRecord {
     pub predraft_hit: Option<bool>,
     /// Why the round verified no tree (None when it verified one).
     pub no_draft: Option<NoDraft>,
-    /// The drafter chosen for the round (`none` for a target-only round by mode, choice or
-    /// the target's load advice).
+    /// The drafter chosen for the round (`none` for a target-only round by mode or choice,
+    /// the online choice's rounds made target-only by the target's load advice included).
     pub drafter: Drafter,
     /// The deepest draft the target advised for this round from its load (the cap in force;
     /// `None`: no advice).

@@ -332,8 +332,12 @@ impl<'a> Run<'a> {
         let advised = self.advised_depth;
         let mut drafter = self.choose_drafter();
         if advised == Some(0) && drafter != Drafter::None {
-            // A target-only round, by the target's load.
-            drafter = Drafter::None;
+            // A target-only round, by the target's load. The online choice counts it as its
+            // target-only arm; a configured drafter keeps its name, as in its other rounds
+            // without a tree.
+            if self.choice.is_some() {
+                drafter = Drafter::None;
+            }
             let widths = Vec::new();
             return Round {
                 no,
