@@ -31,7 +31,9 @@ pub fn ensure_model(name: &str) {
     assert!(status.success(), "fetching model {name} failed");
 }
 
-/// A worker configuration for tests: loopback, a free port, the given model.
+/// A worker configuration for tests: loopback, a free port, the given model. The target gives
+/// no load advice (`load_gate` off), so that the rounds a test asserts on do not depend on
+/// measured pass times; tests/tests/load_gate.rs tests the advice.
 pub fn config(model: &str, target: bool) -> WorkerConfig {
     let base = if target {
         WorkerConfig::target_defaults()
@@ -43,6 +45,7 @@ pub fn config(model: &str, target: bool) -> WorkerConfig {
         model: model.into(),
         max_context: 1024,
         memory_budget_mb: 4096,
+        load_gate: false,
         ..base
     }
 }

@@ -160,7 +160,13 @@ pub(crate) struct Sizing {
     pub(crate) max_tree_nodes: usize,
 }
 
-fn info(name: String, m: &Transformer, eos: &[u32], device: &str, z: &Sizing) -> WorkerInfo {
+pub(crate) fn info(
+    name: String,
+    m: &Transformer,
+    eos: &[u32],
+    device: &str,
+    z: &Sizing,
+) -> WorkerInfo {
     WorkerInfo {
         model_name: name,
         vocab_size: m.config().vocab_size,

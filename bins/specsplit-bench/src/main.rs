@@ -7,6 +7,8 @@
 //! - `plot`: PNG plots from the JSON reports;
 //! - `rpc`: per-RPC cost on loopback beyond the workers' own handling time;
 //! - `kernels`: the batch-invariant CUDA kernels against cuBLAS, per projection and pass size;
+//! - `load`: many users on one target: N concurrent generations, target-only and speculative
+//!   (depth gated by the target's load), aggregate tok/s and per-token latency;
 //! - `coverage`: how often the target's greedy token is the draft's first choice, or among its
 //!   next best alternatives (teacher-forced, real models).
 //!
@@ -16,6 +18,7 @@ mod coverage;
 mod e2e;
 mod forward;
 mod kernels;
+mod load;
 mod plot;
 mod prompt_set;
 mod report;
@@ -50,6 +53,94 @@ enum Command {
     Kernels(kernels::KernelArgs),
     /// How often the target's greedy token lies among the draft's top choices.
     Coverage(coverage::CoverageArgs),
+    /// Many users on one target: N concurrent generations, target-only and speculative.
+    Load(LoadArgs),
+}
+
+/// A decoding mode of `load --modes`.
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum ModeArg {
+    /// Target-only decoding.
+    Ar,
+    /// Speculative decoding, its depth gated by the target's load advice.
+    Spec,
+}
+
+#[derive(Args, Debug)]
+struct LoadArgs {
+    /// Target model spec.
+    #[arg(long)]
+    target: String,
+    /// Draft model spec (same vocabulary as the target).
+    #[arg(long)]
+    draft: String,
+    /// Target device.
+    #[arg(long, default_value = "cpu")]
+    device_target: String,
+    /// Draft device.
+    #[arg(long, default_value = "cpu")]
+    device_draft: String,
+    /// Dtype of both models (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long, default_value = "")]
+    dtype: String,
+    /// Concurrent generations of each measurement, all sharing one target and one draft
+    /// worker.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32,64")]
+    sessions: Vec<usize>,
+    /// Modes measured side by side at each session count: ar (target-only), spec
+    /// (speculative, gated by the target's load).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ar,spec")]
+    modes: Vec<ModeArg>,
+    /// Prompt length of random-weight models, in tokens (real models use the built-in text
+    /// prompts).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// New tokens per generation.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Synthetic drafter acceptance rate β: the draft model's forwards are paid for but its
+    /// proposals follow each prompt's output alone with probability β. Results are labelled
+    /// synthetic.
+    #[arg(long)]
+    synthetic_beta: Option<f64>,
+    /// Synthetic drafter: the chance that the target's token at a rejected position lies among
+    /// the draft's next 1, 2, … likeliest tokens [default: the rate measured on the
+    /// Qwen2.5-Coder 0.5B → 1.5B pair].
+    #[arg(long, value_delimiter = ',')]
+    synthetic_coverage: Option<Vec<f64>>,
+    /// Draft chain depth the orchestrator asks for; the target's load advice caps it.
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// Speculative pipeline: sequential, overlapped or predraft.
+    #[arg(long, value_enum, default_value = "overlapped")]
+    pipeline: PipelineArg,
+    /// Whether the target advises draft depths by its load (true or false).
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    load_gate: bool,
+    /// Unmeasured runs of each measurement before it is measured (CUDA graphs of its pass
+    /// lengths captured).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Most milliseconds one request to a worker may take (requests queue behind each other
+    /// under load).
+    #[arg(long, value_name = "MS", default_value_t = 120_000)]
+    rpc_timeout_ms: u64,
+    /// Seed of the pseudo-random prompts.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Tokio worker threads of the in-process workers and orchestrators (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    worker_threads: usize,
+    /// Busy-poll the orchestrator's sockets while a request is in flight: auto, always or
+    /// never.
+    #[arg(long, value_name = "auto|always|never", default_value = "auto")]
+    client_spin: ClientSpin,
+    /// Output directory.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// Base name of the output files [default: load, or load-synthetic with --synthetic-beta].
+    #[arg(long)]
+    name: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -392,6 +483,61 @@ fn e2e(a: E2eArgs) -> Result<()> {
     rt.enable_all().build()?.block_on(e2e::run(&s))
 }
 
+fn load_bench(a: LoadArgs) -> Result<()> {
+    if a.synthetic_beta.is_some_and(|b| !(0.0..=1.0).contains(&b)) {
+        bail!("--synthetic-beta must lie in [0, 1]");
+    }
+    if a.depth == 0 {
+        bail!("--depth must be positive");
+    }
+    let s = load::LoadSettings {
+        name: a.name.unwrap_or_else(|| {
+            if a.synthetic_beta.is_some() {
+                "load-synthetic".into()
+            } else {
+                "load".into()
+            }
+        }),
+        target: a.target,
+        draft: a.draft,
+        device_target: a.device_target,
+        device_draft: a.device_draft,
+        dtype: a.dtype,
+        sessions: a.sessions,
+        modes: a
+            .modes
+            .into_iter()
+            .map(|m| match m {
+                ModeArg::Ar => specsplit_orchestrator::Mode::Ar,
+                ModeArg::Spec => specsplit_orchestrator::Mode::Spec,
+            })
+            .collect(),
+        prompt_tokens: a.prompt_tokens,
+        max_tokens: a.max_tokens,
+        synthetic_beta: a.synthetic_beta,
+        coverage: a
+            .synthetic_coverage
+            .unwrap_or_else(|| specsplit_workers::draft::MEASURED_COVERAGE.to_vec()),
+        depth: a.depth,
+        pipeline: match a.pipeline {
+            PipelineArg::Sequential => Pipeline::Sequential,
+            PipelineArg::Overlapped => Pipeline::Overlapped,
+            PipelineArg::Predraft => Pipeline::Predraft,
+        },
+        load_gate: a.load_gate,
+        warmup: a.warmup,
+        rpc_timeout_ms: a.rpc_timeout_ms,
+        seed: a.seed,
+        client_spin: a.client_spin,
+        out: a.out,
+    };
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if a.worker_threads > 0 {
+        rt.worker_threads(a.worker_threads);
+    }
+    rt.enable_all().build()?.block_on(load::run(&s)).map(|_| ())
+}
+
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Forward(a) => forward(a),
@@ -400,5 +546,6 @@ fn main() -> Result<()> {
         Command::Rpc(a) => rpc::main(a),
         Command::Kernels(a) => kernels::main(a),
         Command::Coverage(a) => coverage::main(a),
+        Command::Load(a) => load_bench(a),
     }
 }

@@ -27,6 +27,16 @@ fn percentile_sorted(sorted: &[f64], q: f64) -> f64 {
     sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
 }
 
+/// Linearly interpolated percentile `q` in `[0, 1]` of `xs` (0 for an empty sample).
+pub fn percentile(xs: &[f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    let mut s = xs.to_vec();
+    s.sort_by(f64::total_cmp);
+    percentile_sorted(&s, q)
+}
+
 /// Summarises `xs` (all zeros for an empty sample).
 pub fn summarize(xs: &[f64]) -> Summary {
     if xs.is_empty() {

@@ -26,6 +26,8 @@ pub enum NoDraft {
     Chosen,
     /// The drafter proposed no tree (a model-free drafter found nothing to continue).
     NoMatch,
+    /// The target advised no draft for its current load (`max_draft_depth` 0).
+    Load,
 }
 
 /// What happened in one round.
@@ -74,8 +76,12 @@ pub struct RoundRecord {
     pub predraft_hit: Option<bool>,
     /// Why the round verified no tree (None when it verified one).
     pub no_draft: Option<NoDraft>,
-    /// The drafter chosen for the round (`none` for a target-only round by mode or choice).
+    /// The drafter chosen for the round (`none` for a target-only round by mode or choice,
+    /// the online choice's rounds made target-only by the target's load advice included).
     pub drafter: Drafter,
+    /// The deepest draft the target advised for this round from its load (the cap in force;
+    /// `None`: no advice).
+    pub advised_depth: Option<usize>,
 }
 
 impl RoundRecord {

@@ -61,6 +61,8 @@ pub struct BatchedOutcome {
     pub outcome: VerifyOutcome,
     /// Sessions whose rows ran in the same model pass (1: alone).
     pub pass_sessions: usize,
+    /// Rows of that pass, all its sessions' together.
+    pub pass_rows: usize,
 }
 
 /// Counts of the passes a [`VerifyBatcher`] ran.
@@ -290,6 +292,7 @@ impl VerifyBatcher {
 /// One pass: runs the prepared rounds' rows together, finishes and answers each.
 fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
     let sessions = members.len();
+    let rows: usize = members.iter().map(Job::rows).sum();
     counters.pass(sessions);
     for m in &mut members {
         engine.resume(&mut m.round, sessions == 1);
@@ -299,7 +302,7 @@ fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
             let m = &mut members[0];
             engine.pass(&mut m.session, &m.round, &m.request.tree)
         };
-        finish(engine, members.pop().expect("one member"), logits, 1);
+        finish(engine, members.pop().expect("one member"), logits, (1, rows));
         return;
     }
     let logits = {
@@ -312,7 +315,7 @@ fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
     match logits {
         Ok(logits) => {
             for (m, l) in members.into_iter().zip(logits) {
-                finish(engine, m, Ok(l), sessions);
+                finish(engine, m, Ok(l), (sessions, rows));
             }
         }
         Err(e) => {
@@ -322,18 +325,20 @@ fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
             for mut m in members {
                 let logits = engine.pass(&mut m.session, &m.round, &m.request.tree);
                 counters.pass(1);
-                finish(engine, m, logits, 1);
+                let rows = m.rows();
+                finish(engine, m, logits, (1, rows));
             }
         }
     }
 }
 
-/// Finishes `m`'s round with the logits of its pass (of `sessions` sessions) and answers it.
+/// Finishes `m`'s round with the logits of its pass (of `sessions` sessions and `rows` rows)
+/// and answers it.
 fn finish(
     engine: &TargetEngine,
     mut m: Job,
     logits: Result<candle_core::Tensor, EngineError>,
-    sessions: usize,
+    (sessions, rows): (usize, usize),
 ) {
     let out = logits.and_then(|l| {
         engine.finish(
@@ -348,6 +353,7 @@ fn finish(
     let _ = m.answer.send(out.map(|outcome| BatchedOutcome {
         outcome,
         pass_sessions: sessions,
+        pass_rows: rows,
     }));
 }
 

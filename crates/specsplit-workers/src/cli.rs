@@ -149,6 +149,11 @@ pub struct WorkerArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub suffix_history: bool,
+    /// Target: advise each session's next draft depth from the load (true or false)
+    /// [default: true].
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_gate: Option<bool>,
 }
 
 impl WorkerArgs {

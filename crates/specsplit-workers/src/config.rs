@@ -99,6 +99,16 @@ pub struct WorkerConfig {
     /// (a shared store capped at 65,536 tokens, oldest evicted first).
     #[serde(default)]
     pub suffix_history: bool,
+    /// Whether the target advises each session's next draft depth from its load (measured
+    /// pass times per row count and acceptance; `VerifyResponse.max_draft_depth`). The draft
+    /// ignores it.
+    #[serde(default = "default_load_gate")]
+    pub load_gate: bool,
+}
+
+/// The default of [`WorkerConfig::load_gate`]: on.
+fn default_load_gate() -> bool {
+    true
 }
 
 /// A secret setting: its `Debug` form hides it (the effective configuration is logged).
@@ -175,6 +185,7 @@ impl WorkerConfig {
             drain_secs: 0,
             drafter: crate::model_free::DrafterKind::Model,
             suffix_history: false,
+            load_gate: true,
         }
     }
 }
@@ -611,6 +622,27 @@ mod tests {
                 &Flags::default(),
             );
             assert!(r.unwrap_err().to_string().contains("does not exist"));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn load_gate_is_on_by_default_and_the_file_or_the_flag_turns_it_off() {
+        use crate::cli::{WorkerArgs, WorkerKind};
+        figment::Jail::expect_with(|jail| {
+            let on = WorkerArgs::default().resolve(WorkerKind::Target).unwrap();
+            assert!(on.load_gate);
+            jail.create_file("c.toml", "[target]\nload_gate = false\n")?;
+            let file = WorkerArgs {
+                config: Some("c.toml".into()),
+                ..Default::default()
+            };
+            assert!(!file.resolve(WorkerKind::Target).unwrap().load_gate);
+            let flag = WorkerArgs {
+                load_gate: Some(false),
+                ..Default::default()
+            };
+            assert!(!flag.resolve(WorkerKind::Target).unwrap().load_gate);
             Ok(())
         });
     }

@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use crate::batcher::BatchLimits;
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
+use crate::load_gate::LoadAdvisor;
 use crate::model_free::ModelFreeEngine;
 use crate::service::{
     serve_draft, serve_target, DraftWorker, Execution, Lifecycle, ModelFreeDraftWorker,
@@ -257,9 +258,13 @@ pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
     let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions)
         .with_device_timing(cfg.device_timing);
+    let gate = cfg
+        .load_gate
+        .then(|| Arc::new(LoadAdvisor::new(cfg.max_tree_depth)));
     let worker = TargetWorker::new(Arc::new(engine), limits(cfg), info)
         .with_execution(exec)
-        .with_admission_wait(admission_wait(cfg));
+        .with_admission_wait(admission_wait(cfg))
+        .with_load_gate(gate);
     if cfg.max_batch_sessions > 1 {
         worker.with_batching(BatchLimits {
             max_sessions: cfg.max_batch_sessions,

@@ -12,6 +12,7 @@ pub mod endpoints;
 pub mod engine_session;
 pub mod error;
 pub mod launch;
+pub mod load_gate;
 pub mod metrics;
 pub mod model_free;
 pub mod predraft;

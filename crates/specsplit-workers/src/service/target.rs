@@ -83,6 +83,11 @@ impl TargetWorker {
         let secret = SessionSecret::parse(&r.session_secret)?;
         let (id, seed) = (r.session_id.as_str(), sampling.seed);
         let draft_tokens = tree.len();
+        let draft_depth = if tree.is_empty() {
+            0
+        } else {
+            tree.max_depth() + 1
+        };
         let (session, _reservation) = match (&prefix, id.is_empty()) {
             (Prefix::Delta { .. }, true) => {
                 return Err(Status::failed_precondition(format!(
@@ -113,16 +118,17 @@ impl TargetWorker {
             params: sampling,
             logprobs: r.return_logprobs,
         };
-        let out = match &self.batcher {
+        let in_flight = self.load_gate().map(|g| g.enter());
+        let (out, pass_rows) = match &self.batcher {
             Some(b) => {
                 let out = b.verify(session, request).await;
                 self.sessions().room_may_be_free();
                 self.execution().answered();
                 let out = out?;
                 self.metrics().observe_pass_sessions(out.pass_sessions);
-                out.outcome
+                (out.outcome, Some(out.pass_rows))
             }
-            None => {
+            None => (
                 self.run(session, move |engine, s| {
                     engine.verify_scored(
                         s,
@@ -132,12 +138,20 @@ impl TargetWorker {
                         request.logprobs,
                     )
                 })
-                .await?
-            }
+                .await?,
+                None,
+            ),
         };
         let v = &out.verdict;
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
+        let max_draft_depth = self.load_gate().and_then(|g| {
+            // A shared pass's time is that of all its sessions' rows.
+            let rows = pass_rows.unwrap_or(out.tokens_processed);
+            let time = out.model_time;
+            g.observe_and_advise(rows, time, draft_depth, v.accepted_tokens.len())
+        });
+        drop(in_flight);
         Ok(Response::new(VerifyResponse {
             request_id: r.request_id,
             accepted_token_ids: v.accepted_tokens.iter().map(|&t| t as i32).collect(),
@@ -150,6 +164,7 @@ impl TargetWorker {
             cached_length: out.cached_len as i32,
             accepted_node_indices: v.accepted_nodes.iter().map(|&i| i as i32).collect(),
             token_logprobs: out.logprobs,
+            max_draft_depth: max_draft_depth.map(|d| d.min(i32::MAX as usize) as i32),
         }))
     }
 }

@@ -12,6 +12,7 @@ use super::validate::check_ids;
 use super::WorkerInfo;
 use crate::batcher::VerifyBatcher;
 use crate::engine_session::SessionEngine;
+use crate::load_gate::LoadAdvisor;
 use crate::metrics::{StoreUsage, WorkerMetrics};
 use crate::session::{Reservation, SessionHandle, SessionLimits, SessionSecret, SessionStore};
 use crate::EngineError;
@@ -32,6 +33,8 @@ pub struct Worker<E: SessionEngine> {
     admission_wait: Duration,
     /// The target's verification batcher; none runs each request's pass on its own.
     pub(super) batcher: Option<Arc<VerifyBatcher>>,
+    /// The load-gated depth advice this worker answers with (`None`: no advice).
+    load_gate: Option<Arc<LoadAdvisor>>,
 }
 
 /// Renders a worker's metrics as they stand, for `/metrics`.
@@ -51,6 +54,7 @@ impl<E: SessionEngine> Worker<E> {
             metrics: Arc::new(metrics),
             admission_wait: Duration::ZERO,
             batcher: None,
+            load_gate: None,
         }
     }
 
@@ -64,6 +68,17 @@ impl<E: SessionEngine> Worker<E> {
     /// How long a request for a new session waits for room.
     pub fn admission_wait(&self) -> Duration {
         self.admission_wait
+    }
+
+    /// This worker advising draft depths by load through `advisor` (`None`: no advice).
+    pub fn with_load_gate(mut self, advisor: Option<Arc<LoadAdvisor>>) -> Self {
+        self.load_gate = advisor;
+        self
+    }
+
+    /// The load-gated depth advice this worker answers with, if any.
+    pub fn load_gate(&self) -> Option<&LoadAdvisor> {
+        self.load_gate.as_deref()
     }
 
     /// This worker's metrics.

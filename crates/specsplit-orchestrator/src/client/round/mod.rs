@@ -123,6 +123,8 @@ struct Round {
     beside: bool,
     /// The drafter chosen for it.
     drafter: Drafter,
+    /// The target's load advice in force for it.
+    advised_depth: Option<usize>,
 }
 
 impl Round {
@@ -186,6 +188,9 @@ pub(super) struct Run<'a> {
     suffix_used: bool,
     /// Tokens of the prompt.
     prompt_len: usize,
+    /// The deepest draft the target advised, from its load, for the next round (`None`: no
+    /// advice).
+    advised_depth: Option<usize>,
 }
 
 /// Milliseconds since `t`.
@@ -240,6 +245,7 @@ impl<'a> Run<'a> {
             ),
             suffix_used: false,
             prompt_len: 0,
+            advised_depth: None,
         }
     }
 
@@ -285,6 +291,7 @@ impl<'a> Run<'a> {
                 break StopReason::Deadline;
             };
             self.adapt_depth(&round, &verdict);
+            self.advised_depth = verdict.verified.advised_depth;
             let (emitted, stop_now) = self.cut_at_stop(&verdict.verified);
             if self.out.is_empty() {
                 self.ttft_ms = ms_since(self.start);
@@ -322,7 +329,30 @@ impl<'a> Run<'a> {
         let start = Instant::now();
         let no = self.rounds.len();
         let remaining = self.cfg.max_tokens - self.out.len();
-        let drafter = self.choose_drafter();
+        let advised = self.advised_depth;
+        let mut drafter = self.choose_drafter();
+        if advised == Some(0) && drafter != Drafter::None {
+            // A target-only round, by the target's load. The online choice counts it as its
+            // target-only arm; a configured drafter keeps its name, as in its other rounds
+            // without a tree.
+            if self.choice.is_some() {
+                drafter = Drafter::None;
+            }
+            let widths = Vec::new();
+            return Round {
+                no,
+                start,
+                remaining,
+                widths,
+                no_draft: Some(NoDraft::Load),
+                first: false,
+                drafted: Drafted::none(0.0),
+                overlap_hit: None,
+                beside: false,
+                drafter,
+                advised_depth: advised,
+            };
+        }
         let (widths, mut no_draft) = if self.cfg.mode == Mode::Ar {
             (Vec::new(), Some(NoDraft::Mode))
         } else {
@@ -334,7 +364,8 @@ impl<'a> Run<'a> {
                 self.cfg.widths.len()
             };
             self.widths = resize_widths(&self.cfg.widths, d);
-            let wanted = resize_widths(&self.widths, d.min(remaining - 1));
+            let cap = advised.unwrap_or(usize::MAX);
+            let wanted = resize_widths(&self.widths, d.min(remaining - 1).min(cap));
             let auto = self.cfg.drafter == DrafterChoice::Auto;
             if self.choice.is_some() {
                 // Every model-free drafter proposes, played or not: the choice scores them all.
@@ -390,6 +421,7 @@ impl<'a> Run<'a> {
             overlap_hit: None,
             beside: false,
             drafter,
+            advised_depth: advised,
         }
     }
 
@@ -780,6 +812,7 @@ impl<'a> Run<'a> {
                 None
             },
             drafter: round.drafter,
+            advised_depth: round.advised_depth,
         });
     }
 

@@ -139,6 +139,9 @@ pub(super) struct Verified {
     pub(super) cached_len: usize,
     /// The target's log-probability of each accepted token, then of `next` (when asked for).
     pub(super) logprobs: Vec<f32>,
+    /// The deepest draft the target asks the next round to use, from its load (`None`: no
+    /// advice).
+    pub(super) advised_depth: Option<usize>,
 }
 
 impl Verified {
@@ -180,6 +183,7 @@ impl Verified {
             next: r.correction_token_id as u32,
             cached_len: r.cached_length.max(0) as usize,
             logprobs: r.token_logprobs.clone(),
+            advised_depth: r.max_draft_depth.map(|d| d.max(0) as usize),
         })
     }
 }

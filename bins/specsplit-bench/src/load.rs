@@ -1,0 +1,405 @@
+//! `load`: many users on one target. N concurrent generations share one in-process target
+//! worker and one draft worker over loopback gRPC, target-only (`ar`) and speculative (`spec`,
+//! the depth gated by the target's load advice) side by side for each N; every output is
+//! compared with the same prompt generated alone.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use specsplit_orchestrator::{
+    ClientSpin, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
+};
+use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
+use specsplit_workers::load_gate::LoadAdvisor;
+use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker};
+use specsplit_workers::session::SessionLimits;
+use specsplit_workers::target::TargetEngine;
+
+use crate::e2e::{info, load, load_draft, spawn_server, text_prompts, Sizing};
+use crate::util;
+
+/// Settings of the `load` subcommand.
+#[derive(Debug, Clone)]
+pub struct LoadSettings {
+    /// Target model spec.
+    pub target: String,
+    /// Draft model spec.
+    pub draft: String,
+    /// Target device.
+    pub device_target: String,
+    /// Draft device.
+    pub device_draft: String,
+    /// Dtype of both models ("" = device default).
+    pub dtype: String,
+    /// Concurrent generations of each measurement.
+    pub sessions: Vec<usize>,
+    /// Target-only and/or speculative decoding.
+    pub modes: Vec<Mode>,
+    /// Prompt length of random-weight models, in tokens.
+    pub prompt_tokens: usize,
+    /// New tokens per generation.
+    pub max_tokens: usize,
+    /// Synthetic drafter acceptance β (None: the real draft model).
+    pub synthetic_beta: Option<f64>,
+    /// The synthetic drafter's coverage of rejected positions (see
+    /// [`SyntheticOracle::with_coverage`]).
+    pub coverage: Vec<f64>,
+    /// Draft chain depth the orchestrator asks for (the target's advice caps it).
+    pub depth: usize,
+    /// The speculative pipeline.
+    pub pipeline: Pipeline,
+    /// Whether the target advises depths by load.
+    pub load_gate: bool,
+    /// Unmeasured runs of each measurement before it is measured.
+    pub warmup: usize,
+    /// Most milliseconds one request to a worker may take.
+    pub rpc_timeout_ms: u64,
+    /// Seed of the pseudo-random prompts.
+    pub seed: u64,
+    /// When the orchestrator's client runtime busy-polls.
+    pub client_spin: ClientSpin,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Base name of the output files.
+    pub name: String,
+}
+
+/// The name of a mode in rows.
+fn mode_name(m: Mode) -> &'static str {
+    match m {
+        Mode::Ar => "ar",
+        Mode::Spec => "spec",
+    }
+}
+
+/// Runs `n` generations at once on `orch`, session `i` on prompt `i`; returns them in prompt
+/// order and the wall time from the first start to the last finish.
+async fn generate_concurrently(
+    orch: &Arc<Orchestrator>,
+    prompts: &[Vec<u32>],
+    n: usize,
+    cfg: &GenerateConfig,
+) -> Result<(Vec<Generation>, f64)> {
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, prompt) in prompts.iter().take(n).enumerate() {
+        let (orch, prompt) = (orch.clone(), prompt.clone());
+        let cfg = GenerateConfig {
+            seed: cfg.seed.wrapping_add(i as u64),
+            ..cfg.clone()
+        };
+        tasks.spawn(async move { (i, orch.generate(&prompt, &cfg, |_| {}).await) });
+    }
+    let mut gens: Vec<Option<Generation>> = vec![None; n];
+    while let Some(joined) = tasks.join_next().await {
+        let (i, g) = joined.context("a generation task failed")?;
+        gens[i] = Some(g.with_context(|| format!("generation {i}"))?);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    Ok((gens.into_iter().flatten().collect(), wall))
+}
+
+/// Each token's latency after a generation's first round: its round's wall time ÷ the tokens
+/// the round emitted, in ms, over every generation.
+fn token_latencies_ms(gens: &[Generation]) -> Vec<f64> {
+    gens.iter()
+        .flat_map(|g| g.rounds.iter().skip(1))
+        .filter(|r| !r.emitted.is_empty())
+        .flat_map(|r| {
+            let per = r.round_ms / r.emitted.len() as f64;
+            std::iter::repeat_n(per, r.emitted.len())
+        })
+        .collect()
+}
+
+/// One result row: `n` sessions of `mode` generated `gens` in `wall_s` seconds; `alone` holds
+/// each prompt's output generated alone.
+fn row(mode: Mode, n: usize, gens: &[Generation], wall_s: f64, alone: &[Generation]) -> Value {
+    let tokens: usize = gens.iter().map(|g| g.token_ids.len()).sum();
+    let lat = token_latencies_ms(gens);
+    let identical = gens
+        .iter()
+        .zip(alone)
+        .filter(|(g, a)| g.token_ids == a.token_ids)
+        .count();
+    let rounds: Vec<_> = gens.iter().flat_map(|g| g.rounds.iter().skip(1)).collect();
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    let advised: Vec<f64> = rounds
+        .iter()
+        .filter_map(|r| r.advised_depth.map(|d| d as f64))
+        .collect();
+    let load_rounds = rounds
+        .iter()
+        .filter(|r| r.no_draft == Some(specsplit_orchestrator::NoDraft::Load))
+        .count();
+    json!({
+        "sessions": n,
+        "mode": mode_name(mode),
+        "generations": gens.len(),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "aggregate_tok_per_s": ratio(tokens as f64, wall_s),
+        "p50_tpot_ms": util::percentile(&lat, 0.5),
+        "p99_tpot_ms": util::percentile(&lat, 0.99),
+        "mean_ttft_ms": ratio(gens.iter().map(|g| g.stats.ttft_ms).sum(), gens.len() as f64),
+        "identical_to_alone": ratio(identical as f64, gens.len() as f64),
+        "mean_drafted_depth": ratio(rounds.iter().map(|r| r.drafted as f64).sum(), rounds.len() as f64),
+        "mean_accepted": ratio(rounds.iter().map(|r| r.accepted as f64).sum(), rounds.len() as f64),
+        "mean_advised_depth": if advised.is_empty() { Value::Null } else { json!(ratio(advised.iter().sum(), advised.len() as f64)) },
+        "load_target_only_share": ratio(load_rounds as f64, rounds.len() as f64),
+        "mean_verify_model_ms": ratio(rounds.iter().map(|r| r.verify_model_ms).sum(), rounds.len() as f64),
+    })
+}
+
+/// Runs the load benchmark, prints its table and writes its report; returns the report.
+pub async fn run(s: &LoadSettings) -> Result<Value> {
+    if s.sessions.is_empty() || s.sessions.contains(&0) {
+        bail!("--sessions takes positive counts");
+    }
+    if s.modes.is_empty() {
+        bail!("--modes takes ar and/or spec");
+    }
+    let random = s.target.starts_with("random:") && s.draft.starts_with("random:");
+    eprintln!("loading target {} and draft {} ...", s.target, s.draft);
+    let target = load(s.target.clone(), s.device_target.clone(), s.dtype.clone()).await?;
+    let draft = load_draft(&s.draft, &s.device_draft, &s.dtype, &target).await?;
+    let most = s.sessions.iter().copied().max().unwrap_or(1);
+    let prompts: Vec<Vec<u32>> = if random {
+        let vocab = target.model.config().vocab_size;
+        let eos = target.tokenizer.eos_token_ids();
+        (0..most)
+            .map(|i| util::random_ids(s.seed.wrapping_add(i as u64), s.prompt_tokens, vocab, eos))
+            .collect()
+    } else {
+        text_prompts(None, most, &target)?
+    };
+    // Random weights: no EOS, so every generation runs max_tokens.
+    let eos: Vec<u32> = if random {
+        Vec::new()
+    } else {
+        target.tokenizer.eos_token_ids().to_vec()
+    };
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let z = Sizing {
+        max_context: longest + s.max_tokens + s.depth + 16,
+        max_tree_nodes: s.depth.max(1) + 8,
+    };
+    let limits = SessionLimits {
+        max_sessions: 2 * most + 8,
+        memory_budget_bytes: usize::MAX / 2,
+        ttl: Duration::from_secs(600),
+    };
+    let target_model = Arc::new(target.model);
+    let draft_model = Arc::new(draft.model);
+    let t_info = info(
+        target.name.clone(),
+        &target_model,
+        &eos,
+        &s.device_target,
+        &z,
+    );
+    let max_depth = t_info.max_tree_depth;
+    let t_engine = Arc::new(TargetEngine::new(target_model.clone(), z.max_context));
+    let t_exec = Execution::for_device(&s.device_target, None);
+    let gate = s.load_gate.then(|| Arc::new(LoadAdvisor::new(max_depth)));
+    let t_worker = TargetWorker::new(t_engine, limits, t_info)
+        .with_execution(t_exec.clone())
+        .with_load_gate(gate);
+    let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
+
+    let base = GenerateConfig {
+        max_tokens: s.max_tokens,
+        temperature: 0.0,
+        seed: 1,
+        rpc_timeout_ms: s.rpc_timeout_ms,
+        draft_timeout_ms: s.rpc_timeout_ms,
+        ..GenerateConfig::default()
+    };
+    let ar_cfg = GenerateConfig {
+        mode: Mode::Ar,
+        ..base.clone()
+    };
+    let spec_cfg = GenerateConfig {
+        mode: Mode::Spec,
+        pipeline: s.pipeline,
+        widths: vec![1; s.depth],
+        ..base.clone()
+    };
+    let ar_orch = Arc::new(Orchestrator::connect_with(None, &t_server.addr, s.client_spin).await?);
+
+    // Each prompt alone, target-only: the reference of every measurement.
+    eprintln!("{most} prompts alone (target-only) ...");
+    let mut alone = Vec::with_capacity(most);
+    for (i, p) in prompts.iter().enumerate() {
+        let cfg = GenerateConfig {
+            seed: base.seed.wrapping_add(i as u64),
+            ..ar_cfg.clone()
+        };
+        alone.push(ar_orch.generate(p, &cfg, |_| {}).await?);
+    }
+
+    let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context);
+    let mut draft_label = draft.name.clone();
+    if let Some(beta) = s.synthetic_beta {
+        let references = prompts
+            .iter()
+            .zip(&alone)
+            .map(|(p, g)| p.iter().chain(&g.token_ids).copied().collect())
+            .collect();
+        let oracle = SyntheticOracle::new(references, beta).with_coverage(s.coverage.clone());
+        engine = engine.with_synthetic(oracle);
+        draft_label = format!("{} (synthetic β={beta})", draft.name);
+    }
+    let d_info = info(draft_label.clone(), &draft_model, &eos, &s.device_draft, &z);
+    let d_worker = DraftWorker::new(Arc::new(engine), limits, d_info)
+        .with_execution(Execution::for_device(&s.device_draft, None));
+    let d_server = spawn_server("draft", move |l, sd| serve_draft(d_worker, l, sd)).await?;
+    let spec_orch = Arc::new(
+        Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?,
+    );
+
+    let mut rows = Vec::new();
+    for &n in &s.sessions {
+        for &mode in &s.modes {
+            let (orch, cfg) = match mode {
+                Mode::Ar => (&ar_orch, &ar_cfg),
+                Mode::Spec => (&spec_orch, &spec_cfg),
+            };
+            for _ in 0..s.warmup {
+                generate_concurrently(orch, &prompts, n, cfg).await?;
+            }
+            let (gens, wall) = generate_concurrently(orch, &prompts, n, cfg).await?;
+            let r = row(mode, n, &gens, wall, &alone);
+            eprintln!(
+                "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}",
+                mode_name(mode),
+                r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0),
+                r["p50_tpot_ms"].as_f64().unwrap_or(0.0),
+                r["p99_tpot_ms"].as_f64().unwrap_or(0.0),
+                r["identical_to_alone"].as_f64().unwrap_or(0.0),
+            );
+            rows.push(r);
+        }
+    }
+    d_server.stop().await;
+    t_server.stop().await;
+
+    println!("{}", table(&rows));
+    let doc = json!({
+        "meta": {
+            "kind": "load",
+            "target": target.name, "target_spec": s.target,
+            "draft": draft_label, "draft_spec": s.draft,
+            "device_target": s.device_target, "device_draft": s.device_draft,
+            "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
+            "sessions": s.sessions,
+            "modes": s.modes.iter().map(|&m| mode_name(m)).collect::<Vec<_>>(),
+            "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+            "random_prompts": random,
+            "max_tokens": s.max_tokens,
+            "synthetic": s.synthetic_beta.is_some(), "beta": s.synthetic_beta,
+            "synthetic_coverage": s.synthetic_beta.map(|_| s.coverage.clone()),
+            "depth": s.depth,
+            "pipeline": format!("{:?}", s.pipeline).to_lowercase(),
+            "load_gate": s.load_gate,
+            "warmup_runs": s.warmup,
+            "transport": "gRPC over loopback, workers in-process, one target and one draft worker shared by all sessions",
+            "greedy": true,
+            "work_placement": format!("{:?}", t_exec.placement()).to_lowercase(),
+        },
+        "rows": rows,
+    });
+    let (j, c) = crate::report::write(&s.out, &s.name, &doc)?;
+    eprintln!("wrote {} and {}", j.display(), c.display());
+    Ok(doc)
+}
+
+/// The rows as a plain-text table.
+fn table(rows: &[Value]) -> String {
+    let mut out = format!(
+        "{:>8} {:>5} {:>12} {:>10} {:>10} {:>9} {:>8} {:>8}\n",
+        "sessions", "mode", "agg tok/s", "p50 ms", "p99 ms", "identical", "drafted", "advised"
+    );
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(0.0);
+    for r in rows {
+        let advised = r["mean_advised_depth"]
+            .as_f64()
+            .map_or("-".to_string(), |a| format!("{a:.2}"));
+        out.push_str(&format!(
+            "{:>8} {:>5} {:>12.1} {:>10.2} {:>10.2} {:>9.2} {:>8.2} {:>8}\n",
+            r["sessions"].as_u64().unwrap_or(0),
+            r["mode"].as_str().unwrap_or(""),
+            f(r, "aggregate_tok_per_s"),
+            f(r, "p50_tpot_ms"),
+            f(r, "p99_tpot_ms"),
+            f(r, "identical_to_alone"),
+            f(r, "mean_drafted_depth"),
+            advised,
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiny_models_share_one_target_and_match_their_outputs_alone() {
+        let out = std::env::temp_dir().join(format!("specsplit-load-test-{}", std::process::id()));
+        let s = LoadSettings {
+            target: "random:tiny:7".into(),
+            draft: "random:tiny:8".into(),
+            device_target: "cpu".into(),
+            device_draft: "cpu".into(),
+            dtype: String::new(),
+            sessions: vec![1, 2],
+            modes: vec![Mode::Ar, Mode::Spec],
+            prompt_tokens: 12,
+            max_tokens: 16,
+            synthetic_beta: Some(0.8),
+            coverage: vec![0.5],
+            depth: 4,
+            pipeline: Pipeline::Overlapped,
+            load_gate: true,
+            warmup: 0,
+            rpc_timeout_ms: 30_000,
+            seed: 3,
+            client_spin: ClientSpin::Never,
+            out: out.clone(),
+            name: "load".into(),
+        };
+        let returned = run(&s).await.expect("load benchmark");
+        let doc: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("load.json")).unwrap()).unwrap();
+        assert_eq!(doc["rows"].as_array().map(Vec::len), Some(4));
+        assert_eq!(doc["meta"], returned["meta"]);
+        assert_eq!(doc["meta"]["kind"], "load");
+        assert_eq!(doc["meta"]["synthetic"], true);
+        let rows = doc["rows"].as_array().unwrap();
+        let keys: Vec<(u64, &str)> = rows
+            .iter()
+            .map(|r| (r["sessions"].as_u64().unwrap(), r["mode"].as_str().unwrap()))
+            .collect();
+        assert_eq!(keys, [(1, "ar"), (1, "spec"), (2, "ar"), (2, "spec")]);
+        for r in rows {
+            assert_eq!(r["identical_to_alone"], 1.0, "{r}");
+            assert_eq!(
+                r["tokens"].as_u64(),
+                Some(16 * r["sessions"].as_u64().unwrap()),
+                "{r}"
+            );
+            for k in ["aggregate_tok_per_s", "p50_tpot_ms", "p99_tpot_ms"] {
+                assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {r}");
+            }
+            assert!(
+                r["p99_tpot_ms"].as_f64() >= r["p50_tpot_ms"].as_f64(),
+                "{r}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
