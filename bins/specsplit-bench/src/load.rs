@@ -13,6 +13,7 @@ use specsplit_orchestrator::{
     ClientSpin, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
 };
 use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
+use specsplit_workers::batcher::BatchLimits;
 use specsplit_workers::load_gate::LoadAdvisor;
 use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker};
 use specsplit_workers::session::SessionLimits;
@@ -53,6 +54,8 @@ pub struct LoadSettings {
     pub pipeline: Pipeline,
     /// Whether the target advises depths by load.
     pub load_gate: bool,
+    /// Most sessions whose rounds share one target pass (1: each pass alone).
+    pub max_batch_sessions: usize,
     /// Unmeasured runs of each measurement before it is measured.
     pub warmup: usize,
     /// Most milliseconds one request to a worker may take.
@@ -208,6 +211,14 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     let t_worker = TargetWorker::new(t_engine, limits, t_info)
         .with_execution(t_exec.clone())
         .with_load_gate(gate);
+    let t_worker = if s.max_batch_sessions > 1 {
+        t_worker.with_batching(BatchLimits {
+            max_sessions: s.max_batch_sessions,
+            max_rows: 2048,
+        })
+    } else {
+        t_worker
+    };
     let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
 
     let base = GenerateConfig {
@@ -305,6 +316,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "depth": s.depth,
             "pipeline": format!("{:?}", s.pipeline).to_lowercase(),
             "load_gate": s.load_gate,
+            "max_batch_sessions": s.max_batch_sessions,
             "warmup_runs": s.warmup,
             "transport": "gRPC over loopback, workers in-process, one target and one draft worker shared by all sessions",
             "greedy": true,
@@ -365,6 +377,7 @@ mod tests {
             depth: 4,
             pipeline: Pipeline::Overlapped,
             load_gate: true,
+            max_batch_sessions: 64,
             warmup: 0,
             rpc_timeout_ms: 30_000,
             seed: 3,

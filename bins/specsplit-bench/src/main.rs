@@ -117,6 +117,10 @@ struct LoadArgs {
     /// Whether the target advises draft depths by its load (true or false).
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     load_gate: bool,
+    /// Most sessions whose verification rounds share one target pass (1: every pass alone,
+    /// as without batching).
+    #[arg(long, default_value_t = 64)]
+    max_batch_sessions: usize,
     /// Unmeasured runs of each measurement before it is measured (CUDA graphs of its pass
     /// lengths captured).
     #[arg(long, default_value_t = 1)]
@@ -525,6 +529,7 @@ fn load_bench(a: LoadArgs) -> Result<()> {
             PipelineArg::Predraft => Pipeline::Predraft,
         },
         load_gate: a.load_gate,
+        max_batch_sessions: a.max_batch_sessions,
         warmup: a.warmup,
         rpc_timeout_ms: a.rpc_timeout_ms,
         seed: a.seed,
