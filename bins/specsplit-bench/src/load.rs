@@ -12,8 +12,8 @@ use serde_json::{json, Value};
 use specsplit_orchestrator::{
     ClientSpin, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
 };
-use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
 use specsplit_workers::batcher::BatchLimits;
+use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
 use specsplit_workers::load_gate::LoadAdvisor;
 use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker};
 use specsplit_workers::session::SessionLimits;

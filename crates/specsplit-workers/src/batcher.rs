@@ -16,6 +16,12 @@
 //! pass leaves the queue with its session cut back to the round's kept prefix
 //! ([`TargetEngine::abandon`]); once in a pass, the round runs to the end (the session stays
 //! whole) and the answer is discarded.
+//!
+//! A pass placed `Inline` runs on the thread that reads requests (a GPU worker's, so that all
+//! its device work stays on one thread): no request is read while it runs, and the sessions
+//! of one pass send their next rounds only after it answers them. So before a pass the batcher
+//! gathers: it lets the thread read requests until as many rounds are queued as the last pass
+//! held, for at most [`GATHER_WINDOW`]. A session alone never waits.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,6 +87,8 @@ struct Counters {
     passes: AtomicU64,
     multi_session_passes: AtomicU64,
     most_sessions: AtomicU64,
+    /// Sessions of the last pass.
+    last_sessions: AtomicU64,
 }
 
 impl Counters {
@@ -89,6 +97,7 @@ impl Counters {
             return;
         }
         self.passes.fetch_add(1, Ordering::Relaxed);
+        self.last_sessions.store(sessions as u64, Ordering::Relaxed);
         if sessions > 1 {
             self.multi_session_passes.fetch_add(1, Ordering::Relaxed);
         }
@@ -96,6 +105,9 @@ impl Counters {
             .fetch_max(sessions as u64, Ordering::Relaxed);
     }
 }
+
+/// Longest wait of a pass for the rounds of the sessions that shared the last pass.
+pub const GATHER_WINDOW: std::time::Duration = std::time::Duration::from_micros(500);
 
 /// The answer channel of one queued request.
 type Answer = oneshot::Sender<Result<BatchedOutcome, EngineError>>;
@@ -225,8 +237,30 @@ impl VerifyBatcher {
                         .map_err(|_| Status::internal("worker task failed: the verification pass stopped"))?
                         .map_err(Status::from);
                 }
-                turn = self.device.clone().lock_owned() => self.run_next(turn),
+                turn = self.device.clone().lock_owned() => {
+                    self.gather().await;
+                    self.run_next(turn)
+                }
             }
+        }
+    }
+
+    /// Lets the thread read requests until as many rounds are queued as the last pass held (at
+    /// most the pass limit), for at most [`GATHER_WINDOW`]: rounds of sessions that shared the
+    /// last pass arrive just after its answers. Only for passes placed `Inline` (elsewhere
+    /// requests are read while a pass runs).
+    async fn gather(&self) {
+        if self.placement != WorkPlacement::Inline {
+            return;
+        }
+        let last = self.counters.last_sessions.load(Ordering::Relaxed) as usize;
+        let expected = last.min(self.limits.max_sessions);
+        if expected <= 1 {
+            return;
+        }
+        let deadline = std::time::Instant::now() + GATHER_WINDOW;
+        while self.lock_queue().len() < expected && std::time::Instant::now() < deadline {
+            tokio::task::yield_now().await;
         }
     }
 
@@ -302,7 +336,12 @@ fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
             let m = &mut members[0];
             engine.pass(&mut m.session, &m.round, &m.request.tree)
         };
-        finish(engine, members.pop().expect("one member"), logits, (1, rows));
+        finish(
+            engine,
+            members.pop().expect("one member"),
+            logits,
+            (1, rows),
+        );
         return;
     }
     let logits = {
