@@ -21,7 +21,8 @@
 //! its device work stays on one thread): no request is read while it runs, and the sessions
 //! of one pass send their next rounds only after it answers them. So before a pass the batcher
 //! gathers: it lets the thread read requests until as many rounds are queued as the last pass
-//! held, for at most [`GATHER_WINDOW`]. A session alone never waits.
+//! held or as sessions asked for rounds within [`ACTIVE_WINDOW`], for at most
+//! [`GATHER_WINDOW`]. A session alone never waits.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -109,6 +110,9 @@ impl Counters {
 /// Longest wait of a pass for the rounds of the sessions that shared the last pass.
 pub const GATHER_WINDOW: std::time::Duration = std::time::Duration::from_micros(500);
 
+/// How recently a session must have asked for a round to be waited for by a gathering pass.
+pub const ACTIVE_WINDOW: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// The answer channel of one queued request.
 type Answer = oneshot::Sender<Result<BatchedOutcome, EngineError>>;
 
@@ -138,6 +142,9 @@ pub struct VerifyBatcher {
     /// Held while a pass is assembled and runs.
     device: Arc<tokio::sync::Mutex<()>>,
     counters: Arc<Counters>,
+    /// When each session (by its handle's address) last asked for a round, within
+    /// [`ACTIVE_WINDOW`].
+    recent: Mutex<std::collections::HashMap<usize, std::time::Instant>>,
 }
 
 /// Holds every pass of a [`VerifyBatcher`] back until dropped (requests queue up meanwhile).
@@ -157,6 +164,7 @@ impl VerifyBatcher {
             queue: Mutex::new(VecDeque::new()),
             device: Arc::new(tokio::sync::Mutex::new(())),
             counters: Arc::new(Counters::default()),
+            recent: Mutex::default(),
         }
     }
 
@@ -213,6 +221,7 @@ impl VerifyBatcher {
         session: SessionHandle<TargetSession>,
         request: RoundRequest,
     ) -> Result<BatchedOutcome, Status> {
+        self.note_active(Arc::as_ptr(&session) as usize);
         let session = session.lock_owned().await;
         let engine = self.engine.clone();
         let (session, request, round) = placed(self.placement, move || {
@@ -245,16 +254,37 @@ impl VerifyBatcher {
         }
     }
 
-    /// Lets the thread read requests until as many rounds are queued as the last pass held (at
-    /// most the pass limit), for at most [`GATHER_WINDOW`]: rounds of sessions that shared the
-    /// last pass arrive just after its answers. Only for passes placed `Inline` (elsewhere
+    /// Notes that the session at `key` asked for a round now.
+    fn note_active(&self, key: usize) {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        recent.retain(|_, &mut t| now.duration_since(t) < ACTIVE_WINDOW);
+        recent.insert(key, now);
+    }
+
+    /// Sessions that asked for a round within the last [`ACTIVE_WINDOW`].
+    fn active_sessions(&self) -> usize {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        recent
+            .values()
+            .filter(|&&t| now.duration_since(t) < ACTIVE_WINDOW)
+            .count()
+    }
+
+    /// Lets the thread read requests until as many rounds are queued as the last pass held or
+    /// as sessions asked for rounds lately (at most the pass limit), for at most
+    /// [`GATHER_WINDOW`]: rounds of sessions that shared the last pass arrive just after its
+    /// answers. Only for passes placed `Inline` (elsewhere
     /// requests are read while a pass runs).
     async fn gather(&self) {
         if self.placement != WorkPlacement::Inline {
             return;
         }
         let last = self.counters.last_sessions.load(Ordering::Relaxed) as usize;
-        let expected = last.min(self.limits.max_sessions);
+        let expected = last
+            .max(self.active_sessions())
+            .min(self.limits.max_sessions);
         if expected <= 1 {
             return;
         }
@@ -675,6 +705,45 @@ mod tests {
         for n in [1, 3, 4] {
             assert!(shared.contains(&n), "{shared:?}");
         }
+    }
+
+    /// Sessions whose clients each send their next round as soon as the last is answered,
+    /// with passes on the thread that reads requests (a GPU worker's placement), nothing held
+    /// back: the gathering before a pass makes their rounds share passes, and each session
+    /// verifies exactly as alone.
+    #[tokio::test(flavor = "current_thread")]
+    async fn closed_loop_sessions_share_inline_passes_without_being_held() {
+        let engine = tiny_engine();
+        let b = batcher(&engine, WorkPlacement::Inline);
+        const ROUNDS: usize = 6;
+        let scripts: Vec<Script> = (0..4).map(|i| Script::new(&engine, i)).collect();
+        let mut tasks = Vec::new();
+        for mut script in scripts {
+            let (engine, b) = (engine.clone(), b.clone());
+            tasks.push(tokio::spawn(async move {
+                let h = handle(&engine, 1);
+                let mut got = Vec::new();
+                for _ in 0..ROUNDS {
+                    let out = b.verify(h.clone(), script.request()).await.unwrap();
+                    script.answered(&out.outcome);
+                    got.push(seen(&out.outcome));
+                    // The answer's way back to the client and the next request's way here.
+                    tokio::task::yield_now().await;
+                }
+                got
+            }));
+        }
+        for (i, t) in tasks.into_iter().enumerate() {
+            let got = t.await.unwrap();
+            let (expected, _) = alone_session(&engine, i, ROUNDS);
+            assert_eq!(
+                got, expected,
+                "session {i} verified differently in shared passes"
+            );
+        }
+        let stats = b.stats();
+        assert!(stats.multi_session_passes >= 3, "{stats:?}");
+        assert!(stats.passes < 4 * ROUNDS as u64, "{stats:?}");
     }
 
     #[tokio::test(flavor = "current_thread")]
