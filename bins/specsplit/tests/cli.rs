@@ -9,6 +9,9 @@ fn specsplit(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_specsplit"))
         .args(args)
         .env("RUST_LOG", "error")
+        // These tests are about the draft model's rounds unless they name another drafter
+        // (a flag overrides the environment); the default is tested on its own.
+        .env("SPECSPLIT_ORCHESTRATOR__DRAFTER", "model")
         .output()
         .expect("run specsplit")
 }
@@ -18,6 +21,7 @@ fn spawn_streaming(args: &[&str]) -> std::process::Child {
     use std::process::Stdio;
     Command::new(env!("CARGO_BIN_EXE_specsplit"))
         .args(args)
+        .env("SPECSPLIT_ORCHESTRATOR__DRAFTER", "model")
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -517,4 +521,39 @@ fn model_free_drafters_need_no_draft_model_and_report_each_rounds_drafter() {
         let d = r["drafter"].as_str().unwrap();
         assert!(["model", "ngram", "suffix", "none"].contains(&d), "{r}");
     }
+}
+
+#[test]
+fn the_online_choice_is_the_default_drafter_and_matches_target_only() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "Hello, speculative world!",
+            "--target-model",
+            "random:tiny:7",
+            "--draft-model",
+            "random:tiny:7",
+            "--no-chat-template",
+            "--max-tokens",
+            "20",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+            .args(&args)
+            .env("RUST_LOG", "error")
+            .env_remove("SPECSPLIT_ORCHESTRATOR__DRAFTER")
+            .output()
+            .expect("run specsplit");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).expect("json")
+    };
+    let auto = run(&[]);
+    assert_eq!(auto["config"]["drafter"], "auto");
+    let ar = run(&["--mode", "ar"]);
+    assert_eq!(auto["token_ids"], ar["token_ids"]);
 }

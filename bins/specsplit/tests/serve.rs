@@ -36,6 +36,8 @@ impl Serve {
     /// [`Serve::start`] with `env` set.
     fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Serve {
         let mut child = Command::new(env!("CARGO_BIN_EXE_specsplit"))
+            // The speculative counters below count the draft model's trees.
+            .env("SPECSPLIT_ORCHESTRATOR__DRAFTER", "model")
             .args([
                 "serve",
                 "--target-model",
