@@ -29,7 +29,8 @@ fn spawn_streaming(args: &[&str]) -> std::process::Child {
         .expect("run specsplit")
 }
 
-fn generate_json(extra: &[&str]) -> Value {
+/// `generate --json` on tiny random models with `extra` flags.
+fn generate_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "generate",
         "Hello, speculative world!",
@@ -43,7 +44,11 @@ fn generate_json(extra: &[&str]) -> Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = specsplit(&args);
+    args
+}
+
+fn generate_json(extra: &[&str]) -> Value {
+    let out = specsplit(&generate_args(extra));
     assert!(
         out.status.success(),
         "specsplit failed: {}",
@@ -526,21 +531,8 @@ fn model_free_drafters_need_no_draft_model_and_report_each_rounds_drafter() {
 #[test]
 fn the_online_choice_is_the_default_drafter_and_matches_target_only() {
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "generate",
-            "Hello, speculative world!",
-            "--target-model",
-            "random:tiny:7",
-            "--draft-model",
-            "random:tiny:7",
-            "--no-chat-template",
-            "--max-tokens",
-            "20",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
         let out = Command::new(env!("CARGO_BIN_EXE_specsplit"))
-            .args(&args)
+            .args(generate_args(extra))
             .env("RUST_LOG", "error")
             .env_remove("SPECSPLIT_ORCHESTRATOR__DRAFTER")
             .output()

@@ -57,6 +57,8 @@ pub struct ServerMetrics {
     draft_tokens: Family<Labels, Counter>,
     accepted_tokens: Family<Labels, Counter>,
     accepted_per_pos: Family<Labels, Counter>,
+    drafter_rounds: Family<Labels, Counter>,
+    drafter_tokens: Family<Labels, Counter>,
 }
 
 impl std::fmt::Debug for ServerMetrics {
@@ -151,6 +153,19 @@ impl ServerMetrics {
              vllm:spec_decode_num_accepted_tokens_per_pos)",
             accepted_per_pos.clone(),
         );
+        let drafter_rounds = Family::<Labels, Counter>::default();
+        r.register(
+            "drafter_rounds",
+            "Rounds by the drafter that proposed their tree (`none`: target-only rounds), the \
+             online choice's picks among them",
+            drafter_rounds.clone(),
+        );
+        let drafter_tokens = Family::<Labels, Counter>::default();
+        r.register(
+            "drafter_emitted_tokens",
+            "Tokens emitted by the rounds of each drafter (accepted and the target's own)",
+            drafter_tokens.clone(),
+        );
         let model = vec![("model_name", model.to_string())];
         // The gauges show 0 before the first request.
         let _ = running.get_or_create(&model);
@@ -171,6 +186,8 @@ impl ServerMetrics {
             draft_tokens,
             accepted_tokens,
             accepted_per_pos,
+            drafter_rounds,
+            drafter_tokens,
         }
     }
 
@@ -235,6 +252,14 @@ impl ServerMetrics {
                 .get_or_create(m)
                 .observe(after_first.as_secs_f64() / (generated - 1) as f64);
         }
+        for r in rounds {
+            let mut labels = m.clone();
+            labels.push(("drafter", r.drafter.name().to_string()));
+            self.drafter_rounds.get_or_create(&labels).inc();
+            self.drafter_tokens
+                .get_or_create(&labels)
+                .inc_by(r.emitted.len() as u64);
+        }
         for r in rounds.iter().filter(|r| r.tree_nodes > 0) {
             self.drafts.get_or_create(m).inc();
             self.draft_tokens
@@ -279,6 +304,7 @@ impl Drop for GaugeGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use specsplit_orchestrator::Drafter;
 
     #[test]
     fn generations_count_tokens_and_draft_trees_like_vllm() {
@@ -286,6 +312,12 @@ mod tests {
         let round = |tree_nodes, accepted| RoundRecord {
             tree_nodes,
             accepted,
+            emitted: vec![1; accepted + 1],
+            drafter: if tree_nodes > 0 {
+                Drafter::Ngram
+            } else {
+                Drafter::None
+            },
             ..RoundRecord::default()
         };
         let rounds = [round(5, 2), round(0, 0), round(3, 1)];
@@ -314,6 +346,10 @@ mod tests {
             "specsplit_spec_decode_num_accepted_tokens_total{model_name=\"tiny\"} 3",
             "specsplit_spec_decode_num_accepted_tokens_per_pos_total{model_name=\"tiny\",position=\"0\"} 2",
             "specsplit_spec_decode_num_accepted_tokens_per_pos_total{model_name=\"tiny\",position=\"1\"} 1",
+            "specsplit_drafter_rounds_total{model_name=\"tiny\",drafter=\"ngram\"} 2",
+            "specsplit_drafter_rounds_total{model_name=\"tiny\",drafter=\"none\"} 1",
+            "specsplit_drafter_emitted_tokens_total{model_name=\"tiny\",drafter=\"ngram\"} 5",
+            "specsplit_drafter_emitted_tokens_total{model_name=\"tiny\",drafter=\"none\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
         }

@@ -146,8 +146,13 @@ impl TargetWorker {
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
         let max_draft_depth = self.load_gate().and_then(|g| {
-            // A shared pass's time is that of all its sessions' rows.
-            let rows = pass_rows.unwrap_or(out.tokens_processed);
+            // A round's model time is its own preparation (a prompt's prefill) and its pass,
+            // which a shared pass spends on all its sessions' rows.
+            let own_pass = 1 + draft_tokens;
+            let rows = match pass_rows {
+                Some(p) => p + out.tokens_processed.saturating_sub(own_pass),
+                None => out.tokens_processed,
+            };
             let time = out.model_time;
             g.observe_and_advise(rows, time, draft_depth, v.accepted_tokens.len())
         });
