@@ -6,9 +6,6 @@
 //! model-free drafter is known from the first rounds without playing it, and is played only
 //! while it measures faster than the target alone.
 
-use specsplit_core::drafter::ngram::NgramDrafter;
-use specsplit_core::drafter::suffix::SuffixDrafter;
-use specsplit_core::drafter::DraftShape;
 use specsplit_core::tree::TokenTree;
 
 use crate::bandit::{DrafterBandit, DrafterMemory};
@@ -54,25 +51,14 @@ impl OnlineChoice {
         self.bandit.choose()
     }
 
-    /// Has every model-free drafter propose a tree of `widths` after `sequence`, to be scored
-    /// once the sequence shows what the target emits after it.
-    pub fn propose(
-        &mut self,
-        sequence: &[u32],
-        widths: &[usize],
-        ngram: &mut NgramDrafter,
-        suffix: &mut SuffixDrafter,
-    ) {
+    /// Has every model-free drafter propose a tree after a sequence of `at` tokens (`draft`
+    /// gives a drafter's tree and what drafting it took, ms), to be scored once the sequence
+    /// shows what the target emits after it.
+    pub fn propose(&mut self, at: usize, mut draft: impl FnMut(Drafter) -> (TokenTree, f64)) {
         self.proposed.clear();
-        let shape = DraftShape::of_widths(widths);
         for d in [Drafter::Ngram, Drafter::Suffix] {
-            let t0 = std::time::Instant::now();
-            let tree = match d {
-                Drafter::Ngram => ngram.draft(sequence, shape),
-                _ => suffix.draft(sequence, shape),
-            };
-            let ms = t0.elapsed().as_secs_f64() * 1e3;
-            self.shadow.propose(d, sequence.len(), tree.clone(), ms);
+            let (tree, ms) = draft(d);
+            self.shadow.propose(d, at, tree.clone(), ms);
             self.proposed.push((d, tree, ms));
         }
     }
@@ -139,7 +125,9 @@ pub struct PlayedRound {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use specsplit_core::drafter::suffix::SuffixConfig;
+    use specsplit_core::drafter::ngram::NgramDrafter;
+    use specsplit_core::drafter::suffix::{SuffixConfig, SuffixDrafter};
+    use specsplit_core::drafter::DraftShape;
 
     /// A generation of `text` (after `prompt`) under the online choice, on a target whose
     /// verify costs `base + per_row · rows` ms (and 1 ms beside it). Returns the drafter each
@@ -154,14 +142,18 @@ mod tests {
         let depth = 4;
         let mut total = 0.0;
         let mut c = OnlineChoice::new(false, memory);
-        let mut ngram = NgramDrafter::default();
+        let ngram = NgramDrafter::default();
         let mut suffix = SuffixDrafter::new(SuffixConfig::default(), None);
         let mut seq = prompt.to_vec();
         let mut played = Vec::new();
         let mut first = true;
         while seq.len() < prompt.len() + text.len() {
             let d = c.choose();
-            c.propose(&seq, &[1; 4][..depth], &mut ngram, &mut suffix);
+            let shape = DraftShape::of_widths(&[1; 4][..depth]);
+            c.propose(seq.len(), |d| match d {
+                Drafter::Ngram => (ngram.draft(&seq, shape), 0.0),
+                _ => (suffix.draft(&seq, shape), 0.0),
+            });
             let tree = c.proposal(d).map(|p| p.0).unwrap_or_default();
             // Greedy verification against the known continuation.
             let next = &text[seq.len() - prompt.len()..];

@@ -518,32 +518,7 @@ mod tests {
 
     impl Script {
         fn new(engine: &TargetEngine, session: usize) -> Self {
-            // The target's own greedy continuation, one plain step at a time.
-            let mut s = engine.new_session(1).unwrap();
-            let greedy = SamplingParams::default();
-            let mut o = engine
-                .verify(
-                    &mut s,
-                    Prefix::Full(prompt(session)),
-                    &TokenTree::new(),
-                    &greedy,
-                )
-                .unwrap();
-            let mut cont = Vec::new();
-            while cont.len() < 48 {
-                cont.push(o.verdict.next_token);
-                o = engine
-                    .verify(
-                        &mut s,
-                        Prefix::Delta {
-                            new_tokens: vec![o.verdict.next_token],
-                            expected_len: o.cached_len,
-                        },
-                        &TokenTree::new(),
-                        &greedy,
-                    )
-                    .unwrap();
-            }
+            let cont = crate::target::greedy_continuation(engine, 1, prompt(session), 48);
             Self {
                 session,
                 cont,

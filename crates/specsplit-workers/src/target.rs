@@ -738,6 +738,33 @@ fn chain_then_tree(chain: &[u32], tree: &TokenTree) -> Result<TokenTree, EngineE
     Ok(t)
 }
 
+/// The target's own greedy continuation of `prompt`, `n` tokens, one plain step at a time in a
+/// new session seeded `seed` (a reference for tests).
+#[cfg(test)]
+pub(crate) fn greedy_continuation(
+    engine: &TargetEngine,
+    seed: u64,
+    prompt: Vec<u32>,
+    n: usize,
+) -> Vec<u32> {
+    let mut s = engine.new_session(seed).unwrap();
+    let greedy = SamplingParams::default();
+    let none = TokenTree::new();
+    let mut o = engine
+        .verify(&mut s, Prefix::Full(prompt), &none, &greedy)
+        .unwrap();
+    let mut cont = Vec::new();
+    while cont.len() < n {
+        cont.push(o.verdict.next_token);
+        let next = Prefix::Delta {
+            new_tokens: vec![o.verdict.next_token],
+            expected_len: o.cached_len,
+        };
+        o = engine.verify(&mut s, next, &none, &greedy).unwrap();
+    }
+    cont
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -809,32 +836,7 @@ mod tests {
     fn a_recycled_session_verifies_exactly_like_a_fresh_one() {
         let kept = tiny_engine(1);
         let fresh = tiny_engine(0);
-        // The target's own greedy continuation, one plain step at a time.
-        let mut alone = fresh.new_session(9).unwrap();
-        let greedy = SamplingParams::default();
-        let mut o = fresh
-            .verify(
-                &mut alone,
-                Prefix::Full(prompt()),
-                &TokenTree::new(),
-                &greedy,
-            )
-            .unwrap();
-        let mut cont = Vec::new();
-        while cont.len() < 40 {
-            cont.push(o.verdict.next_token);
-            o = fresh
-                .verify(
-                    &mut alone,
-                    Prefix::Delta {
-                        new_tokens: vec![o.verdict.next_token],
-                        expected_len: o.cached_len,
-                    },
-                    &TokenTree::new(),
-                    &greedy,
-                )
-                .unwrap();
-        }
+        let cont = greedy_continuation(&fresh, 9, prompt(), 40);
         // A first session fills the cache with another sequence, then ends.
         let mut first = kept.new_session(1).unwrap();
         let long: Vec<u32> = (0..90).map(|i| (i * 11 + 2) % 500).collect();

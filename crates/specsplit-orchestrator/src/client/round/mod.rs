@@ -193,6 +193,24 @@ pub(super) struct Run<'a> {
     advised_depth: Option<usize>,
 }
 
+/// The tree of model-free drafter `drafter` (of `drafters`: n-gram, suffix) in `widths` after
+/// `seq`, and what drafting it took (ms); an empty tree for any other drafter.
+fn draft_model_free(
+    drafters: (&mut NgramDrafter, &mut SuffixDrafter),
+    seq: &[u32],
+    drafter: Drafter,
+    widths: &[usize],
+) -> (TokenTree, f64) {
+    let t0 = Instant::now();
+    let shape = DraftShape::of_widths(widths);
+    let tree = match drafter {
+        Drafter::Ngram => drafters.0.draft(seq, shape),
+        Drafter::Suffix => drafters.1.draft(seq, shape),
+        Drafter::Model | Drafter::None => TokenTree::new(),
+    };
+    (tree, ms_since(t0))
+}
+
 /// Milliseconds since `t`.
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -372,7 +390,10 @@ impl<'a> Run<'a> {
                 let (room, levels) = self.target_room();
                 let w = fit_tree_widths(&wanted, room, levels);
                 if let Some(c) = &mut self.choice {
-                    c.propose(&self.seq, &w, &mut self.ngram, &mut self.suffix);
+                    let (ngram, suffix, seq) = (&mut self.ngram, &mut self.suffix, &self.seq);
+                    c.propose(seq.len(), |d| {
+                        draft_model_free((&mut *ngram, &mut *suffix), seq, d, &w)
+                    });
                 }
             }
             if wanted.is_empty() {
@@ -428,35 +449,24 @@ impl<'a> Run<'a> {
     /// A tree of the round's model-free drafter after the sequence, within the round's widths'
     /// room (timed; `NoDraft::NoMatch` when it finds nothing to continue).
     fn draft_here(&mut self, round: &mut Round) {
-        if let Some((tree, ms)) = self.choice.as_ref().and_then(|c| c.proposal(round.drafter)) {
-            if round.drafter == Drafter::Suffix {
-                self.suffix_used = true;
-            }
-            if tree.is_empty() {
-                round.no_draft = Some(NoDraft::NoMatch);
-            }
-            round.drafted = Drafted {
-                tree,
-                ..Drafted::none(ms)
-            };
-            return;
+        let proposed = self.choice.as_ref().and_then(|c| c.proposal(round.drafter));
+        let (tree, ms) = proposed.unwrap_or_else(|| {
+            draft_model_free(
+                (&mut self.ngram, &mut self.suffix),
+                &self.seq,
+                round.drafter,
+                &round.widths,
+            )
+        });
+        if round.drafter == Drafter::Suffix {
+            self.suffix_used = true;
         }
-        let t0 = Instant::now();
-        let shape = DraftShape::of_widths(&round.widths);
-        let tree = match round.drafter {
-            Drafter::Ngram => self.ngram.draft(&self.seq, shape),
-            Drafter::Suffix => {
-                self.suffix_used = true;
-                self.suffix.draft(&self.seq, shape)
-            }
-            Drafter::Model | Drafter::None => TokenTree::new(),
-        };
         if tree.is_empty() {
             round.no_draft = Some(NoDraft::NoMatch);
         }
         round.drafted = Drafted {
             tree,
-            ..Drafted::none(ms_since(t0))
+            ..Drafted::none(ms)
         };
     }
 
