@@ -28,6 +28,24 @@ pub struct DraftParams {
     pub widths: Vec<usize>,
     /// Sampling transforms; greedy drafts take the top-w tokens.
     pub sampling: SamplingParams,
+    /// When nobody waits for the tree any more (the request's deadline): drafting stops at its
+    /// next checkpoint after it with [`EngineError::DeadlineExceeded`]. `None`: no limit.
+    pub deadline: Option<Instant>,
+}
+
+/// Tokens a draft's prefix catch-up forwards at once on a CPU, where a prompt's catch-up
+/// takes seconds: between these chunks a draft whose deadline passed stops (on a GPU the
+/// whole catch-up is one pass of milliseconds).
+pub const CPU_CATCH_UP_CHUNK: usize = 32;
+
+/// [`EngineError::DeadlineExceeded`] once `deadline` has passed, before `what`.
+pub(crate) fn before_deadline(deadline: Option<Instant>, what: &str) -> Result<(), EngineError> {
+    match deadline {
+        Some(d) if Instant::now() >= d => Err(EngineError::DeadlineExceeded(format!(
+            "the request's deadline passed before {what}; nothing waits for its answer"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// What drafting one tree cost.
@@ -326,6 +344,7 @@ impl DraftEngine {
                 self.max_context
             )));
         }
+        before_deadline(p.deadline, "drafting began")?;
         specsplit_core::device::bind_to_thread(self.model.device())?;
         let mut stats = DraftStats::default();
         let greedy = p.sampling.is_greedy();
@@ -339,7 +358,7 @@ impl DraftEngine {
             }
             return result.map(|t| (t, stats));
         }
-        let root_logits = self.sync_prefix(s, tokens, &mut stats)?;
+        let root_logits = self.sync_prefix(s, tokens, p.deadline, &mut stats)?;
         let prefix_len = s.tokens.len();
         let result = self.draft_levels(s, root_logits, prefix_len, p, &mut stats);
         // Drop the tree's entries whatever happened: the cache holds exactly `tokens` again.
@@ -348,10 +367,14 @@ impl DraftEngine {
     }
 
     /// Brings the cache to `tokens`; returns the logits after the last token, shape (vocab,).
+    /// On a CPU the uncached tokens go through in chunks of [`CPU_CATCH_UP_CHUNK`], and a
+    /// `deadline` that passes between two stops the catch-up there: the session keeps the
+    /// chunks already cached (its tokens and cache agree) for the next request.
     fn sync_prefix(
         &self,
         s: &mut DraftSession,
         tokens: &[u32],
+        deadline: Option<Instant>,
         stats: &mut DraftStats,
     ) -> Result<Tensor, EngineError> {
         let lcp = common_prefix(&s.tokens, tokens);
@@ -366,18 +389,29 @@ impl DraftEngine {
         s.cache.truncate(keep)?;
         s.tokens.truncate(keep);
         s.last_logits = None;
-        let new = &tokens[keep..];
-        let t0 = Instant::now();
         let dev = self.model.device();
-        let ids = Tensor::new(new, dev)?;
-        let pos: Vec<u32> = (keep as u32..(keep + new.len()) as u32).collect();
-        let pos = Tensor::new(pos.as_slice(), dev)?;
-        let rows = Tensor::new(&[(new.len() - 1) as u32], dev)?;
-        let logits = self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
-        let logits = logits.squeeze(0)?;
-        stats.model_time += t0.elapsed();
-        stats.tokens_processed += new.len();
-        s.tokens.extend_from_slice(new);
+        let new = &tokens[keep..];
+        let chunk = if dev.is_cpu() {
+            CPU_CATCH_UP_CHUNK
+        } else {
+            new.len()
+        };
+        let mut logits = None;
+        for part in new.chunks(chunk) {
+            before_deadline(deadline, "the draft caught up with the sequence")?;
+            let t0 = Instant::now();
+            let at = s.tokens.len();
+            let ids = Tensor::new(part, dev)?;
+            let pos: Vec<u32> = (at as u32..(at + part.len()) as u32).collect();
+            let pos = Tensor::new(pos.as_slice(), dev)?;
+            let rows = Tensor::new(&[(part.len() - 1) as u32], dev)?;
+            let out = self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
+            logits = Some(out.squeeze(0)?);
+            stats.model_time += t0.elapsed();
+            stats.tokens_processed += part.len();
+            s.tokens.extend_from_slice(part);
+        }
+        let logits = logits.expect("at least one uncached token");
         s.last_logits = Some(logits.clone());
         Ok(logits)
     }
@@ -798,6 +832,7 @@ mod tests {
         let p = DraftParams {
             widths: vec![1; depth],
             sampling: SamplingParams::default(),
+            deadline: None,
         };
         e.draft(s, seq, &p).unwrap().0
     }
@@ -825,6 +860,7 @@ mod tests {
                     } else {
                         SamplingParams::default()
                     },
+                    deadline: None,
                 };
                 let t = e.draft(s, &seq, &p).unwrap().0;
                 out.push((

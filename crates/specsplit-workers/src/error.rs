@@ -18,6 +18,10 @@ pub enum EngineError {
     /// Serving the request would exceed the memory budget or session limit (→ RESOURCE_EXHAUSTED).
     #[error("{0}")]
     ResourceExhausted(String),
+    /// The request's deadline passed before its work was done (→ DEADLINE_EXCEEDED); the work
+    /// stopped at a checkpoint and the session holds what was done before it.
+    #[error("{0}")]
+    DeadlineExceeded(String),
     /// The model failed (→ INTERNAL).
     #[error("model failure: {0}")]
     Model(#[from] ModelError),
@@ -43,6 +47,7 @@ impl From<EngineError> for tonic::Status {
             EngineError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             EngineError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),
             EngineError::PermissionDenied(_) => tonic::Status::permission_denied(msg),
+            EngineError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(msg),
             _ => tonic::Status::internal(msg),
         }
     }

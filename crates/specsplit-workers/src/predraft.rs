@@ -110,6 +110,7 @@ impl DraftEngine {
                 self.max_context()
             )));
         }
+        crate::draft::before_deadline(p.deadline, "pre-drafting began")?;
         specsplit_core::device::bind_to_thread(self.model().device())?;
         let result = self.predraft_passes(s, tokens, committed, &lengths, set.candidates, p);
         if result.is_err() {
@@ -593,6 +594,7 @@ mod tests {
         DraftParams {
             widths: widths.to_vec(),
             sampling: SamplingParams::default(),
+            deadline: None,
         }
     }
 

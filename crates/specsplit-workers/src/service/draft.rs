@@ -12,6 +12,7 @@ use specsplit_proto::{
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
+use super::deadline::request_deadline;
 use super::serve::{serve, ServeOptions};
 use super::validate::{check_request_ids, draft_widths, outcome_set, sampling_from};
 use super::worker::Worker;
@@ -53,6 +54,7 @@ impl DraftWorker {
         request: Request<DraftRequest>,
         start: Instant,
     ) -> Result<Response<DraftResponse>, Status> {
+        let deadline = request_deadline(request.metadata(), start);
         let r = request.into_inner();
         check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
@@ -75,7 +77,11 @@ impl DraftWorker {
                 None,
             )
         };
-        let params = DraftParams { widths, sampling };
+        let params = DraftParams {
+            widths,
+            sampling,
+            deadline,
+        };
         if let Some(set) = outcomes {
             let (pre, stats) = self
                 .run(session, move |engine, s| {
@@ -147,4 +153,80 @@ where
         .max_decoding_message_size(decode)
         .max_encoding_message_size(encode);
     serve(svc, store, listener, shutdown, opts).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use candle_core::DType;
+    use specsplit_models::transformer::Transformer;
+
+    use super::*;
+    use crate::service::{Execution, WorkPlacement, WorkerInfo};
+    use crate::session::SessionLimits;
+
+    fn worker() -> DraftWorker {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 5, DType::F32, &candle_core::Device::Cpu).unwrap();
+        let engine = Arc::new(DraftEngine::new(Arc::new(m), vec![], 128).with_spare_sessions(0));
+        let limits = SessionLimits {
+            max_sessions: 4,
+            memory_budget_bytes: usize::MAX / 2,
+            ttl: Duration::from_secs(600),
+        };
+        let info = WorkerInfo {
+            model_name: "tiny".into(),
+            vocab_size: engine.model().config().vocab_size,
+            eos_token_ids: vec![],
+            max_context: 128,
+            max_tree_nodes: 32,
+            max_tree_depth: 16,
+            max_prompt_len: 128,
+            device: "cpu".into(),
+        };
+        DraftWorker::new(engine, limits, info)
+            .with_execution(Execution::new(WorkPlacement::Pool, Duration::ZERO))
+    }
+
+    /// A 4-deep chain after a 100-token prompt of session `s1`, with `timeout` as its
+    /// `grpc-timeout` header.
+    fn request(timeout: Option<&str>) -> Request<DraftRequest> {
+        let mut r = Request::new(DraftRequest {
+            request_id: "r".into(),
+            session_id: "s1".into(),
+            prompt_token_ids: (0..100).map(|t| (t * 37 + 11) % 500).collect(),
+            max_draft_len: 4,
+            num_beams: 1,
+            tree_widths: vec![1; 4],
+            ..DraftRequest::default()
+        });
+        if let Some(t) = timeout {
+            r.metadata_mut().insert("grpc-timeout", t.parse().unwrap());
+        }
+        r
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_draft_past_its_deadline_stops_and_its_session_stays_usable() {
+        let late = worker();
+        let e = late
+            .generate_drafts(request(Some("1n")))
+            .await
+            .expect_err("a request whose deadline passed is refused");
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+        // The session answers its next request exactly as a fresh worker does.
+        let after = late.generate_drafts(request(None)).await.unwrap();
+        let fresh = worker().generate_drafts(request(None)).await.unwrap();
+        assert_eq!(after.get_ref().draft_tree, fresh.get_ref().draft_tree);
+        assert_eq!(fresh.get_ref().draft_tree.len(), 1, "one root of a chain");
+        // A deadline far enough away changes nothing.
+        let roomy = worker()
+            .generate_drafts(request(Some("60S")))
+            .await
+            .unwrap();
+        assert_eq!(roomy.get_ref().draft_tree, fresh.get_ref().draft_tree);
+    }
 }

@@ -6,6 +6,7 @@
 //! the limits, how model work runs); [`DraftWorker`] and [`TargetWorker`] are its gRPC
 //! services over the draft and target engines.
 
+mod deadline;
 mod draft;
 mod execution;
 mod health;

@@ -92,7 +92,7 @@ impl Run<'_> {
             self.session,
             self.secret,
             self.cfg,
-            no,
+            (no, until),
             &self.seq,
             widths,
             &limits,
@@ -156,8 +156,18 @@ impl Run<'_> {
         let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
         tokio::spawn(async move {
             let call = async {
-                let (answer, (ms, server_ms, model_ms)) =
-                    draft_call(&o, &sess, &secret, &cfg, no, &ctx, &widths, &limits, set).await?;
+                let (answer, (ms, server_ms, model_ms)) = draft_call(
+                    &o,
+                    &sess,
+                    &secret,
+                    &cfg,
+                    (no, until),
+                    &ctx,
+                    &widths,
+                    &limits,
+                    set,
+                )
+                .await?;
                 let trees = match (bet, answer.tree.roots().next()) {
                     (Some(accepted), Some(r)) => vec![(
                         accepted,
@@ -190,14 +200,16 @@ pub(super) struct DraftAnswer {
 /// Asks the draft worker for a tree of `widths` after `seq`, as request `request_no` of the
 /// session, or for the pre-drafts of `outcomes` when given (then `seq` holds the committed
 /// sequence and the path under verification), and checks the trees it sends against `limits`;
-/// with the call's wall time and the worker's reported wall and model times, in ms.
+/// with the call's wall time and the worker's reported wall and model times, in ms. The
+/// request carries `until` as its deadline (`grpc-timeout`), so that a worker stops drafting
+/// a tree nobody waits for any more.
 #[allow(clippy::too_many_arguments)]
 async fn draft_call(
     o: &Orchestrator,
     session: &str,
     secret: &str,
     cfg: &GenerateConfig,
-    request_no: u64,
+    (request_no, until): (u64, Instant),
     seq: &[u32],
     widths: &[usize],
     limits: &TreeLimits,
@@ -220,6 +232,8 @@ async fn draft_call(
         outcomes,
     };
     let t0 = Instant::now();
+    let mut req = tonic::Request::new(req);
+    req.set_timeout(until.saturating_duration_since(t0));
     let mut d = draft.clone();
     let r =
         o.rt.in_flight(d.generate_drafts(req))
