@@ -1,6 +1,7 @@
 //! The draft worker's gRPC service (`DraftService`).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
 use specsplit_proto::convert::TreeWire;
@@ -15,7 +16,9 @@ use tonic::{Request, Response, Status};
 use super::serve::{serve, ServeOptions};
 use super::validate::{check_request_ids, draft_widths, outcome_set, sampling_from};
 use super::worker::Worker;
+use crate::batcher::BatchLimits;
 use crate::draft::{DraftEngine, DraftParams};
+use crate::draft_batcher::DraftBatcher;
 use crate::engine_session::SessionEngine;
 use crate::session::SessionSecret;
 
@@ -47,6 +50,24 @@ impl DraftService for DraftWorker {
 }
 
 impl DraftWorker {
+    /// This worker running the level passes of concurrent sessions' drafts together, bounded
+    /// by `limits` ([`DraftBatcher`]), its model work placed as its [`super::Execution`] says;
+    /// without it, each request drafts on its own.
+    pub fn with_batching(mut self, limits: BatchLimits) -> Self {
+        let placement = self.execution().placement();
+        self.draft_batcher = Some(Arc::new(DraftBatcher::new(
+            self.engine().clone(),
+            limits,
+            placement,
+        )));
+        self
+    }
+
+    /// The draft batcher, when the worker batches.
+    pub fn batcher(&self) -> Option<&Arc<DraftBatcher>> {
+        self.draft_batcher.as_ref()
+    }
+
     /// `GenerateDrafts`, begun at `start`.
     async fn generate(
         &self,
@@ -102,9 +123,21 @@ impl DraftWorker {
                 ..DraftResponse::default()
             }));
         }
-        let (tree, stats) = self
-            .run(session, move |engine, s| engine.draft(s, &tokens, &params))
-            .await?;
+        let (tree, stats) = match &self.draft_batcher {
+            Some(b) => {
+                let out = b.draft(session, tokens, params).await;
+                self.sessions().room_may_be_free();
+                self.execution().answered();
+                let out = out?;
+                self.metrics()
+                    .observe_draft_pass_sessions(out.pass_sessions);
+                (out.tree, out.stats)
+            }
+            None => {
+                self.run(session, move |engine, s| engine.draft(s, &tokens, &params))
+                    .await?
+            }
+        };
         let (draft_tree, root_distribution) = tree.to_proto();
         Ok(Response::new(DraftResponse {
             request_id: r.request_id,
