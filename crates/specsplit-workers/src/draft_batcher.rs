@@ -391,3 +391,442 @@ fn run_pass(engine: &DraftEngine, counters: &Counters, mut members: Vec<Job>) ->
     }
     unfinished
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine_session::SessionEngine;
+    use candle_core::DType;
+    use specsplit_core::sampling::SamplingParams;
+    use specsplit_models::transformer::Transformer;
+
+    fn tiny_engine(static_chains: bool) -> Arc<DraftEngine> {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 7, DType::F32, &candle_core::Device::Cpu).unwrap();
+        Arc::new(
+            DraftEngine::new(Arc::new(m), vec![], 128)
+                .with_static_chains(static_chains)
+                .with_spare_sessions(0),
+        )
+    }
+
+    fn batcher(engine: &Arc<DraftEngine>, placement: WorkPlacement) -> Arc<DraftBatcher> {
+        let limits = BatchLimits {
+            max_sessions: 8,
+            max_rows: 256,
+        };
+        Arc::new(DraftBatcher::new(engine.clone(), limits, placement))
+    }
+
+    fn handle(engine: &DraftEngine, seed: u64) -> SessionHandle<DraftSession> {
+        Arc::new(tokio::sync::Mutex::new(engine.new_session(seed).unwrap()))
+    }
+
+    fn prompt(session: usize) -> Vec<u32> {
+        (0..10 + 3 * session as u32)
+            .map(|i| (i * 37 + 5 + 101 * session as u32) % 500)
+            .collect()
+    }
+
+    /// Session `i`'s draft shape: greedy trees, a greedy chain, sampled trees (seeded by the
+    /// session), of different depths and widths.
+    fn params(i: usize) -> DraftParams {
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            ..SamplingParams::default()
+        };
+        match i % 5 {
+            0 => DraftParams {
+                widths: vec![2, 2, 1],
+                sampling: SamplingParams::default(),
+            },
+            1 => DraftParams {
+                widths: vec![1; 5],
+                sampling: SamplingParams::default(),
+            },
+            2 => DraftParams {
+                widths: vec![3, 1],
+                sampling: sampled,
+            },
+            3 => DraftParams {
+                widths: vec![1; 4],
+                sampling: sampled,
+            },
+            _ => DraftParams {
+                widths: vec![2, 1, 1, 1, 1, 1],
+                sampling: SamplingParams::default(),
+            },
+        }
+    }
+
+    /// Session `i`'s sequences over `rounds` rounds: the prompt, then each round's first
+    /// drafted token and a correction appended, as a verifier would.
+    fn next_sequence(seq: &mut Vec<u32>, tree: &TokenTree, round: usize) {
+        seq.push(tree.tokens()[0]);
+        seq.push((round as u32 * 31 + 7) % 500);
+    }
+
+    /// Session `i`'s trees over `rounds` rounds drafted alone (no batcher).
+    fn alone(engine: &DraftEngine, i: usize, rounds: usize) -> Vec<TokenTree> {
+        let mut s = engine.new_session(i as u64 + 1).unwrap();
+        let mut seq = prompt(i);
+        (0..rounds)
+            .map(|round| {
+                let t = engine.draft(&mut s, &seq, &params(i)).unwrap().0;
+                next_sequence(&mut seq, &t, round);
+                t
+            })
+            .collect()
+    }
+
+    /// Holds the batcher's passes, sends each of `requests` from a task of its own (the next
+    /// once the one before is queued or answered), then lets the passes run; their answers in
+    /// order.
+    async fn one_batch(
+        b: &Arc<DraftBatcher>,
+        requests: Vec<(SessionHandle<DraftSession>, Vec<u32>, DraftParams)>,
+    ) -> Vec<Result<BatchedDraft, Status>> {
+        let hold = b.hold().await;
+        let mut tasks = Vec::new();
+        for (s, tokens, p) in requests {
+            let b2 = b.clone();
+            tasks.push(tokio::spawn(async move { b2.draft(s, tokens, p).await }));
+            while b.queued() + tasks.iter().filter(|t| t.is_finished()).count() < tasks.len() {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(hold);
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    }
+
+    /// Five sessions of different shapes draft four rounds each, every round's requests
+    /// queued together: each tree equals the session's tree drafted alone.
+    async fn shared_levels_draft_exactly_as_alone(placement: WorkPlacement) {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, placement);
+        const N: usize = 5;
+        const ROUNDS: usize = 4;
+        let handles: Vec<_> = (0..N).map(|i| handle(&engine, i as u64 + 1)).collect();
+        let mut seqs: Vec<Vec<u32>> = (0..N).map(prompt).collect();
+        let mut got: Vec<Vec<TokenTree>> = vec![Vec::new(); N];
+        let mut shared = Vec::new();
+        for round in 0..ROUNDS {
+            let requests = (0..N)
+                .map(|i| (handles[i].clone(), seqs[i].clone(), params(i)))
+                .collect();
+            for (i, out) in one_batch(&b, requests).await.into_iter().enumerate() {
+                let out = out.unwrap();
+                next_sequence(&mut seqs[i], &out.tree, round);
+                got[i].push(out.tree);
+                shared.push(out.pass_sessions);
+            }
+        }
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(
+                *g,
+                alone(&engine, i, ROUNDS),
+                "session {i} drafted differently in shared passes"
+            );
+            let s = handles[i].lock().await;
+            assert_eq!(
+                s.cache.len(),
+                seqs[i].len() - 2,
+                "the cache holds the last request's tokens"
+            );
+        }
+        let stats = b.stats();
+        assert_eq!(stats.most_sessions, N as u64, "{stats:?}");
+        // Per round: levels 1..=5 of the deepest tree, the first with all five sessions.
+        assert_eq!(stats.passes, 5 * ROUNDS as u64, "{stats:?}");
+        assert!(shared.iter().all(|&n| n == N), "{shared:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn shared_levels_draft_exactly_as_alone_on_the_blocking_pool() {
+        shared_levels_draft_exactly_as_alone(WorkPlacement::Pool).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shared_levels_draft_exactly_as_alone_inline() {
+        shared_levels_draft_exactly_as_alone(WorkPlacement::Inline).await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn sessions_leave_the_lock_step_when_their_trees_are_complete() {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let chain = |depth| DraftParams {
+            widths: vec![1; depth],
+            sampling: SamplingParams::default(),
+        };
+        let handles: Vec<_> = (0..3).map(|i| handle(&engine, i + 1)).collect();
+        let requests = [6, 2, 4]
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| (handles[i].clone(), prompt(i), chain(d)))
+            .collect();
+        let out: Vec<BatchedDraft> = one_batch(&b, requests)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        for (i, (o, d)) in out.iter().zip([6, 2, 4]).enumerate() {
+            assert_eq!(o.tree.len(), d);
+            let mut s = engine.new_session(i as u64 + 1).unwrap();
+            assert_eq!(
+                o.tree,
+                engine.draft(&mut s, &prompt(i), &chain(d)).unwrap().0
+            );
+            assert_eq!(o.pass_sessions, 3);
+        }
+        // Level passes: one of three sessions, two of two (the depth-2 chain has left), two of
+        // the deepest chain alone.
+        let stats = b.stats();
+        assert_eq!(stats.passes, 5, "{stats:?}");
+        assert_eq!(stats.multi_session_passes, 3, "{stats:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_session_joins_a_lock_step_in_the_middle_of_a_tree() {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let chain = |depth| DraftParams {
+            widths: vec![1; depth],
+            sampling: SamplingParams::default(),
+        };
+        let (deep, late) = (handle(&engine, 1), handle(&engine, 2));
+        let hold = b.hold().await;
+        let first = {
+            let (b, s) = (b.clone(), deep.clone());
+            tokio::spawn(async move { b.draft(s, prompt(0), chain(6)).await })
+        };
+        while b.queued() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The passes' lock is fair: the deep chain's request runs its first level pass, then
+        // this hold comes before its next one.
+        drop(hold);
+        let hold = b.hold().await;
+        assert_eq!(b.stats().passes, 1);
+        assert_eq!(b.queued(), 1, "the deep chain waits for its second level");
+        let second = {
+            let (b, s) = (b.clone(), late.clone());
+            tokio::spawn(async move { b.draft(s, prompt(1), chain(3)).await })
+        };
+        while b.queued() < 2 {
+            tokio::task::yield_now().await;
+        }
+        drop(hold);
+        let (a, c) = (
+            first.await.unwrap().unwrap(),
+            second.await.unwrap().unwrap(),
+        );
+        assert_eq!((a.pass_sessions, c.pass_sessions), (2, 2));
+        let mut s = engine.new_session(1).unwrap();
+        assert_eq!(
+            a.tree,
+            engine.draft(&mut s, &prompt(0), &chain(6)).unwrap().0
+        );
+        let mut s = engine.new_session(2).unwrap();
+        assert_eq!(
+            c.tree,
+            engine.draft(&mut s, &prompt(1), &chain(3)).unwrap().0
+        );
+        // Passes: the deep chain alone, both twice, the deep chain alone twice more.
+        let stats = b.stats();
+        assert_eq!(
+            (stats.passes, stats.multi_session_passes),
+            (5, 2),
+            "{stats:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_request_fails_alone_and_leaves_its_session_whole() {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let handles: Vec<_> = (0..4).map(|i| handle(&engine, i as u64 + 1)).collect();
+        // Session 1 asks for a tree beyond the context; session 2 sends a token outside the
+        // vocabulary (its prefill fails).
+        let mut too_big = params(1);
+        too_big.widths = vec![1; 200];
+        let mut bad_token = prompt(2);
+        bad_token.push(1 << 20);
+        let requests = vec![
+            (handles[0].clone(), prompt(0), params(0)),
+            (handles[1].clone(), prompt(1), too_big),
+            (handles[2].clone(), bad_token, params(2)),
+            (handles[3].clone(), prompt(3), params(3)),
+        ];
+        let out = one_batch(&b, requests).await;
+        let mut out = out.into_iter();
+        let good = out.next().unwrap().unwrap();
+        assert_eq!(good.pass_sessions, 2, "the refused requests never met it");
+        assert_eq!(good.tree, alone(&engine, 0, 1)[0]);
+        assert_eq!(
+            out.next().unwrap().unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        assert!(out.next().unwrap().is_err());
+        assert_eq!(out.next().unwrap().unwrap().tree, alone(&engine, 3, 1)[0]);
+        // The refused sessions draft on as if the bad requests had not come.
+        let rest = (1..3)
+            .map(|i| (handles[i].clone(), prompt(i), params(i)))
+            .collect();
+        for (i, o) in (1..3).zip(one_batch(&b, rest).await) {
+            assert_eq!(o.unwrap().tree, alone(&engine, i, 1)[0], "session {i}");
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_cancelled_request_stalls_nobody_and_leaves_its_session_whole() {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let handles: Vec<_> = (0..2).map(|i| handle(&engine, i as u64 + 1)).collect();
+        let hold = b.hold().await;
+        let cancelled = {
+            let (b, s) = (b.clone(), handles[0].clone());
+            tokio::spawn(async move { b.draft(s, prompt(0), params(0)).await })
+        };
+        let other = {
+            let (b, s) = (b.clone(), handles[1].clone());
+            tokio::spawn(async move { b.draft(s, prompt(1), params(1)).await })
+        };
+        while b.queued() < 2 {
+            tokio::task::yield_now().await;
+        }
+        cancelled.abort();
+        assert!(cancelled.await.unwrap_err().is_cancelled());
+        assert_eq!(b.queued(), 1, "the cancelled round left the queue");
+        drop(hold);
+        let out = other.await.unwrap().unwrap();
+        assert_eq!(out.pass_sessions, 1, "the cancelled request ran nothing");
+        assert_eq!(out.tree, alone(&engine, 1, 1)[0]);
+        // Session 0 is free, its cache holds its prompt, and it drafts as it would have.
+        {
+            let s = handles[0].lock().await;
+            assert_eq!(s.tokens(), prompt(0).as_slice());
+            assert_eq!(s.cache.len(), prompt(0).len());
+        }
+        let again = b
+            .draft(handles[0].clone(), prompt(0), params(0))
+            .await
+            .unwrap();
+        assert_eq!(again.tree, alone(&engine, 0, 1)[0]);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_pass_takes_queued_rounds_within_its_limits() {
+        let engine = tiny_engine(false);
+        let chain = |depth| DraftParams {
+            widths: vec![1; depth],
+            sampling: SamplingParams::default(),
+        };
+        let requests = |handles: &[SessionHandle<DraftSession>]| -> Vec<_> {
+            (0..3)
+                .map(|i| (handles[i].clone(), prompt(i), chain(2)))
+                .collect()
+        };
+        let two = Arc::new(DraftBatcher::new(
+            engine.clone(),
+            BatchLimits {
+                max_sessions: 2,
+                max_rows: 256,
+            },
+            WorkPlacement::Pool,
+        ));
+        let handles: Vec<_> = (0..3).map(|i| handle(&engine, i + 1)).collect();
+        let shared: Vec<usize> = one_batch(&two, requests(&handles))
+            .await
+            .into_iter()
+            .map(|o| o.unwrap().pass_sessions)
+            .collect();
+        assert_eq!(shared, [2, 2, 1]);
+        // Trees of width 2 at their second level: two rows a pass each; three rows fit one.
+        let narrow = Arc::new(DraftBatcher::new(
+            engine.clone(),
+            BatchLimits {
+                max_sessions: 8,
+                max_rows: 3,
+            },
+            WorkPlacement::Pool,
+        ));
+        let wide = DraftParams {
+            widths: vec![2, 1],
+            sampling: SamplingParams::default(),
+        };
+        let handles: Vec<_> = (0..3).map(|i| handle(&engine, i + 1)).collect();
+        let requests = (0..3)
+            .map(|i| {
+                let p = if i == 2 { chain(2) } else { wide.clone() };
+                (handles[i].clone(), prompt(i), p)
+            })
+            .collect();
+        let shared: Vec<usize> = one_batch(&narrow, requests)
+            .await
+            .into_iter()
+            .map(|o| o.unwrap().pass_sessions)
+            .collect();
+        // The first alone (2 + 2 > 3), the next two together (2 + 1).
+        assert_eq!(shared, [1, 2, 2]);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn static_chains_are_drafted_whole_alone() {
+        let engine = tiny_engine(true);
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let reference = tiny_engine(true);
+        let chain = DraftParams {
+            widths: vec![1; 4],
+            sampling: SamplingParams::default(),
+        };
+        let handles: Vec<_> = (0..3).map(|i| handle(&engine, i + 1)).collect();
+        let requests = (0..3)
+            .map(|i| (handles[i].clone(), prompt(i), chain.clone()))
+            .collect();
+        for (i, o) in one_batch(&b, requests).await.into_iter().enumerate() {
+            let o = o.unwrap();
+            assert_eq!(o.pass_sessions, 1);
+            let mut s = reference.new_session(i as u64 + 1).unwrap();
+            assert_eq!(
+                o.tree,
+                reference.draft(&mut s, &prompt(i), &chain).unwrap().0
+            );
+        }
+        assert_eq!(b.stats().passes, 0, "no level pass ran");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn closed_loop_sessions_share_inline_passes_without_being_held() {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, WorkPlacement::Inline);
+        const ROUNDS: usize = 5;
+        let mut tasks = Vec::new();
+        for i in 0..4 {
+            let (engine, b) = (engine.clone(), b.clone());
+            tasks.push(tokio::spawn(async move {
+                let h = handle(&engine, i as u64 + 1);
+                let mut seq = prompt(i);
+                let mut got = Vec::new();
+                for round in 0..ROUNDS {
+                    let out = b.draft(h.clone(), seq.clone(), params(i)).await.unwrap();
+                    next_sequence(&mut seq, &out.tree, round);
+                    got.push(out.tree);
+                    // The answer's way back to the client and the next request's way here.
+                    tokio::task::yield_now().await;
+                }
+                got
+            }));
+        }
+        for (i, t) in tasks.into_iter().enumerate() {
+            assert_eq!(t.await.unwrap(), alone(&engine, i, ROUNDS), "session {i}");
+        }
+        let stats = b.stats();
+        assert!(stats.multi_session_passes >= 1, "{stats:?}");
+    }
+}

@@ -181,3 +181,121 @@ where
         .max_encoding_message_size(encode);
     serve(svc, store, listener, shutdown, opts).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::{Execution, WorkPlacement, WorkerInfo};
+    use crate::session::SessionLimits;
+    use candle_core::DType;
+    use specsplit_models::transformer::Transformer;
+    use std::time::Duration;
+
+    fn engine() -> Arc<DraftEngine> {
+        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
+        cfg.max_position_embeddings = 256;
+        let m = Transformer::random(cfg, 3, DType::F32, &candle_core::Device::Cpu).unwrap();
+        Arc::new(DraftEngine::new(Arc::new(m), vec![], 128).with_spare_sessions(0))
+    }
+
+    /// A draft worker over `engine`, its model work on the blocking pool, batching when
+    /// `limits` are given.
+    fn worker(engine: &Arc<DraftEngine>, limits: Option<BatchLimits>) -> DraftWorker {
+        let info = WorkerInfo {
+            model_name: "tiny".into(),
+            vocab_size: engine.model().config().vocab_size,
+            eos_token_ids: vec![],
+            max_context: 128,
+            max_tree_nodes: 32,
+            max_tree_depth: 16,
+            max_prompt_len: 128,
+            device: "cpu".into(),
+        };
+        let limits_s = SessionLimits {
+            max_sessions: 8,
+            memory_budget_bytes: usize::MAX / 2,
+            ttl: Duration::from_secs(600),
+        };
+        let w = DraftWorker::new(engine.clone(), limits_s, info)
+            .with_execution(Execution::new(WorkPlacement::Pool, Duration::ZERO));
+        match limits {
+            Some(l) => w.with_batching(l),
+            None => w,
+        }
+    }
+
+    /// Session `i`'s request: its prompt, a tree of widths [2, 1, 1], sampled (seeded) for odd
+    /// `i`.
+    fn request(i: usize) -> DraftRequest {
+        DraftRequest {
+            session_id: format!("s{i}"),
+            prompt_token_ids: (0..8 + 3 * i as i32)
+                .map(|t| (t * 31 + 7 + 50 * i as i32) % 500)
+                .collect(),
+            tree_widths: vec![2, 1, 1],
+            sampling: Some(specsplit_proto::SamplingParams {
+                temperature: if i % 2 == 1 { 0.7 } else { 0.0 },
+                seed: 11 + i as u64,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn batched_drafts_answer_as_a_worker_without_batching() {
+        let engine = engine();
+        let limits = BatchLimits {
+            max_sessions: 8,
+            max_rows: 256,
+        };
+        let w = Arc::new(worker(&engine, Some(limits)));
+        let b = w.batcher().unwrap().clone();
+        let hold = b.hold().await;
+        let tasks: Vec<_> = (0..3)
+            .map(|i| {
+                let w = w.clone();
+                tokio::spawn(async move { w.generate_drafts(Request::new(request(i))).await })
+            })
+            .collect();
+        while b.queued() < 3 {
+            tokio::task::yield_now().await;
+        }
+        drop(hold);
+        let plain = worker(&engine, None);
+        for (i, t) in tasks.into_iter().enumerate() {
+            let got = t.await.unwrap().unwrap().into_inner();
+            let want = plain
+                .generate_drafts(Request::new(request(i)))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(got.draft_tree, want.draft_tree, "session {i}");
+            assert_eq!(got.root_distribution, want.root_distribution, "session {i}");
+        }
+        assert_eq!(b.stats().most_sessions, 3);
+        let text = w.scrape()();
+        assert!(
+            text.contains("specsplit_draft_pass_sessions_count 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("specsplit_draft_pass_sessions_sum 9"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_batcher_places_its_passes_as_the_worker_does() {
+        let limits = BatchLimits {
+            max_sessions: 4,
+            max_rows: 64,
+        };
+        let w = worker(&engine(), Some(limits));
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Pool);
+        let w = w.with_execution(Execution::new(WorkPlacement::Inline, Duration::ZERO));
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Inline);
+        assert_eq!(w.batcher().unwrap().limits(), limits);
+        assert!(worker(&engine(), None).batcher().is_none());
+    }
+}
