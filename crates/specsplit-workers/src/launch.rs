@@ -215,8 +215,11 @@ pub fn draft_worker(cfg: &WorkerConfig, m: LoadedModel) -> DraftWorker {
     let info = info(cfg, &m);
     let exec = execution(cfg, &info);
     let eos = m.tokenizer.eos_token_ids().to_vec();
-    let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
+    let mut engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions);
+    if !cfg.static_draft_chains {
+        engine = engine.with_static_chains(false);
+    }
     let worker = DraftWorker::new(Arc::new(engine), limits(cfg), info)
         .with_execution(exec)
         .with_admission_wait(admission_wait(cfg));
