@@ -249,6 +249,14 @@ impl DraftRound {
         self.pending.is_none()
     }
 
+    /// Puts a token outside every vocabulary into the pending level, so that its pass fails.
+    #[cfg(test)]
+    pub(crate) fn spoil(&mut self) {
+        if let Some(t) = self.forest.tokens.last_mut() {
+            *t = u32::MAX / 2;
+        }
+    }
+
     /// Rows of the pending level's pass (0 when the tree is complete).
     pub fn pass_rows(&self) -> usize {
         self.pending

@@ -684,6 +684,70 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
+    async fn a_failed_shared_pass_runs_each_session_alone_and_fails_only_the_bad_one() {
+        let engine = tiny_engine(false);
+        let b = batcher(&engine, WorkPlacement::Pool);
+        let handles: Vec<_> = (0..3).map(|i| handle(&engine, i as u64 + 1)).collect();
+        let hold = b.hold().await;
+        let mut tasks = Vec::new();
+        for i in [0, 1] {
+            let (b2, s) = (b.clone(), handles[i].clone());
+            let p = params(4 * i);
+            tasks.push(tokio::spawn(async move { b2.draft(s, prompt(i), p).await }));
+            while b.queued() <= i {
+                tokio::task::yield_now().await;
+            }
+        }
+        // A third round whose level holds a token outside the vocabulary: the shared pass
+        // refuses it, and so does its pass alone.
+        let mut s = handles[2].clone().lock_owned().await;
+        let Prepared::Levels(mut round) = engine.prepare(&mut s, &prompt(2), params(0)).unwrap()
+        else {
+            panic!("a tree of depth 3 has level passes")
+        };
+        round.spoil();
+        let (answer, bad) = oneshot::channel();
+        lock(&b.queue).push_back(Job {
+            session: s,
+            round,
+            answer,
+            passes: 0,
+            pass_sessions: 0,
+        });
+        drop(hold);
+        for (i, t) in [0, 1].into_iter().zip(tasks) {
+            let out = t.await.unwrap().unwrap();
+            let p = params(4 * i);
+            let mut alone = engine.new_session(i as u64 + 1).unwrap();
+            assert_eq!(
+                out.tree,
+                engine.draft(&mut alone, &prompt(i), &p).unwrap().0
+            );
+            assert_eq!(out.pass_sessions, 2, "session {i} shared its second level");
+        }
+        assert!(bad.await.unwrap().is_err());
+        // The failed pass of three, each of them alone, the second level of both sessions
+        // together, then three levels of session 1 alone.
+        let stats = b.stats();
+        assert_eq!(
+            (stats.passes, stats.multi_session_passes),
+            (8, 2),
+            "{stats:?}"
+        );
+        // The failed session's cache holds its prompt again; it drafts as it would alone.
+        assert_eq!(handles[2].lock().await.cache.len(), prompt(2).len());
+        let again = b
+            .draft(handles[2].clone(), prompt(2), params(0))
+            .await
+            .unwrap();
+        let mut alone = engine.new_session(3).unwrap();
+        assert_eq!(
+            again.tree,
+            engine.draft(&mut alone, &prompt(2), &params(0)).unwrap().0
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
     async fn a_cancelled_request_stalls_nobody_and_leaves_its_session_whole() {
         let engine = tiny_engine(false);
         let b = batcher(&engine, WorkPlacement::Pool);
