@@ -56,6 +56,11 @@ pub struct LoadSettings {
     pub load_gate: bool,
     /// Most sessions whose rounds share one target pass (1: each pass alone).
     pub max_batch_sessions: usize,
+    /// Most sessions whose tree levels share one draft pass (1: each draft alone).
+    pub draft_batch_sessions: usize,
+    /// Whether greedy chains on CUDA are drafted with CUDA-graph steps, each session alone
+    /// (false: level by level, in the draft worker's shared passes).
+    pub static_draft_chains: bool,
     /// Unmeasured runs of each measurement before it is measured.
     pub warmup: usize,
     /// Most milliseconds one request to a worker may take.
@@ -253,6 +258,10 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     }
 
     let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context);
+    if !s.static_draft_chains {
+        engine = engine.with_static_chains(false);
+    }
+    let static_chains = engine.static_chains();
     let mut draft_label = draft.name.clone();
     if let Some(beta) = s.synthetic_beta {
         let references = prompts
@@ -267,6 +276,14 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     let d_info = info(draft_label.clone(), &draft_model, &eos, &s.device_draft, &z);
     let d_worker = DraftWorker::new(Arc::new(engine), limits, d_info)
         .with_execution(Execution::for_device(&s.device_draft, None));
+    let d_worker = if s.draft_batch_sessions > 1 {
+        d_worker.with_batching(BatchLimits {
+            max_sessions: s.draft_batch_sessions,
+            max_rows: 2048,
+        })
+    } else {
+        d_worker
+    };
     let d_server = spawn_server("draft", move |l, sd| serve_draft(d_worker, l, sd)).await?;
     let spec_orch = Arc::new(
         Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?,
@@ -317,6 +334,8 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "pipeline": format!("{:?}", s.pipeline).to_lowercase(),
             "load_gate": s.load_gate,
             "max_batch_sessions": s.max_batch_sessions,
+            "draft_batch_sessions": s.draft_batch_sessions,
+            "static_draft_chains": static_chains,
             "warmup_runs": s.warmup,
             "transport": "gRPC over loopback, workers in-process, one target and one draft worker shared by all sessions",
             "greedy": true,
@@ -378,6 +397,8 @@ mod tests {
             pipeline: Pipeline::Overlapped,
             load_gate: true,
             max_batch_sessions: 64,
+            draft_batch_sessions: 64,
+            static_draft_chains: true,
             warmup: 0,
             rpc_timeout_ms: 30_000,
             seed: 3,

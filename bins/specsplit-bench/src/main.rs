@@ -121,6 +121,14 @@ struct LoadArgs {
     /// as without batching).
     #[arg(long, default_value_t = 64)]
     max_batch_sessions: usize,
+    /// Most sessions whose draft-tree levels share one draft pass (1: every draft alone, as
+    /// without batching).
+    #[arg(long, default_value_t = 64)]
+    draft_batch_sessions: usize,
+    /// Whether greedy chains on CUDA are drafted with CUDA-graph steps, each session alone
+    /// (true or false; false: level by level, in the draft worker's shared passes).
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    static_draft_chains: bool,
     /// Unmeasured runs of each measurement before it is measured (CUDA graphs of its pass
     /// lengths captured).
     #[arg(long, default_value_t = 1)]
@@ -530,6 +538,8 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         },
         load_gate: a.load_gate,
         max_batch_sessions: a.max_batch_sessions,
+        draft_batch_sessions: a.draft_batch_sessions,
+        static_draft_chains: a.static_draft_chains,
         warmup: a.warmup,
         rpc_timeout_ms: a.rpc_timeout_ms,
         seed: a.seed,

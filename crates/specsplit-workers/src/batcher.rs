@@ -83,8 +83,9 @@ pub struct BatchStats {
     pub most_sessions: u64,
 }
 
+/// The pass counters of a batcher.
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
     passes: AtomicU64,
     multi_session_passes: AtomicU64,
     most_sessions: AtomicU64,
@@ -93,7 +94,8 @@ struct Counters {
 }
 
 impl Counters {
-    fn pass(&self, sessions: usize) {
+    /// Counts a pass of `sessions` sessions.
+    pub(crate) fn pass(&self, sessions: usize) {
         if sessions == 0 {
             return;
         }
@@ -104,6 +106,45 @@ impl Counters {
         }
         self.most_sessions
             .fetch_max(sessions as u64, Ordering::Relaxed);
+    }
+
+    /// Sessions of the last pass.
+    pub(crate) fn last_sessions(&self) -> usize {
+        self.last_sessions.load(Ordering::Relaxed) as usize
+    }
+
+    /// The counts so far.
+    pub(crate) fn stats(&self) -> BatchStats {
+        BatchStats {
+            passes: self.passes.load(Ordering::Relaxed),
+            multi_session_passes: self.multi_session_passes.load(Ordering::Relaxed),
+            most_sessions: self.most_sessions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// When each session (by its handle's address) last asked for work, within
+/// [`ACTIVE_WINDOW`].
+#[derive(Default)]
+pub(crate) struct ActiveSessions(Mutex<std::collections::HashMap<usize, std::time::Instant>>);
+
+impl ActiveSessions {
+    /// Notes that the session at `key` asked for work now.
+    pub(crate) fn note(&self, key: usize) {
+        let mut recent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        recent.retain(|_, &mut t| now.duration_since(t) < ACTIVE_WINDOW);
+        recent.insert(key, now);
+    }
+
+    /// Sessions that asked for work within the last [`ACTIVE_WINDOW`].
+    pub(crate) fn count(&self) -> usize {
+        let recent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        recent
+            .values()
+            .filter(|&&t| now.duration_since(t) < ACTIVE_WINDOW)
+            .count()
     }
 }
 
@@ -142,13 +183,12 @@ pub struct VerifyBatcher {
     /// Held while a pass is assembled and runs.
     device: Arc<tokio::sync::Mutex<()>>,
     counters: Arc<Counters>,
-    /// When each session (by its handle's address) last asked for a round, within
-    /// [`ACTIVE_WINDOW`].
-    recent: Mutex<std::collections::HashMap<usize, std::time::Instant>>,
+    /// When each session last asked for a round.
+    recent: ActiveSessions,
 }
 
-/// Holds every pass of a [`VerifyBatcher`] back until dropped (requests queue up meanwhile).
-pub struct PassHold(#[allow(dead_code)] OwnedMutexGuard<()>);
+/// Holds every pass of a batcher back until dropped (requests queue up meanwhile).
+pub struct PassHold(#[allow(dead_code)] pub(crate) OwnedMutexGuard<()>);
 
 impl VerifyBatcher {
     /// A batcher over `engine`, its passes bounded by `limits`, its model work placed as
@@ -164,7 +204,7 @@ impl VerifyBatcher {
             queue: Mutex::new(VecDeque::new()),
             device: Arc::new(tokio::sync::Mutex::new(())),
             counters: Arc::new(Counters::default()),
-            recent: Mutex::default(),
+            recent: ActiveSessions::default(),
         }
     }
 
@@ -195,12 +235,7 @@ impl VerifyBatcher {
 
     /// The passes run so far.
     pub fn stats(&self) -> BatchStats {
-        let c = &self.counters;
-        BatchStats {
-            passes: c.passes.load(Ordering::Relaxed),
-            multi_session_passes: c.multi_session_passes.load(Ordering::Relaxed),
-            most_sessions: c.most_sessions.load(Ordering::Relaxed),
-        }
+        self.counters.stats()
     }
 
     /// Waits for the pass in flight, then holds every later pass back until the returned
@@ -221,7 +256,7 @@ impl VerifyBatcher {
         session: SessionHandle<TargetSession>,
         request: RoundRequest,
     ) -> Result<BatchedOutcome, Status> {
-        self.note_active(Arc::as_ptr(&session) as usize);
+        self.recent.note(Arc::as_ptr(&session) as usize);
         let session = session.lock_owned().await;
         let engine = self.engine.clone();
         let (session, request, round) = placed(self.placement, move || {
@@ -254,24 +289,6 @@ impl VerifyBatcher {
         }
     }
 
-    /// Notes that the session at `key` asked for a round now.
-    fn note_active(&self, key: usize) {
-        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        let now = std::time::Instant::now();
-        recent.retain(|_, &mut t| now.duration_since(t) < ACTIVE_WINDOW);
-        recent.insert(key, now);
-    }
-
-    /// Sessions that asked for a round within the last [`ACTIVE_WINDOW`].
-    fn active_sessions(&self) -> usize {
-        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        let now = std::time::Instant::now();
-        recent
-            .values()
-            .filter(|&&t| now.duration_since(t) < ACTIVE_WINDOW)
-            .count()
-    }
-
     /// Lets the thread read requests until as many rounds are queued as the last pass held or
     /// as sessions asked for rounds lately (at most the pass limit), for at most
     /// [`GATHER_WINDOW`]: rounds of sessions that shared the last pass arrive just after its
@@ -281,10 +298,8 @@ impl VerifyBatcher {
         if self.placement != WorkPlacement::Inline {
             return;
         }
-        let last = self.counters.last_sessions.load(Ordering::Relaxed) as usize;
-        let expected = last
-            .max(self.active_sessions())
-            .min(self.limits.max_sessions);
+        let last = self.counters.last_sessions();
+        let expected = last.max(self.recent.count()).min(self.limits.max_sessions);
         if expected <= 1 {
             return;
         }
@@ -429,7 +444,7 @@ fn finish(
 /// Runs `f` where `placement` says: here (`Inline`), under `block_in_place` (`Pool` on a
 /// multi-thread runtime) or on the blocking pool (`Pool` on a current-thread runtime). A panic
 /// in `f` is answered INTERNAL.
-async fn placed<T: Send + 'static>(
+pub(crate) async fn placed<T: Send + 'static>(
     placement: WorkPlacement,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Status> {

@@ -67,16 +67,21 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admission_wait_ms: Option<u64>,
-    /// Target: most sessions whose verification rounds share one model pass (1: each
-    /// request's pass runs on its own) [default: 64].
+    /// Most sessions whose work shares one model pass (target: verification rounds; draft:
+    /// tree levels); 1 runs each request on its own [default: 64].
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_sessions: Option<usize>,
-    /// Target: most rows (new tokens and draft-tree nodes of all its sessions) in one shared
-    /// pass; a round with more runs alone [default: 2048].
+    /// Most rows in one shared pass (target: new tokens and draft-tree nodes; draft: tree-level
+    /// nodes; of all its sessions); a session with more runs alone [default: 2048].
     #[arg(long, value_name = "ROWS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_rows: Option<usize>,
+    /// Draft: greedy chains on CUDA drafted with CUDA-graph steps, each session alone (true or
+    /// false; false: level by level, batched across sessions) [default: true].
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub static_draft_chains: Option<bool>,
     /// Most nodes of a draft tree.
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -33,12 +33,17 @@ pub struct WorkerConfig {
     /// Milliseconds a request for a new session waits for room when every session is busy
     /// (at `max_sessions` or `memory_budget_mb`) before RESOURCE_EXHAUSTED; 0 refuses at once.
     pub admission_wait_ms: u64,
-    /// Target: most sessions whose verification rounds share one model pass; 1 runs each
-    /// request's pass on its own as it comes (no batching). The draft ignores it.
+    /// Most sessions whose work shares one model pass (target: verification rounds; draft:
+    /// the levels of their trees); 1 runs each request on its own as it comes (no batching).
     pub max_batch_sessions: usize,
-    /// Target: most rows (each session's new token and draft-tree nodes) in one shared pass; a
-    /// round with more runs alone. The draft ignores it.
+    /// Most rows in one shared pass (target: each session's new token and draft-tree nodes;
+    /// draft: the nodes of each session's tree level); a session with more runs alone.
     pub max_batch_rows: usize,
+    /// Draft: greedy chains on CUDA are drafted with fixed-shape steps replayed from CUDA
+    /// graphs, each session alone (true, the default); false drafts them level by level like
+    /// every other tree, in passes that batching shares across sessions. The target ignores it.
+    #[serde(default = "default_static_draft_chains")]
+    pub static_draft_chains: bool,
     /// Most nodes of a draft tree (target: verified; draft: produced); less than `max_context`.
     pub max_tree_nodes: usize,
     /// Most tokens on a root-to-leaf path of a draft tree (target: verified; draft: produced);
@@ -106,6 +111,11 @@ pub struct WorkerConfig {
     pub load_gate: bool,
 }
 
+/// The default of [`WorkerConfig::static_draft_chains`]: on.
+fn default_static_draft_chains() -> bool {
+    true
+}
+
 /// The default of [`WorkerConfig::load_gate`]: on.
 fn default_load_gate() -> bool {
     true
@@ -168,6 +178,7 @@ impl WorkerConfig {
             admission_wait_ms: 1000,
             max_batch_sessions: 64,
             max_batch_rows: 2048,
+            static_draft_chains: true,
             max_tree_nodes: 128,
             max_tree_depth: 64,
             max_prompt_len: None,
@@ -622,6 +633,27 @@ mod tests {
                 &Flags::default(),
             );
             assert!(r.unwrap_err().to_string().contains("does not exist"));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn static_draft_chains_are_on_by_default_and_the_file_or_the_flag_turns_them_off() {
+        use crate::cli::{WorkerArgs, WorkerKind};
+        figment::Jail::expect_with(|jail| {
+            let on = WorkerArgs::default().resolve(WorkerKind::Draft).unwrap();
+            assert!(on.static_draft_chains);
+            jail.create_file("c.toml", "[draft]\nstatic_draft_chains = false\n")?;
+            let file = WorkerArgs {
+                config: Some("c.toml".into()),
+                ..Default::default()
+            };
+            assert!(!file.resolve(WorkerKind::Draft).unwrap().static_draft_chains);
+            let flag = WorkerArgs {
+                static_draft_chains: Some(false),
+                ..Default::default()
+            };
+            assert!(!flag.resolve(WorkerKind::Draft).unwrap().static_draft_chains);
             Ok(())
         });
     }

@@ -11,7 +11,7 @@ use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::{full_tree_size, Distribution, TokenTree};
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
-use specsplit_models::transformer::Transformer;
+use specsplit_models::transformer::{SessionPass, Transformer};
 
 use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
 use crate::spare::{SessionBody, Spares};
@@ -223,6 +223,66 @@ pub(crate) struct Grow {
     pub(crate) at: Option<usize>,
 }
 
+/// The rows of `next` (grown nodes, each a forest node from `first` on) relative to `first`.
+fn want_rows(next: &[Grow], first: usize) -> Vec<u32> {
+    next.iter()
+        .map(|g| (g.node.expect("a grown node") - first) as u32)
+        .collect()
+}
+
+/// What [`DraftEngine::prepare`] leaves: a tree drafted whole, or a round whose levels go on.
+pub enum Prepared {
+    /// The tree, drafted on the one-session fixed-shape chain path, and what it cost.
+    Drafted(TokenTree, DraftStats),
+    /// A round waiting for its level passes (or complete, when it has none pending).
+    Levels(DraftRound),
+}
+
+/// A level's nodes waiting for their pass: forest nodes `first..`, of which the rows `want`
+/// (relative to `first`) grow on.
+struct LevelRows {
+    first: usize,
+    want: Vec<u32>,
+}
+
+/// One session's draft between its phases: the tree grown so far over the session's cache,
+/// the frontier whose children the next level picks, and the level waiting for its pass.
+pub struct DraftRound {
+    params: DraftParams,
+    forest: Forest,
+    /// The one tree being drafted (in a slice, as [`DraftEngine::grow`] takes it).
+    trees: Vec<TokenTree>,
+    frontier: Vec<Grow>,
+    /// Logits rows of the frontier's nodes, (frontier, vocab).
+    logits: Tensor,
+    /// The level whose children were picked last.
+    level: usize,
+    pending: Option<LevelRows>,
+    stats: DraftStats,
+}
+
+impl DraftRound {
+    /// Whether the tree is complete (no level waits for a pass).
+    pub fn is_complete(&self) -> bool {
+        self.pending.is_none()
+    }
+
+    /// Puts a token outside every vocabulary into the pending level, so that its pass fails.
+    #[cfg(test)]
+    pub(crate) fn spoil(&mut self) {
+        if let Some(t) = self.forest.tokens.last_mut() {
+            *t = u32::MAX / 2;
+        }
+    }
+
+    /// Rows of the pending level's pass (0 when the tree is complete).
+    pub fn pass_rows(&self) -> usize {
+        self.pending
+            .as_ref()
+            .map_or(0, |r| self.forest.len() - r.first)
+    }
+}
+
 /// Drafts token trees with a small model.
 pub struct DraftEngine {
     model: Arc<Transformer>,
@@ -318,17 +378,49 @@ impl DraftEngine {
     /// Drafts a tree continuing `tokens` (the whole sequence so far). The cache is first brought
     /// to `tokens` reusing the longest common prefix (rollback of a rejected tail is O(1)); the
     /// tree's own entries are dropped again afterwards.
+    ///
+    /// It runs the phases a [`crate::draft_batcher::DraftBatcher`] runs with other sessions'
+    /// rounds, alone: [`DraftEngine::prepare`], then [`DraftEngine::level_pass`] and
+    /// [`DraftEngine::take_level`] until the tree is complete, then [`DraftEngine::finish`].
     pub fn draft(
         &self,
         s: &mut DraftSession,
         tokens: &[u32],
         p: &DraftParams,
     ) -> Result<(TokenTree, DraftStats), EngineError> {
+        let mut round = match self.prepare(s, tokens, p.clone())? {
+            Prepared::Drafted(tree, stats) => return Ok((tree, stats)),
+            Prepared::Levels(round) => round,
+        };
+        while round.pending.is_some() {
+            let t0 = Instant::now();
+            let stepped = self
+                .level_pass(s, &round)
+                .and_then(|logits| self.take_level(s, &mut round, logits, t0.elapsed()));
+            if let Err(e) = stepped {
+                self.abandon(s, &round);
+                return Err(e);
+            }
+        }
+        Ok(self.finish(s, round))
+    }
+
+    /// The first phase of a draft, for one session alone: the request's checks, the cache
+    /// brought to `tokens` (a new prompt's causal prefill, or the accepted tokens) and the
+    /// tree's first level picked. A greedy chain on the fixed-shape path
+    /// ([`DraftEngine::with_static_chains`]) is drafted whole here.
+    pub fn prepare(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        params: DraftParams,
+    ) -> Result<Prepared, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::InvalidArgument(
                 "the draft request holds no tokens: send the prompt (and accepted tokens)".into(),
             ));
         }
+        let p = &params;
         if p.widths.is_empty() || p.widths.contains(&0) {
             return Err(EngineError::InvalidArgument(format!(
                 "tree widths must be a non-empty list of positive numbers, got {:?}",
@@ -347,8 +439,7 @@ impl DraftEngine {
         before_deadline(p.deadline, "drafting began")?;
         specsplit_core::device::bind_to_thread(self.model.device())?;
         let mut stats = DraftStats::default();
-        let greedy = p.sampling.is_greedy();
-        if self.static_chains && greedy && p.widths.iter().all(|&w| w == 1) {
+        if self.drafts_static_chain(p) {
             let result = self.draft_chain_static(s, tokens, p.widths.len(), &mut stats);
             if result.is_err() {
                 // Whatever the failed step left in the cache is not trusted: start over.
@@ -356,14 +447,165 @@ impl DraftEngine {
                 s.tokens.clear();
                 s.last_logits = None;
             }
-            return result.map(|t| (t, stats));
+            return result.map(|t| Prepared::Drafted(t, stats));
         }
         let root_logits = self.sync_prefix(s, tokens, p.deadline, &mut stats)?;
         let prefix_len = s.tokens.len();
-        let result = self.draft_levels(s, root_logits, prefix_len, p, &mut stats);
-        // Drop the tree's entries whatever happened: the cache holds exactly `tokens` again.
-        s.cache.truncate(prefix_len)?;
-        result.map(|t| (t, stats))
+        let mut trees = vec![TokenTree::new()];
+        trees[0].set_siblings_without_replacement(true);
+        let mut round = DraftRound {
+            params,
+            forest: Forest::new(prefix_len),
+            trees,
+            frontier: vec![Grow {
+                node: None,
+                tree: 0,
+                at: None,
+            }],
+            logits: root_logits.unsqueeze(0)?,
+            level: 0,
+            pending: None,
+            stats,
+        };
+        if let Err(e) = self.pick(s, &mut round) {
+            self.abandon(s, &round);
+            return Err(e);
+        }
+        Ok(Prepared::Levels(round))
+    }
+
+    /// Whether a draft with `p` goes through the fixed-shape chain path, drafted whole by
+    /// [`DraftEngine::prepare`].
+    fn drafts_static_chain(&self, p: &DraftParams) -> bool {
+        self.static_chains && p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1)
+    }
+
+    /// Picks the children of the round's frontier at its current level; when the tree goes
+    /// on, the level's nodes wait for their pass in `round.pending`.
+    fn pick(&self, s: &mut DraftSession, round: &mut DraftRound) -> Result<(), EngineError> {
+        let first = round.forest.len();
+        let width = round.params.widths[round.level];
+        let next = self.pick_level(
+            s,
+            &mut round.forest,
+            &mut round.trees,
+            &round.frontier,
+            &round.logits,
+            width,
+            &round.params,
+            &mut round.stats,
+        )?;
+        round.pending = None;
+        if round.level + 1 == round.params.widths.len() || next.is_empty() {
+            round.frontier.clear();
+            return Ok(());
+        }
+        round.pending = Some(LevelRows {
+            first,
+            want: want_rows(&next, first),
+        });
+        round.frontier = next;
+        Ok(())
+    }
+
+    /// The pass of the round's pending level, for one session alone: its logits rows, one per
+    /// frontier node.
+    pub fn level_pass(
+        &self,
+        s: &mut DraftSession,
+        round: &DraftRound,
+    ) -> Result<Tensor, EngineError> {
+        let rows = round.pending.as_ref().ok_or_else(|| {
+            EngineError::InvalidArgument("the draft round has no level waiting for a pass".into())
+        })?;
+        // A failed multi-session pass may have left its rows in the cache.
+        s.cache.truncate(round.forest.prefix + rows.first)?;
+        let dev = self.model.device().clone();
+        self.forward_forest(s, &round.forest, rows.first, &rows.want, &dev)
+    }
+
+    /// The pending levels of several sessions' rounds in one model call
+    /// ([`Transformer::forward_sessions`]): each member's logits rows, bit for bit what
+    /// [`DraftEngine::level_pass`] of that member alone gives, and the same K/V in its cache.
+    pub fn level_pass_sessions(
+        &self,
+        members: &mut [(&mut DraftSession, &DraftRound)],
+    ) -> Result<Vec<Tensor>, EngineError> {
+        specsplit_core::device::bind_to_thread(self.model.device())?;
+        // What each member runs: its level's nodes, their positions and the forest's mask.
+        let mut shapes = Vec::with_capacity(members.len());
+        for (i, (s, round)) in members.iter_mut().enumerate() {
+            let rows = round.pending.as_ref().ok_or_else(|| {
+                EngineError::InvalidArgument(format!(
+                    "draft round {i} has no level waiting for a pass"
+                ))
+            })?;
+            let forest = &round.forest;
+            s.cache.truncate(forest.prefix + rows.first)?;
+            let positions: Vec<u32> = (rows.first..forest.len())
+                .map(|n| (forest.prefix + forest.depth(n)) as u32)
+                .collect();
+            let mask = TreeMask::from_parents(&forest.parents)
+                .expect("a forest node's parent is added before it");
+            shapes.push((positions, mask));
+        }
+        let mut parts: Vec<SessionPass<'_>> = members
+            .iter_mut()
+            .zip(&shapes)
+            .map(|((s, round), (positions, mask))| {
+                let rows = round.pending.as_ref().expect("checked above");
+                SessionPass {
+                    tokens: &round.forest.tokens[rows.first..],
+                    positions,
+                    tree: TreeRows {
+                        mask,
+                        prefix: round.forest.prefix,
+                        first_row: rows.first,
+                    },
+                    cache: &mut s.cache,
+                    rows: &rows.want,
+                }
+            })
+            .collect();
+        Ok(self.model.forward_sessions(&mut parts)?)
+    }
+
+    /// Takes the logits of the round's pending level (from a pass that took `elapsed`) and
+    /// picks the next level's children.
+    pub fn take_level(
+        &self,
+        s: &mut DraftSession,
+        round: &mut DraftRound,
+        logits: Tensor,
+        elapsed: Duration,
+    ) -> Result<(), EngineError> {
+        let rows = round.pending.take().ok_or_else(|| {
+            EngineError::InvalidArgument("the draft round has no level waiting for a pass".into())
+        })?;
+        round.stats.model_time += elapsed;
+        round.stats.tokens_processed += round.forest.len() - rows.first;
+        round.logits = logits;
+        round.level += 1;
+        self.pick(s, round)
+    }
+
+    /// The last phase: drops the tree's entries from the cache (it holds exactly the
+    /// request's tokens again) and returns the tree and what drafting it cost.
+    pub fn finish(&self, s: &mut DraftSession, mut round: DraftRound) -> (TokenTree, DraftStats) {
+        self.abandon(s, &round);
+        (
+            round.trees.pop().expect("a round grows one tree"),
+            round.stats,
+        )
+    }
+
+    /// Gives up a round that will not go on: the cache holds exactly the request's tokens
+    /// again.
+    pub fn abandon(&self, s: &mut DraftSession, round: &DraftRound) {
+        // Within the cache's length: the round only appended after its prefix.
+        if s.cache.len() > round.forest.prefix {
+            let _ = s.cache.truncate(round.forest.prefix);
+        }
     }
 
     /// Brings the cache to `tokens`; returns the logits after the last token, shape (vocab,).
@@ -378,7 +620,7 @@ impl DraftEngine {
         stats: &mut DraftStats,
     ) -> Result<Tensor, EngineError> {
         let lcp = common_prefix(&s.tokens, tokens);
-        if lcp == tokens.len() && lcp == s.tokens.len() {
+        if lcp == tokens.len() && lcp == s.tokens.len() && s.cache.len() == lcp {
             if let Some(l) = &s.last_logits {
                 stats.cache_hit = true;
                 return Ok(l.clone());
@@ -416,34 +658,6 @@ impl DraftEngine {
         Ok(logits)
     }
 
-    fn draft_levels(
-        &self,
-        s: &mut DraftSession,
-        root_logits: Tensor,
-        prefix_len: usize,
-        p: &DraftParams,
-        stats: &mut DraftStats,
-    ) -> Result<TokenTree, EngineError> {
-        let mut forest = Forest::new(prefix_len);
-        let mut trees = vec![TokenTree::new()];
-        trees[0].set_siblings_without_replacement(true);
-        let top = vec![Grow {
-            node: None,
-            tree: 0,
-            at: None,
-        }];
-        self.grow(
-            s,
-            &mut forest,
-            &mut trees,
-            top,
-            root_logits.unsqueeze(0)?,
-            p,
-            stats,
-        )?;
-        Ok(trees.pop().expect("one tree"))
-    }
-
     /// Grows `trees` level by level by `p.widths` from the nodes of `frontier`, whose logits
     /// rows are `logits` (rows, vocab): each level picks every frontier node's children, adds
     /// them to its tree and to `forest`, and forwards the level's nodes (all of them, so the
@@ -460,75 +674,91 @@ impl DraftEngine {
         p: &DraftParams,
         stats: &mut DraftStats,
     ) -> Result<(), EngineError> {
-        let greedy = p.sampling.is_greedy();
         let dev = self.model.device().clone();
-        let vocab = self.model.config().vocab_size as u32;
-        let bad = |e: specsplit_core::tree::TreeError| {
-            EngineError::InvalidArgument(format!("draft tree: {e}"))
-        };
         for (depth, &width) in p.widths.iter().enumerate() {
             let level_start = forest.len();
-            let t0 = Instant::now();
-            let picks = self.choose(&logits, width, greedy, &p.sampling, &mut s.rng)?;
-            stats.model_time += t0.elapsed();
-            let mut next = Vec::new();
-            for (g, (mut children, dist)) in frontier.iter().zip(picks) {
-                if let Some(o) = &self.synthetic {
-                    let mut ctx = s.tokens[..forest.prefix].to_vec();
-                    ctx.extend(forest.path_tokens(g.node));
-                    if let (Some(right), Some(&(old, _))) = (o.next(&ctx), children.first()) {
-                        let new = if rand::Rng::random_bool(&mut s.rng, o.beta) {
-                            right
-                        } else {
-                            (right + 1) % vocab
-                        };
-                        // Keep siblings distinct: a sibling that already held `new` takes
-                        // the displaced token.
-                        for c in children.iter_mut().skip(1) {
-                            if c.0 == new {
-                                c.0 = old;
-                            }
-                        }
-                        children[0].0 = new;
-                    }
-                }
-                let tree = &mut trees[g.tree];
-                for (tok, lp) in children {
-                    let at = match g.at {
-                        None => tree.push_root(tok, lp),
-                        Some(par) => tree.push_child(par, tok, lp),
-                    }
-                    .map_err(bad)?;
-                    let node = forest.push(g.node, tok);
-                    if !self.eos.contains(&tok) {
-                        next.push(Grow {
-                            node: Some(node),
-                            tree: g.tree,
-                            at: Some(at),
-                        });
-                    }
-                }
-                if let Some(d) = dist {
-                    match g.at {
-                        None => tree.set_root_distribution(d),
-                        Some(par) => tree.set_child_distribution(par, d).map_err(bad)?,
-                    }
-                }
-            }
+            let next = self.pick_level(s, forest, trees, &frontier, &logits, width, p, stats)?;
             if depth + 1 == p.widths.len() || next.is_empty() {
                 break;
             }
             let t0 = Instant::now();
-            let want: Vec<u32> = next
-                .iter()
-                .map(|g| (g.node.expect("a grown node") - level_start) as u32)
-                .collect();
+            let want = want_rows(&next, level_start);
             logits = self.forward_forest(s, forest, level_start, &want, &dev)?;
             stats.model_time += t0.elapsed();
             stats.tokens_processed += forest.len() - level_start;
             frontier = next;
         }
         Ok(())
+    }
+
+    /// Picks `width` children of every node of `frontier` from its row of `logits`, adds them
+    /// to its tree and to `forest`; returns the new nodes that grow on (not an end of
+    /// sequence).
+    #[allow(clippy::too_many_arguments)]
+    fn pick_level(
+        &self,
+        s: &mut DraftSession,
+        forest: &mut Forest,
+        trees: &mut [TokenTree],
+        frontier: &[Grow],
+        logits: &Tensor,
+        width: usize,
+        p: &DraftParams,
+        stats: &mut DraftStats,
+    ) -> Result<Vec<Grow>, EngineError> {
+        let greedy = p.sampling.is_greedy();
+        let vocab = self.model.config().vocab_size as u32;
+        let bad = |e: specsplit_core::tree::TreeError| {
+            EngineError::InvalidArgument(format!("draft tree: {e}"))
+        };
+        let t0 = Instant::now();
+        let picks = self.choose(logits, width, greedy, &p.sampling, &mut s.rng)?;
+        stats.model_time += t0.elapsed();
+        let mut next = Vec::new();
+        for (g, (mut children, dist)) in frontier.iter().zip(picks) {
+            if let Some(o) = &self.synthetic {
+                let mut ctx = s.tokens[..forest.prefix].to_vec();
+                ctx.extend(forest.path_tokens(g.node));
+                if let (Some(right), Some(&(old, _))) = (o.next(&ctx), children.first()) {
+                    let new = if rand::Rng::random_bool(&mut s.rng, o.beta) {
+                        right
+                    } else {
+                        (right + 1) % vocab
+                    };
+                    // Keep siblings distinct: a sibling that already held `new` takes
+                    // the displaced token.
+                    for c in children.iter_mut().skip(1) {
+                        if c.0 == new {
+                            c.0 = old;
+                        }
+                    }
+                    children[0].0 = new;
+                }
+            }
+            let tree = &mut trees[g.tree];
+            for (tok, lp) in children {
+                let at = match g.at {
+                    None => tree.push_root(tok, lp),
+                    Some(par) => tree.push_child(par, tok, lp),
+                }
+                .map_err(bad)?;
+                let node = forest.push(g.node, tok);
+                if !self.eos.contains(&tok) {
+                    next.push(Grow {
+                        node: Some(node),
+                        tree: g.tree,
+                        at: Some(at),
+                    });
+                }
+            }
+            if let Some(d) = dist {
+                match g.at {
+                    None => tree.set_root_distribution(d),
+                    Some(par) => tree.set_child_distribution(par, d).map_err(bad)?,
+                }
+            }
+        }
+        Ok(next)
     }
 
     /// Forwards the forest's nodes `first..` in one pass over the session's cache (which holds

@@ -215,11 +215,27 @@ pub fn draft_worker(cfg: &WorkerConfig, m: LoadedModel) -> DraftWorker {
     let info = info(cfg, &m);
     let exec = execution(cfg, &info);
     let eos = m.tokenizer.eos_token_ids().to_vec();
-    let engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
+    let mut engine = DraftEngine::new(Arc::new(m.model), eos, cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions);
-    DraftWorker::new(Arc::new(engine), limits(cfg), info)
+    if !cfg.static_draft_chains {
+        engine = engine.with_static_chains(false);
+    }
+    let worker = DraftWorker::new(Arc::new(engine), limits(cfg), info)
         .with_execution(exec)
-        .with_admission_wait(admission_wait(cfg))
+        .with_admission_wait(admission_wait(cfg));
+    if cfg.max_batch_sessions > 1 {
+        worker.with_batching(batch_limits(cfg))
+    } else {
+        worker
+    }
+}
+
+/// The limits of one shared pass (`max_batch_sessions`, `max_batch_rows`).
+fn batch_limits(cfg: &WorkerConfig) -> BatchLimits {
+    BatchLimits {
+        max_sessions: cfg.max_batch_sessions,
+        max_rows: cfg.max_batch_rows,
+    }
 }
 
 /// How long a request for a new session waits for room (`admission_wait_ms`).
@@ -266,10 +282,7 @@ pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
         .with_admission_wait(admission_wait(cfg))
         .with_load_gate(gate);
     if cfg.max_batch_sessions > 1 {
-        worker.with_batching(BatchLimits {
-            max_sessions: cfg.max_batch_sessions,
-            max_rows: cfg.max_batch_rows,
-        })
+        worker.with_batching(batch_limits(cfg))
     } else {
         worker
     }

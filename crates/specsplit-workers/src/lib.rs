@@ -8,6 +8,7 @@ pub mod batcher;
 pub mod cli;
 pub mod config;
 pub mod draft;
+pub mod draft_batcher;
 pub mod endpoints;
 pub mod engine_session;
 pub mod error;

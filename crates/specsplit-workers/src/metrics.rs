@@ -50,6 +50,8 @@ pub struct WorkerMetrics {
     anonymous: Gauge,
     kv_used: Gauge,
     kv_budget: Gauge,
+    /// A draft worker's: sessions in the largest level pass of each drafted tree.
+    draft_pass_sessions: Option<Histogram>,
     spec: Option<SpecCounters>,
 }
 
@@ -107,6 +109,15 @@ impl WorkerMetrics {
             "The memory budget of all session caches (memory_budget_mb)",
             kv_budget.clone(),
         );
+        let draft_pass_sessions = (!speculative).then(|| {
+            let h = Histogram::new(exponential_buckets(1.0, 2.0, 8));
+            registry.register(
+                "draft_pass_sessions",
+                "Sessions in the largest level pass of each drafted tree (1: alone)",
+                h.clone(),
+            );
+            h
+        });
         let spec = speculative.then(|| {
             let s = SpecCounters {
                 model: vec![("model_name", model.to_string())],
@@ -154,6 +165,7 @@ impl WorkerMetrics {
             anonymous,
             kv_used,
             kv_budget,
+            draft_pass_sessions,
             spec,
         }
     }
@@ -192,6 +204,14 @@ impl WorkerMetrics {
             let mut labels = s.model.clone();
             labels.push(("position", pos.to_string()));
             s.accepted_per_pos.get_or_create(&labels).inc();
+        }
+    }
+
+    /// Records one drafted tree whose largest level pass held `sessions` sessions (a draft
+    /// worker's; others keep no such count).
+    pub fn observe_draft_pass_sessions(&self, sessions: usize) {
+        if let Some(h) = &self.draft_pass_sessions {
+            h.observe(sessions as f64);
         }
     }
 

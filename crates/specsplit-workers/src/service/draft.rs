@@ -1,6 +1,7 @@
 //! The draft worker's gRPC service (`DraftService`).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
 use specsplit_proto::convert::TreeWire;
@@ -16,7 +17,9 @@ use super::deadline::request_deadline;
 use super::serve::{serve, ServeOptions};
 use super::validate::{check_request_ids, draft_widths, outcome_set, sampling_from};
 use super::worker::Worker;
+use crate::batcher::BatchLimits;
 use crate::draft::{DraftEngine, DraftParams};
+use crate::draft_batcher::DraftBatcher;
 use crate::engine_session::SessionEngine;
 use crate::session::SessionSecret;
 
@@ -48,6 +51,24 @@ impl DraftService for DraftWorker {
 }
 
 impl DraftWorker {
+    /// This worker running the level passes of concurrent sessions' drafts together, bounded
+    /// by `limits` ([`DraftBatcher`]), its model work placed as its [`super::Execution`] says;
+    /// without it, each request drafts on its own.
+    pub fn with_batching(mut self, limits: BatchLimits) -> Self {
+        let placement = self.execution().placement();
+        self.draft_batcher = Some(Arc::new(DraftBatcher::new(
+            self.engine().clone(),
+            limits,
+            placement,
+        )));
+        self
+    }
+
+    /// The draft batcher, when the worker batches.
+    pub fn batcher(&self) -> Option<&Arc<DraftBatcher>> {
+        self.draft_batcher.as_ref()
+    }
+
     /// `GenerateDrafts`, begun at `start`.
     async fn generate(
         &self,
@@ -108,9 +129,21 @@ impl DraftWorker {
                 ..DraftResponse::default()
             }));
         }
-        let (tree, stats) = self
-            .run(session, move |engine, s| engine.draft(s, &tokens, &params))
-            .await?;
+        let (tree, stats) = match &self.draft_batcher {
+            Some(b) => {
+                let out = b.draft(session, tokens, params).await;
+                self.sessions().room_may_be_free();
+                self.execution().answered();
+                let out = out?;
+                self.metrics()
+                    .observe_draft_pass_sessions(out.pass_sessions);
+                (out.tree, out.stats)
+            }
+            None => {
+                self.run(session, move |engine, s| engine.draft(s, &tokens, &params))
+                    .await?
+            }
+        };
         let (draft_tree, root_distribution) = tree.to_proto();
         Ok(Response::new(DraftResponse {
             request_id: r.request_id,
@@ -157,26 +190,23 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    use candle_core::DType;
-    use specsplit_models::transformer::Transformer;
-
     use super::*;
     use crate::service::{Execution, WorkPlacement, WorkerInfo};
     use crate::session::SessionLimits;
+    use candle_core::DType;
+    use specsplit_models::transformer::Transformer;
+    use std::time::Duration;
 
-    fn worker() -> DraftWorker {
+    fn engine() -> Arc<DraftEngine> {
         let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
         cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 5, DType::F32, &candle_core::Device::Cpu).unwrap();
-        let engine = Arc::new(DraftEngine::new(Arc::new(m), vec![], 128).with_spare_sessions(0));
-        let limits = SessionLimits {
-            max_sessions: 4,
-            memory_budget_bytes: usize::MAX / 2,
-            ttl: Duration::from_secs(600),
-        };
+        let m = Transformer::random(cfg, 3, DType::F32, &candle_core::Device::Cpu).unwrap();
+        Arc::new(DraftEngine::new(Arc::new(m), vec![], 128).with_spare_sessions(0))
+    }
+
+    /// A draft worker over `engine`, its model work on the blocking pool, batching when
+    /// `limits` are given.
+    fn worker(engine: &Arc<DraftEngine>, limits: Option<BatchLimits>) -> DraftWorker {
         let info = WorkerInfo {
             model_name: "tiny".into(),
             vocab_size: engine.model().config().vocab_size,
@@ -187,13 +217,97 @@ mod tests {
             max_prompt_len: 128,
             device: "cpu".into(),
         };
-        DraftWorker::new(engine, limits, info)
-            .with_execution(Execution::new(WorkPlacement::Pool, Duration::ZERO))
+        let limits_s = SessionLimits {
+            max_sessions: 8,
+            memory_budget_bytes: usize::MAX / 2,
+            ttl: Duration::from_secs(600),
+        };
+        let w = DraftWorker::new(engine.clone(), limits_s, info)
+            .with_execution(Execution::new(WorkPlacement::Pool, Duration::ZERO));
+        match limits {
+            Some(l) => w.with_batching(l),
+            None => w,
+        }
+    }
+
+    /// Session `i`'s request: its prompt, a tree of widths [2, 1, 1], sampled (seeded) for odd
+    /// `i`.
+    fn request(i: usize) -> DraftRequest {
+        DraftRequest {
+            session_id: format!("s{i}"),
+            prompt_token_ids: (0..8 + 3 * i as i32)
+                .map(|t| (t * 31 + 7 + 50 * i as i32) % 500)
+                .collect(),
+            tree_widths: vec![2, 1, 1],
+            sampling: Some(specsplit_proto::SamplingParams {
+                temperature: if i % 2 == 1 { 0.7 } else { 0.0 },
+                seed: 11 + i as u64,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn batched_drafts_answer_as_a_worker_without_batching() {
+        let engine = engine();
+        let limits = BatchLimits {
+            max_sessions: 8,
+            max_rows: 256,
+        };
+        let w = Arc::new(worker(&engine, Some(limits)));
+        let b = w.batcher().unwrap().clone();
+        let hold = b.hold().await;
+        let tasks: Vec<_> = (0..3)
+            .map(|i| {
+                let w = w.clone();
+                tokio::spawn(async move { w.generate_drafts(Request::new(request(i))).await })
+            })
+            .collect();
+        while b.queued() < 3 {
+            tokio::task::yield_now().await;
+        }
+        drop(hold);
+        let plain = worker(&engine, None);
+        for (i, t) in tasks.into_iter().enumerate() {
+            let got = t.await.unwrap().unwrap().into_inner();
+            let want = plain
+                .generate_drafts(Request::new(request(i)))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(got.draft_tree, want.draft_tree, "session {i}");
+            assert_eq!(got.root_distribution, want.root_distribution, "session {i}");
+        }
+        assert_eq!(b.stats().most_sessions, 3);
+        let text = w.scrape()();
+        assert!(
+            text.contains("specsplit_draft_pass_sessions_count 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("specsplit_draft_pass_sessions_sum 9"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_batcher_places_its_passes_as_the_worker_does() {
+        let limits = BatchLimits {
+            max_sessions: 4,
+            max_rows: 64,
+        };
+        let w = worker(&engine(), Some(limits));
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Pool);
+        let w = w.with_execution(Execution::new(WorkPlacement::Inline, Duration::ZERO));
+        assert_eq!(w.batcher().unwrap().placement(), WorkPlacement::Inline);
+        assert_eq!(w.batcher().unwrap().limits(), limits);
+        assert!(worker(&engine(), None).batcher().is_none());
     }
 
     /// A 4-deep chain after a 100-token prompt of session `s1`, with `timeout` as its
     /// `grpc-timeout` header.
-    fn request(timeout: Option<&str>) -> Request<DraftRequest> {
+    fn timed_request(timeout: Option<&str>) -> Request<DraftRequest> {
         let mut r = Request::new(DraftRequest {
             request_id: "r".into(),
             session_id: "s1".into(),
@@ -211,20 +325,23 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_draft_past_its_deadline_stops_and_its_session_stays_usable() {
-        let late = worker();
+        let late = worker(&engine(), None);
         let e = late
-            .generate_drafts(request(Some("1n")))
+            .generate_drafts(timed_request(Some("1n")))
             .await
             .expect_err("a request whose deadline passed is refused");
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
         // The session answers its next request exactly as a fresh worker does.
-        let after = late.generate_drafts(request(None)).await.unwrap();
-        let fresh = worker().generate_drafts(request(None)).await.unwrap();
+        let after = late.generate_drafts(timed_request(None)).await.unwrap();
+        let fresh = worker(&engine(), None)
+            .generate_drafts(timed_request(None))
+            .await
+            .unwrap();
         assert_eq!(after.get_ref().draft_tree, fresh.get_ref().draft_tree);
         assert_eq!(fresh.get_ref().draft_tree.len(), 1, "one root of a chain");
         // A deadline far enough away changes nothing.
-        let roomy = worker()
-            .generate_drafts(request(Some("60S")))
+        let roomy = worker(&engine(), None)
+            .generate_drafts(timed_request(Some("60S")))
             .await
             .unwrap();
         assert_eq!(roomy.get_ref().draft_tree, fresh.get_ref().draft_tree);

@@ -11,6 +11,7 @@ use super::execution::Execution;
 use super::validate::check_ids;
 use super::WorkerInfo;
 use crate::batcher::VerifyBatcher;
+use crate::draft_batcher::DraftBatcher;
 use crate::engine_session::SessionEngine;
 use crate::load_gate::LoadAdvisor;
 use crate::metrics::{StoreUsage, WorkerMetrics};
@@ -33,6 +34,8 @@ pub struct Worker<E: SessionEngine> {
     admission_wait: Duration,
     /// The target's verification batcher; none runs each request's pass on its own.
     pub(super) batcher: Option<Arc<VerifyBatcher>>,
+    /// The draft worker's level-pass batcher; none drafts each request on its own.
+    pub(super) draft_batcher: Option<Arc<DraftBatcher>>,
     /// The load-gated depth advice this worker answers with (`None`: no advice).
     load_gate: Option<Arc<LoadAdvisor>>,
 }
@@ -54,6 +57,7 @@ impl<E: SessionEngine> Worker<E> {
             metrics: Arc::new(metrics),
             admission_wait: Duration::ZERO,
             batcher: None,
+            draft_batcher: None,
             load_gate: None,
         }
     }
@@ -114,6 +118,9 @@ impl<E: SessionEngine> Worker<E> {
     pub fn with_execution(mut self, exec: Execution) -> Self {
         if let Some(b) = &self.batcher {
             self.batcher = Some(Arc::new(b.placed(exec.placement())));
+        }
+        if let Some(b) = &self.draft_batcher {
+            self.draft_batcher = Some(Arc::new(b.placed(exec.placement())));
         }
         self.exec = exec;
         self
