@@ -3,15 +3,19 @@
 //!
 //! A pass of `B` sessions each verifying a draft chain of depth `d` runs `B·(d+1)` rows and
 //! yields `B·E(d)` tokens in expectation, `E(d) = 1 + α + … + α^d` with α the per-token
-//! acceptance. [`LoadGate::advise`] picks the `d` in `0..=max` that maximises
-//! `B·E(d) / T(B·(d+1))`, `T` the pass time the gate has measured at that row count. Where
-//! `T` is flat in the rows (a latency-bound pass) the deepest draft wins; where it grows
-//! linearly from the first row (compute-bound) no draft pays; in between the depth falls as
-//! the batch grows.
+//! acceptance. Between two of its passes a session spends `G(d)` away from the target: its
+//! orchestrator drafts the next chain (and waits for a draft worker the other sessions share)
+//! and sends it. [`LoadGate::advise`] picks the `d` in `0..=max` that maximises
+//! `B·E(d) / (T(B·(d+1)) + G(d))`, `T` the pass time the gate has measured at that row count
+//! and `G` the gap it has measured after answers at that depth. Where `T` is flat in the rows
+//! (a latency-bound pass) and drafting is cheap the deepest draft wins; where `T` grows
+//! linearly from the first row (compute-bound), or drafting costs more than it saves, no draft
+//! pays; in between the depth falls as the batch grows.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Row buckets of the pass-time table: bucket `k` holds passes of `2^k..2^(k+1)` rows.
 const BUCKETS: usize = 24;
@@ -27,6 +31,24 @@ const MIN_TRIED: u64 = 8;
 
 /// The acceptance estimate is kept below 1 so that deeper drafts always cost something.
 const MAX_ACCEPTANCE: f64 = 0.999;
+
+/// Weight of a new gap in its depth's running mean.
+const GAP_WEIGHT: f64 = 0.1;
+
+/// A session's gap between an answer and its next request longer than this is a pause of
+/// its client (between generations, or a slow consumer), not the cost of drafting.
+pub const MAX_ROUND_GAP: Duration = Duration::from_secs(2);
+
+/// A depth's gap measured longer ago than this is forgotten: it was measured under another
+/// load (a draft worker that is busier or idler now), and the depth is tried again.
+const GAP_MEMORY: Duration = Duration::from_secs(5);
+
+/// A session answered within this window counts in the batch the advice is for.
+const ACTIVE_WINDOW: Duration = Duration::from_millis(500);
+
+/// Sessions whose last answer the advisor remembers (their gaps are measured); beyond this,
+/// the oldest answers are forgotten.
+const MAX_REMEMBERED_SESSIONS: usize = 4096;
 
 /// Running means of the passes of one row bucket.
 #[derive(Debug, Clone, Copy)]
@@ -51,6 +73,9 @@ pub struct LoadGate {
     /// and accepted.
     tried: u64,
     accepted: u64,
+    /// Running mean of the gap (seconds) between an answer and the session's next request,
+    /// per drafted depth of that request (`None`: not measured).
+    gaps: Vec<Option<(f64, Instant)>>,
 }
 
 impl LoadGate {
@@ -62,7 +87,62 @@ impl LoadGate {
             passes: 0,
             tried: 0,
             accepted: 0,
+            gaps: vec![None; max_depth + 1],
         }
+    }
+
+    /// Records the `gap` between an answer to a session and its next request, which drafted
+    /// to `depth` (deeper than the gate's `max_depth` counts as `max_depth`).
+    pub fn observe_gap(&mut self, depth: usize, gap: Duration) {
+        if gap > MAX_ROUND_GAP {
+            return;
+        }
+        let (g, now) = (gap.as_secs_f64(), Instant::now());
+        let slot = &mut self.gaps[depth.min(self.max_depth)];
+        *slot = Some(match *slot {
+            Some((m, at)) if now.duration_since(at) <= GAP_MEMORY => {
+                (m + GAP_WEIGHT * (g - m), now)
+            }
+            _ => (g, now),
+        });
+    }
+
+    /// The gap the gate predicts after an answer before a request drafted to `depth`, in
+    /// seconds: the measured mean, else linear between the nearest measured depths, else along
+    /// the line from the nearest measured depth to no gap at depth 0 below it, or along the
+    /// last two measured depths' slope (never falling) above them. 0 before any gap is
+    /// measured (the pass time alone decides). Gaps measured more than [`GAP_MEMORY`] ago
+    /// count as unmeasured.
+    pub fn round_gap(&self, depth: usize) -> f64 {
+        let now = Instant::now();
+        let known: Vec<(f64, f64)> = self
+            .gaps
+            .iter()
+            .enumerate()
+            .filter_map(|(d, g)| {
+                g.filter(|&(_, at)| now.duration_since(at) <= GAP_MEMORY)
+                    .map(|(g, _)| (d as f64, g))
+            })
+            .collect();
+        let d = depth as f64;
+        let Some(&(d0, g0)) = known.first() else {
+            return 0.0;
+        };
+        if d <= d0 {
+            return if d0 == 0.0 { g0 } else { g0 * d / d0 };
+        }
+        for w in known.windows(2) {
+            let ((a, ga), (b, gb)) = (w[0], w[1]);
+            if d <= b {
+                return ga + (gb - ga) * (d - a) / (b - a);
+            }
+        }
+        let (b, gb) = known[known.len() - 1];
+        let slope = match known.len() {
+            1 => gb / b.max(1.0),
+            n => ((gb - known[n - 2].1) / (b - known[n - 2].0)).max(0.0),
+        };
+        gb + slope * (d - b)
     }
 
     /// Records one target pass of `rows` rows (all sessions' tokens) that took `time` in the
@@ -125,7 +205,8 @@ impl LoadGate {
     }
 
     /// The draft depth in `0..=max_depth` that maximises the aggregate expected tokens per
-    /// second of `batch_sessions` sessions sharing each pass (the shallowest of equals);
+    /// second of `batch_sessions` sessions sharing each pass, each away from the target for
+    /// its round's gap between passes (the shallowest of equals);
     /// `None` before the gate has measured enough passes and verdicts to say.
     pub fn advise(&self, batch_sessions: usize) -> Option<usize> {
         if self.passes < MIN_PASSES {
@@ -139,7 +220,7 @@ impl LoadGate {
         for d in 0..=self.max_depth {
             expected += term;
             term *= alpha;
-            let secs = self.pass_secs(b * (d + 1) as f64)?;
+            let secs = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d);
             let rate = b * expected / secs.max(f64::MIN_POSITIVE);
             if rate > best.1 {
                 best = (d, rate);
@@ -155,6 +236,8 @@ impl LoadGate {
 pub struct LoadAdvisor {
     gate: Mutex<LoadGate>,
     in_flight: AtomicUsize,
+    /// When each session was last answered (its gap to its next request is measured).
+    answered: Mutex<HashMap<String, Instant>>,
 }
 
 /// A verify request counted in flight until dropped.
@@ -178,7 +261,39 @@ impl LoadAdvisor {
         Self {
             gate: Mutex::new(gate),
             in_flight: AtomicUsize::new(0),
+            answered: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Records that `session`'s next round, drafted to `depth`, arrived at `arrived`: its gap
+    /// since the session's last answer. Call it for a session's later rounds only (a new
+    /// prompt follows a pause, not a draft).
+    pub fn observe_request(&self, session: &str, depth: usize, arrived: Instant) {
+        let last = {
+            let answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+            answered.get(session).copied()
+        };
+        if let Some(gap) = last.and_then(|t| arrived.checked_duration_since(t)) {
+            let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+            g.observe_gap(depth, gap);
+        }
+    }
+
+    /// Notes `session` answered at `at`; returns the sessions answered within
+    /// [`ACTIVE_WINDOW`] of `at` (this one included).
+    fn note_answer(&self, session: &str, at: Instant) -> usize {
+        let mut answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        if answered.len() >= MAX_REMEMBERED_SESSIONS && !answered.contains_key(session) {
+            answered.retain(|_, &mut t| at.saturating_duration_since(t) <= MAX_ROUND_GAP);
+            if answered.len() >= MAX_REMEMBERED_SESSIONS {
+                answered.clear();
+            }
+        }
+        answered.insert(session.to_string(), at);
+        answered
+            .values()
+            .filter(|&&t| at.saturating_duration_since(t) <= ACTIVE_WINDOW)
+            .count()
     }
 
     /// Counts a verify request in flight while the returned guard lives.
@@ -193,15 +308,23 @@ impl LoadAdvisor {
     }
 
     /// Records a pass of `rows` rows taking `time`, and its verdict (`accepted` of `drafted`
-    /// tokens on the longest path); returns the depth advised for the sessions in flight.
+    /// tokens on the longest path), answered to `session` now; returns the depth advised for
+    /// the batch: the sessions in flight or answered within [`ACTIVE_WINDOW`], whichever are
+    /// more.
     pub fn observe_and_advise(
         &self,
+        session: &str,
         rows: usize,
         time: Duration,
         drafted: usize,
         accepted: usize,
     ) -> Option<usize> {
-        let batch = self.in_flight();
+        let active = if session.is_empty() {
+            0
+        } else {
+            self.note_answer(session, Instant::now())
+        };
+        let batch = self.in_flight().max(active);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         g.observe_pass(rows, time);
         if drafted > 0 {
@@ -326,8 +449,76 @@ mod tests {
         drop(g1);
         assert_eq!(a.in_flight(), 0);
         assert_eq!(
-            a.observe_and_advise(3, Duration::from_millis(5), 2, 1),
+            a.observe_and_advise("s", 3, Duration::from_millis(5), 2, 1),
             None
         );
+    }
+
+    #[test]
+    fn round_gaps_interpolate_and_extrapolate_from_what_was_measured() {
+        let mut g = LoadGate::new(8);
+        assert_eq!(
+            g.round_gap(4),
+            0.0,
+            "nothing measured: the pass time alone decides"
+        );
+        g.observe_gap(4, Duration::from_millis(8));
+        // One depth measured: the line through no gap at depth 0.
+        assert!((g.round_gap(2) - 0.004).abs() < 1e-9);
+        assert!((g.round_gap(0) - 0.0).abs() < 1e-9);
+        assert!((g.round_gap(6) - 0.012).abs() < 1e-9);
+        g.observe_gap(0, Duration::from_millis(1));
+        assert!((g.round_gap(0) - 0.001).abs() < 1e-9);
+        assert!((g.round_gap(2) - 0.0045).abs() < 1e-9);
+        // Beyond the deepest measured depth, along the last two depths' slope.
+        assert!((g.round_gap(8) - 0.015).abs() < 1e-9);
+        // A pause of the client is not a round's gap.
+        g.observe_gap(8, MAX_ROUND_GAP + Duration::from_millis(1));
+        assert!((g.round_gap(8) - 0.015).abs() < 1e-9);
+        // Deeper than the gate advises counts at its deepest depth.
+        g.observe_gap(30, Duration::from_millis(20));
+        assert!((g.round_gap(8) - 0.020).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_latency_bound_target_gets_no_draft_when_drafting_costs_more_than_it_saves() {
+        // Passes cost 20 ms whatever their rows: free drafts would go deepest.
+        let mut g = gate(8, 1..=600, |_| 0.02);
+        assert_eq!(g.advise(4), Some(8));
+        // A session drafting to depth 4 comes back 100 ms after its answer, one not drafting
+        // after 1 ms: at acceptance 0.8 a round of depth 4 gives 3.4 tokens in 120 ms, one of
+        // depth 1 (a gap of 25.75 ms between the two) 1.8 in 45.75 ms, one without a draft
+        // 1 token in 21 ms.
+        for _ in 0..20 {
+            g.observe_gap(4, Duration::from_millis(100));
+            g.observe_gap(0, Duration::from_millis(1));
+        }
+        assert_eq!(g.advise(4), Some(0));
+        // Drafting that takes 2 ms a level pays again.
+        let mut g = gate(8, 1..=600, |_| 0.02);
+        for _ in 0..20 {
+            g.observe_gap(4, Duration::from_millis(9));
+            g.observe_gap(0, Duration::from_millis(1));
+        }
+        assert!(g.advise(4).unwrap() >= 4, "{:?}", g.advise(4));
+    }
+
+    #[test]
+    fn the_advisor_measures_each_sessions_gap_and_counts_recent_sessions_in_the_batch() {
+        let a = LoadAdvisor::new(8);
+        // Two sessions answered: the batch the advice is for holds both.
+        assert_eq!(a.note_answer("a", Instant::now()), 1);
+        let t = Instant::now();
+        assert_eq!(a.note_answer("b", t), 2);
+        // Session b's next round, drafted to depth 3, came 30 ms after its answer.
+        a.observe_request("b", 3, t + Duration::from_millis(30));
+        let gap = a.gate.lock().unwrap().round_gap(3);
+        assert!((gap - 0.030).abs() < 1e-9, "{gap}");
+        // A session never answered here has no gap.
+        a.observe_request("c", 3, t + Duration::from_millis(500));
+        let gap = a.gate.lock().unwrap().round_gap(3);
+        assert!((gap - 0.030).abs() < 1e-9, "{gap}");
+        // Sessions answered long ago no longer count.
+        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3), 1);
     }
 }

@@ -118,7 +118,12 @@ impl TargetWorker {
             params: sampling,
             logprobs: r.return_logprobs,
         };
-        let in_flight = self.load_gate().map(|g| g.enter());
+        let in_flight = self.load_gate().map(|g| {
+            if matches!(request.prefix, Prefix::Delta { .. }) {
+                g.observe_request(&r.session_id, draft_depth, start);
+            }
+            g.enter()
+        });
         let (out, pass_rows) = match &self.batcher {
             Some(b) => {
                 let out = b.verify(session, request).await;
@@ -154,7 +159,13 @@ impl TargetWorker {
                 None => out.tokens_processed,
             };
             let time = out.model_time;
-            g.observe_and_advise(rows, time, draft_depth, v.accepted_tokens.len())
+            g.observe_and_advise(
+                &r.session_id,
+                rows,
+                time,
+                draft_depth,
+                v.accepted_tokens.len(),
+            )
         });
         drop(in_flight);
         Ok(Response::new(VerifyResponse {
