@@ -11,6 +11,12 @@
 //! (a latency-bound pass) and drafting is cheap the deepest draft wins; where `T` grows
 //! linearly from the first row (compute-bound), or drafting costs more than it saves, no draft
 //! pays; in between the depth falls as the batch grows.
+//!
+//! That model misses how sessions fall out of step in a shared pass: a session still drafting
+//! when the next pass starts waits for the one after. So the gate also measures what each depth
+//! yields now: per depth, the tokens a round emits and a session's time from one answer to the
+//! next. A depth measured within [`GAP_MEMORY`] is judged by its measured tokens per second,
+//! the others by the model; a measurement that ages out lets the model try its depth again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,6 +82,20 @@ pub struct LoadGate {
     /// Running mean of the gap (seconds) between an answer and the session's next request,
     /// per drafted depth of that request (`None`: not measured).
     gaps: Vec<Option<(f64, Instant)>>,
+    /// Per drafted depth: running means of a session's time from one answer to the next
+    /// (seconds) and of the tokens that round emitted, and when last measured.
+    cycles: Vec<Option<Cycle>>,
+    /// The deepest draft a session sent lately, and when: deeper depths are not advised (the
+    /// sessions would not draft them, so they would never be measured).
+    deepest: Option<(usize, Instant)>,
+}
+
+/// What rounds of one depth measured: a session's answer-to-answer time and the tokens emitted.
+#[derive(Debug, Clone, Copy)]
+struct Cycle {
+    secs: f64,
+    tokens: f64,
+    at: Instant,
 }
 
 impl LoadGate {
@@ -88,7 +108,43 @@ impl LoadGate {
             tried: 0,
             accepted: 0,
             gaps: vec![None; max_depth + 1],
+            cycles: vec![None; max_depth + 1],
+            deepest: None,
         }
+    }
+
+    /// Records a session's round drafted to `depth` (deeper counts as `max_depth`) that
+    /// emitted `tokens` and was answered `cycle` after the session's previous answer.
+    pub fn observe_cycle(&mut self, depth: usize, cycle: Duration, tokens: usize) {
+        if cycle > MAX_ROUND_GAP {
+            return;
+        }
+        let (c, t, now) = (cycle.as_secs_f64(), tokens as f64, Instant::now());
+        let fresh = |at: Instant| now.duration_since(at) <= GAP_MEMORY;
+        self.deepest = match self.deepest {
+            Some((d, at)) if fresh(at) && d > depth => Some((d, at)),
+            _ => Some((depth, now)),
+        };
+        let slot = &mut self.cycles[depth.min(self.max_depth)];
+        *slot = Some(match *slot {
+            Some(m) if now.duration_since(m.at) <= GAP_MEMORY => Cycle {
+                secs: m.secs + GAP_WEIGHT * (c - m.secs),
+                tokens: m.tokens + GAP_WEIGHT * (t - m.tokens),
+                at: now,
+            },
+            _ => Cycle {
+                secs: c,
+                tokens: t,
+                at: now,
+            },
+        });
+    }
+
+    /// The tokens per second a session's rounds of `depth` measured within [`GAP_MEMORY`].
+    fn measured_rate(&self, depth: usize, now: Instant) -> Option<f64> {
+        self.cycles[depth]
+            .filter(|c| now.duration_since(c.at) <= GAP_MEMORY)
+            .map(|c| c.tokens / c.secs.max(f64::MIN_POSITIVE))
     }
 
     /// Records the `gap` between an answer to a session and its next request, which drafted
@@ -214,14 +270,20 @@ impl LoadGate {
         }
         let alpha = self.acceptance()?;
         let b = batch_sessions.max(1) as f64;
+        let now = Instant::now();
         let mut best = (0, f64::NEG_INFINITY);
         let mut expected = 0.0;
         let mut term = 1.0;
-        for d in 0..=self.max_depth {
+        let top = self
+            .deepest
+            .filter(|&(d, at)| d > 0 && now.duration_since(at) <= GAP_MEMORY)
+            .map_or(self.max_depth, |(d, _)| d.min(self.max_depth));
+        for d in 0..=top {
             expected += term;
             term *= alpha;
             let secs = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d);
-            let rate = b * expected / secs.max(f64::MIN_POSITIVE);
+            let modelled = expected / secs.max(f64::MIN_POSITIVE);
+            let rate = b * self.measured_rate(d, now).unwrap_or(modelled);
             if rate > best.1 {
                 best = (d, rate);
             }
@@ -280,8 +342,8 @@ impl LoadAdvisor {
     }
 
     /// Notes `session` answered at `at`; returns the sessions answered within
-    /// [`ACTIVE_WINDOW`] of `at` (this one included).
-    fn note_answer(&self, session: &str, at: Instant) -> usize {
+    /// [`ACTIVE_WINDOW`] of `at` (this one included) and when this one was answered before.
+    fn note_answer(&self, session: &str, at: Instant) -> (usize, Option<Instant>) {
         let mut answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
         if answered.len() >= MAX_REMEMBERED_SESSIONS && !answered.contains_key(session) {
             answered.retain(|_, &mut t| at.saturating_duration_since(t) <= MAX_ROUND_GAP);
@@ -289,11 +351,12 @@ impl LoadAdvisor {
                 answered.clear();
             }
         }
-        answered.insert(session.to_string(), at);
-        answered
+        let last = answered.insert(session.to_string(), at);
+        let active = answered
             .values()
             .filter(|&&t| at.saturating_duration_since(t) <= ACTIVE_WINDOW)
-            .count()
+            .count();
+        (active, last)
     }
 
     /// Counts a verify request in flight while the returned guard lives.
@@ -307,31 +370,48 @@ impl LoadAdvisor {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Records a pass of `rows` rows taking `time`, and its verdict (`accepted` of `drafted`
-    /// tokens on the longest path), answered to `session` now; returns the depth advised for
-    /// the batch: the sessions in flight or answered within [`ACTIVE_WINDOW`], whichever are
-    /// more.
-    pub fn observe_and_advise(
-        &self,
-        session: &str,
-        rows: usize,
-        time: Duration,
-        drafted: usize,
-        accepted: usize,
-    ) -> Option<usize> {
-        let active = if session.is_empty() {
-            0
+    /// Records `round`, answered now; returns the depth advised for the batch: the sessions in
+    /// flight or answered within [`ACTIVE_WINDOW`], whichever are more.
+    pub fn observe_and_advise(&self, round: GateRound<'_>) -> Option<usize> {
+        let now = Instant::now();
+        let (active, last) = if round.session.is_empty() {
+            (0, None)
         } else {
-            self.note_answer(session, Instant::now())
+            self.note_answer(round.session, now)
         };
         let batch = self.in_flight().max(active);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        g.observe_pass(rows, time);
-        if drafted > 0 {
-            g.observe_verdict(drafted, accepted);
+        g.observe_pass(round.rows, round.time);
+        if round.depth > 0 {
+            g.observe_verdict(round.depth, round.accepted);
+        }
+        if let Some(last) = last.filter(|_| round.continued) {
+            g.observe_cycle(
+                round.depth,
+                now.saturating_duration_since(last),
+                round.accepted + 1,
+            );
         }
         g.advise(batch)
     }
+}
+
+/// One verified round, as [`LoadAdvisor::observe_and_advise`] takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct GateRound<'a> {
+    /// The session's id (empty: an anonymous session, whose rounds are not followed).
+    pub session: &'a str,
+    /// Rows of the pass the round ran in (all its sessions'), and its own preparation's.
+    pub rows: usize,
+    /// The round's model time.
+    pub time: Duration,
+    /// The depth of the round's draft (0: none).
+    pub depth: usize,
+    /// Draft tokens the target accepted.
+    pub accepted: usize,
+    /// Whether the round continued the session's sequence (not a new prompt), so that its
+    /// time since the session's last answer is a round's.
+    pub continued: bool,
 }
 
 #[cfg(test)]
@@ -448,10 +528,15 @@ mod tests {
         assert_eq!(a.in_flight(), 1);
         drop(g1);
         assert_eq!(a.in_flight(), 0);
-        assert_eq!(
-            a.observe_and_advise("s", 3, Duration::from_millis(5), 2, 1),
-            None
-        );
+        let round = GateRound {
+            session: "s",
+            rows: 3,
+            time: Duration::from_millis(5),
+            depth: 2,
+            accepted: 1,
+            continued: true,
+        };
+        assert_eq!(a.observe_and_advise(round), None);
     }
 
     #[test]
@@ -507,9 +592,9 @@ mod tests {
     fn the_advisor_measures_each_sessions_gap_and_counts_recent_sessions_in_the_batch() {
         let a = LoadAdvisor::new(8);
         // Two sessions answered: the batch the advice is for holds both.
-        assert_eq!(a.note_answer("a", Instant::now()), 1);
+        assert_eq!(a.note_answer("a", Instant::now()).0, 1);
         let t = Instant::now();
-        assert_eq!(a.note_answer("b", t), 2);
+        assert_eq!(a.note_answer("b", t), (2, None));
         // Session b's next round, drafted to depth 3, came 30 ms after its answer.
         a.observe_request("b", 3, t + Duration::from_millis(30));
         let gap = a.gate.lock().unwrap().round_gap(3);
@@ -519,6 +604,34 @@ mod tests {
         let gap = a.gate.lock().unwrap().round_gap(3);
         assert!((gap - 0.030).abs() < 1e-9, "{gap}");
         // Sessions answered long ago no longer count.
-        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3), 1);
+        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3).0, 1);
+        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 3).1, Some(t));
+    }
+
+    #[test]
+    fn measured_rounds_overrule_the_model_for_their_depth() {
+        // The model alone: a latency-bound target and cheap drafts, the deepest draft.
+        let mut g = gate(8, 1..=600, |_| 0.02);
+        assert_eq!(g.advise(16), Some(8));
+        // But rounds of depth 8 measured 4.4 tokens a 120 ms cycle (they missed passes), and
+        // rounds without a draft 1 token a 21 ms cycle.
+        for _ in 0..10 {
+            g.observe_cycle(8, Duration::from_millis(120), 4);
+            g.observe_cycle(0, Duration::from_millis(21), 1);
+        }
+        // Depth 8 measured 0.037 tokens/ms, target-only 0.048; the model's unmeasured depths
+        // (1.8 tokens in 20 ms at depth 1) still look better: the gate tries one.
+        let d = g.advise(16).unwrap();
+        assert!((1..8).contains(&d), "{d}");
+        // Every depth measured as slower than target-only: no draft.
+        for d in 1..=8 {
+            for _ in 0..10 {
+                g.observe_cycle(d, Duration::from_millis(60 + 10 * d as u64), 1 + d / 2);
+            }
+        }
+        assert_eq!(g.advise(16), Some(0));
+        // A pause is not a cycle.
+        g.observe_cycle(0, MAX_ROUND_GAP * 2, 1);
+        assert_eq!(g.advise(16), Some(0));
     }
 }

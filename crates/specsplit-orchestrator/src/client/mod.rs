@@ -53,6 +53,9 @@ pub struct Orchestrator {
     suffix_store: SharedSuffixStore,
     /// What the generations measured of each drafter, for the online choice of the next ones.
     choice_memory: Arc<std::sync::Mutex<crate::ChoiceMemory>>,
+    /// The target's latest load advice (a depth; `usize::MAX`: none yet), for a generation's
+    /// first round, which has no answer of its own to take it from.
+    last_advice: Arc<std::sync::atomic::AtomicUsize>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -159,6 +162,7 @@ impl Orchestrator {
             planner: Arc::default(),
             suffix_store: SuffixStore::shared(SuffixConfig::default()),
             choice_memory: Arc::default(),
+            last_advice: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
             rt,
         })
     }

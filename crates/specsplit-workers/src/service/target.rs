@@ -18,6 +18,7 @@ use super::validate::{
 use super::worker::Worker;
 use crate::batcher::{BatchLimits, RoundRequest, VerifyBatcher};
 use crate::error::CACHE_EVICTED_MARKER;
+use crate::load_gate::GateRound;
 use crate::session::SessionSecret;
 use crate::target::{Prefix, TargetEngine};
 
@@ -118,6 +119,7 @@ impl TargetWorker {
             params: sampling,
             logprobs: r.return_logprobs,
         };
+        let continued = matches!(request.prefix, Prefix::Delta { .. });
         let in_flight = self.load_gate().map(|g| {
             if matches!(request.prefix, Prefix::Delta { .. }) {
                 g.observe_request(&r.session_id, draft_depth, start);
@@ -158,14 +160,14 @@ impl TargetWorker {
                 Some(p) => p + out.tokens_processed.saturating_sub(own_pass),
                 None => out.tokens_processed,
             };
-            let time = out.model_time;
-            g.observe_and_advise(
-                &r.session_id,
+            g.observe_and_advise(GateRound {
+                session: &r.session_id,
                 rows,
-                time,
-                draft_depth,
-                v.accepted_tokens.len(),
-            )
+                time: out.model_time,
+                depth: draft_depth,
+                accepted: v.accepted_tokens.len(),
+                continued,
+            })
         });
         drop(in_flight);
         Ok(Response::new(VerifyResponse {
