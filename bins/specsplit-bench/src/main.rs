@@ -109,10 +109,11 @@ struct LoadArgs {
     #[arg(long, value_delimiter = ',')]
     synthetic_coverage: Option<Vec<f64>>,
     /// Draft chain depth the orchestrator asks for; the target's load advice caps it.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 4)]
     depth: usize,
-    /// Speculative pipeline: sequential, overlapped or predraft.
-    #[arg(long, value_enum, default_value = "overlapped")]
+    /// Speculative pipeline: sequential, overlapped or predraft (sequential: with both models
+    /// on one GPU the overlapped pipeline's drafts contend with the verifications).
+    #[arg(long, value_enum, default_value = "sequential")]
     pipeline: PipelineArg,
     /// Whether the target advises draft depths by its load (true or false).
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
