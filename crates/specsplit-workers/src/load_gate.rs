@@ -88,6 +88,8 @@ pub struct LoadGate {
     /// The deepest draft a session sent lately, and when: deeper depths are not advised (the
     /// sessions would not draft them, so they would never be measured).
     deepest: Option<(usize, Instant)>,
+    /// The latest advice given: a round as deep as it shows no more than the cap.
+    last_advice: Option<usize>,
 }
 
 /// What rounds of one depth measured: a session's answer-to-answer time and the tokens emitted.
@@ -110,6 +112,7 @@ impl LoadGate {
             gaps: vec![None; max_depth + 1],
             cycles: vec![None; max_depth + 1],
             deepest: None,
+            last_advice: None,
         }
     }
 
@@ -121,9 +124,14 @@ impl LoadGate {
         }
         let (c, t, now) = (cycle.as_secs_f64(), tokens as f64, Instant::now());
         let fresh = |at: Instant| now.duration_since(at) <= GAP_MEMORY;
-        self.deepest = match self.deepest {
-            Some((d, at)) if fresh(at) && d > depth => Some((d, at)),
-            _ => Some((depth, now)),
+        // A round shallower than the advice shows how deep its session drafts by itself; one
+        // as deep as the advice only that the advice capped it.
+        let capped = self.last_advice.is_some_and(|a| depth >= a);
+        self.deepest = match (self.deepest, capped) {
+            (Some((d, at)), true) if fresh(at) => Some((d.max(depth), at)),
+            (_, true) => None,
+            (Some((d, at)), false) if fresh(at) && d > depth => Some((d, at)),
+            (_, false) => Some((depth, now)),
         };
         let slot = &mut self.cycles[depth.min(self.max_depth)];
         *slot = Some(match *slot {
@@ -606,6 +614,24 @@ mod tests {
         // Sessions answered long ago no longer count.
         assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3).0, 1);
         assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 3).1, Some(t));
+    }
+
+    #[test]
+    fn rounds_capped_by_the_advice_do_not_cap_later_advice() {
+        let mut g = gate(8, 1..=600, |_| 0.02);
+        // Sessions draft 4 deep by themselves: the advice goes no deeper.
+        g.observe_cycle(4, Duration::from_millis(20), 4);
+        assert_eq!(g.advise(1), Some(4));
+        // Advised 2, they draft 2: that says nothing of how deep they would go.
+        g.last_advice = Some(2);
+        for _ in 0..5 {
+            g.observe_cycle(2, Duration::from_millis(25), 2);
+        }
+        assert_eq!(g.deepest.map(|d| d.0), Some(4));
+        // Once what they drafted by themselves is forgotten, every depth is open again.
+        g.deepest = Some((4, Instant::now() - GAP_MEMORY * 2));
+        g.observe_cycle(2, Duration::from_millis(25), 2);
+        assert_eq!(g.deepest, None);
     }
 
     #[test]
