@@ -307,7 +307,7 @@ pub struct LoadAdvisor {
     gate: Mutex<LoadGate>,
     in_flight: AtomicUsize,
     /// When each session was last answered (its gap to its next request is measured).
-    answered: Mutex<HashMap<String, Instant>>,
+    answered: Mutex<HashMap<String, Answered>>,
 }
 
 /// A verify request counted in flight until dropped.
@@ -341,30 +341,37 @@ impl LoadAdvisor {
     pub fn observe_request(&self, session: &str, depth: usize, arrived: Instant) {
         let last = {
             let answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
-            answered.get(session).copied()
+            answered.get(session).copied().filter(Answered::warm)
         };
-        if let Some(gap) = last.and_then(|t| arrived.checked_duration_since(t)) {
+        if let Some(gap) = last.and_then(|a| arrived.checked_duration_since(a.at)) {
             let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
             g.observe_gap(depth, gap);
         }
     }
 
-    /// Notes `session` answered at `at`; returns the sessions answered within
-    /// [`ACTIVE_WINDOW`] of `at` (this one included) and when this one was answered before.
-    fn note_answer(&self, session: &str, at: Instant) -> (usize, Option<Instant>) {
+    /// Notes `session` answered at `at`, a round that `continued` its sequence or a new
+    /// prompt's; returns the sessions answered within [`ACTIVE_WINDOW`] of `at` (this one
+    /// included) and when this one was answered before, if the round's cycle is measured.
+    fn note_answer(&self, session: &str, at: Instant, continued: bool) -> (usize, Option<Instant>) {
         let mut answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
         if answered.len() >= MAX_REMEMBERED_SESSIONS && !answered.contains_key(session) {
-            answered.retain(|_, &mut t| at.saturating_duration_since(t) <= MAX_ROUND_GAP);
+            answered.retain(|_, a| at.saturating_duration_since(a.at) <= MAX_ROUND_GAP);
             if answered.len() >= MAX_REMEMBERED_SESSIONS {
                 answered.clear();
             }
         }
-        let last = answered.insert(session.to_string(), at);
+        let last = answered.get(session).copied();
+        let rounds = match (last, continued) {
+            (Some(a), true) => a.rounds.saturating_add(1),
+            _ => 0,
+        };
+        answered.insert(session.to_string(), Answered { at, rounds });
         let active = answered
             .values()
-            .filter(|&&t| at.saturating_duration_since(t) <= ACTIVE_WINDOW)
+            .filter(|a| at.saturating_duration_since(a.at) <= ACTIVE_WINDOW)
             .count();
-        (active, last)
+        let measured = last.filter(|a| continued && a.warm()).map(|a| a.at);
+        (active, measured)
     }
 
     /// Counts a verify request in flight while the returned guard lives.
@@ -385,7 +392,7 @@ impl LoadAdvisor {
         let (active, last) = if round.session.is_empty() {
             (0, None)
         } else {
-            self.note_answer(round.session, now)
+            self.note_answer(round.session, now, round.continued)
         };
         let batch = self.in_flight().max(active);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
@@ -393,7 +400,7 @@ impl LoadAdvisor {
         if round.depth > 0 {
             g.observe_verdict(round.depth, round.accepted);
         }
-        if let Some(last) = last.filter(|_| round.continued) {
+        if let Some(last) = last {
             g.observe_cycle(
                 round.depth,
                 now.saturating_duration_since(last),
@@ -401,6 +408,22 @@ impl LoadAdvisor {
             );
         }
         g.advise(batch)
+    }
+}
+
+/// A session's last answer.
+#[derive(Debug, Clone, Copy)]
+struct Answered {
+    at: Instant,
+    /// Rounds answered since the session's prompt. The first round after a prompt waits for
+    /// the draft to catch up with the prompt: neither its gap nor its cycle is a round's.
+    rounds: u32,
+}
+
+impl Answered {
+    /// Whether the next round's gap and cycle are measured.
+    fn warm(&self) -> bool {
+        self.rounds >= 1
     }
 }
 
@@ -600,9 +623,14 @@ mod tests {
     fn the_advisor_measures_each_sessions_gap_and_counts_recent_sessions_in_the_batch() {
         let a = LoadAdvisor::new(8);
         // Two sessions answered: the batch the advice is for holds both.
-        assert_eq!(a.note_answer("a", Instant::now()).0, 1);
-        let t = Instant::now();
-        assert_eq!(a.note_answer("b", t), (2, None));
+        assert_eq!(a.note_answer("a", Instant::now(), false).0, 1);
+        let t0 = Instant::now();
+        assert_eq!(a.note_answer("b", t0, false), (2, None));
+        // Its first round after the prompt waits for the draft to catch up: not measured.
+        a.observe_request("b", 3, t0 + Duration::from_millis(90));
+        assert_eq!(a.gate.lock().unwrap().round_gap(3), 0.0);
+        let t = t0 + Duration::from_millis(100);
+        assert_eq!(a.note_answer("b", t, true), (2, None));
         // Session b's next round, drafted to depth 3, came 30 ms after its answer.
         a.observe_request("b", 3, t + Duration::from_millis(30));
         let gap = a.gate.lock().unwrap().round_gap(3);
@@ -612,8 +640,11 @@ mod tests {
         let gap = a.gate.lock().unwrap().round_gap(3);
         assert!((gap - 0.030).abs() < 1e-9, "{gap}");
         // Sessions answered long ago no longer count.
-        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3).0, 1);
-        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 3).1, Some(t));
+        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3, false).0, 1);
+        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 3, true).1, Some(t));
+        // A new prompt starts over.
+        a.note_answer("b", t + ACTIVE_WINDOW * 4, false);
+        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 5, true).1, None);
     }
 
     #[test]
