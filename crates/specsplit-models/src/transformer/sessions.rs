@@ -4,9 +4,10 @@
 //!
 //! The pass concatenates the sessions' rows for everything that computes a row from that row
 //! alone (the embedding, the norms, the residual adds, the SwiGLU gate and every product: Q|K|V,
-//! output, gate|up, down and the head) and splits them per session for what depends on the
-//! session: rotary at its positions, the K/V write into its cache and attention over its
-//! visible slots. On the paths whose every kernel is batch-invariant (the per-row CPU path, and
+//! output, gate|up, down and the head); what depends on the session (rotary at its positions,
+//! the K/V write into its cache and attention over its visible slots) runs per session, or on
+//! the fused path in one launch a layer for all sessions, each row reading its session's caches
+//! from a [`SessionTable`](crate::fused::SessionTable). On the paths whose every kernel is batch-invariant (the per-row CPU path, and
 //! on CUDA the batch-invariant rows passes, fused or not), a session's logits and K/V are then
 //! bit for bit what [`Transformer::forward_tree`] of that session alone gives.
 
