@@ -232,7 +232,8 @@ impl Transformer {
     }
 
     /// The device table of a fused pass over `parts` (checked, with visible keys `keys`):
-    /// each part's K/V buffers of every layer, capacity, cached length and rows' keys.
+    /// each part's K/V buffers of every layer, their slots, its cached length and its rows'
+    /// keys.
     fn session_table(
         &self,
         parts: &[SessionPass<'_>],
@@ -245,9 +246,15 @@ impl Transformer {
                 let layers = (0..self.layers.len())
                     .map(|i| p.cache.buffers(i))
                     .collect::<Result<Vec<_>, _>>()?;
+                // The slots of its buffers as allocated (the stride of a slot row), which
+                // SessionTable checks for every layer.
+                let capacity = match layers.first() {
+                    Some((k, _)) => k.dim(2)?,
+                    None => 0,
+                };
                 Ok(TableSession {
                     layers,
-                    capacity: p.cache.capacity(),
+                    capacity,
                     past: p.cache.len(),
                     keys: k.split_rows(),
                 })
