@@ -1432,9 +1432,11 @@ fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
 }
 
 /// One session of [`sessions_pass_matches_each_session_alone_bit_for_bit`]: a prompt in its
-/// cache, a tree whose first `cached` nodes are in the cache too, and the rows it wants of the
-/// nodes after them.
+/// cache (of `slack` free slots past its tree, so that sessions have caches of different
+/// capacities), a tree whose first `cached` nodes are in the cache too, and the rows it wants
+/// of the nodes after them.
 struct GpuSession {
+    slack: usize,
     prompt: Vec<u32>,
     parents: Vec<Option<usize>>,
     nodes: Vec<u32>,
@@ -1447,6 +1449,7 @@ impl GpuSession {
         let token = |i: usize| (i as u32 * 97 + seed * 31 + 7) % 8192;
         let n = parents.len() - cached;
         Self {
+            slack: 8 + (seed as usize * 37) % 61,
             prompt: (0..prompt).map(token).collect(),
             nodes: (prompt..prompt + parents.len()).map(token).collect(),
             rows: (0..n as u32).rev().filter(|r| r % 2 == 0).collect(),
@@ -1484,7 +1487,7 @@ impl GpuSession {
     fn cache(&self, m: &Transformer) -> SessionCache {
         let u = |v: &[u32]| Tensor::new(v, m.device()).unwrap();
         let mut cache = m
-            .new_cache(self.prompt.len() + self.parents.len() + 8)
+            .new_cache(self.prompt.len() + self.parents.len() + self.slack)
             .unwrap();
         m.prefill(&self.prompt, &mut cache).unwrap();
         if self.cached > 0 {
@@ -1614,4 +1617,176 @@ fn sessions_pass_matches_each_session_alone_bit_for_bit() {
             }
         }
     }
+}
+
+#[test]
+fn sessions_kernels_match_each_session_alone_bit_for_bit() {
+    use fused::{PassKeys, RowSlots, SessionTable, TableSession};
+    let Some(dev) = gpu() else { return };
+    let (heads, kv, layers) = (14usize, 2usize, 2usize);
+    // Per session: capacity, cached entries, and per new row its leading run and listed slots
+    // (row i writes slot past + i): a tree, a one-row decode in a long cache, a chain that
+    // ends at its capacity and a tree whose rows list slots apart from their lead.
+    type Rows = Vec<(usize, Vec<u32>)>;
+    let sessions: Vec<(usize, usize, Rows)> = vec![
+        (37, 20, vec![(21, vec![]), (22, vec![]), (20, vec![22])]),
+        (200, 130, vec![(131, vec![])]),
+        (68, 64, (0..4).map(|i| (65 + i, vec![])).collect()),
+        (
+            150,
+            70,
+            vec![
+                (71, vec![]),
+                (70, vec![72]),
+                (71, vec![73]),
+                (70, vec![72, 74]),
+                (3, vec![40, 71, 75]),
+            ],
+        ),
+    ];
+    let n: usize = sessions.iter().map(|s| s.2.len()).sum();
+    let positions: Vec<u32> = (0..n as u32).map(|i| (i * 29 + 5) % 300).collect();
+    for hd in [64usize, 128] {
+        let shape = |capacity| AttnShape {
+            heads,
+            kv,
+            head_dim: hd,
+            capacity,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        let cos = randn(&dev, &[300, hd / 2], 1.0);
+        let sin = randn(&dev, &[300, hd / 2], 1.0);
+        let qkv: Vec<Tensor> = (0..layers)
+            .map(|_| randn(&dev, &[n, (heads + 2 * kv) * hd], 1.0))
+            .collect();
+        // Every slot holds a value before the pass, so that every listed key reads one.
+        let caches: Vec<Vec<(Tensor, Tensor)>> = sessions
+            .iter()
+            .map(|(cap, _, _)| {
+                (0..layers)
+                    .map(|_| {
+                        (
+                            randn(&dev, &[1, kv, *cap, hd], 1.0),
+                            randn(&dev, &[1, kv, *cap, hd], 1.0),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let copies = |c: &Vec<Vec<(Tensor, Tensor)>>| -> Vec<Vec<(Tensor, Tensor)>> {
+            c.iter()
+                .map(|s| {
+                    s.iter()
+                        .map(|(k, v)| (k.copy().unwrap(), v.copy().unwrap()))
+                        .collect()
+                })
+                .collect()
+        };
+        let (alone, joint) = (copies(&caches), copies(&caches));
+        // Each session alone, layer by layer.
+        let mut want: Vec<Vec<Vec<u16>>> = vec![Vec::new(); layers];
+        let mut at = 0;
+        for ((cap, past, rows), c) in sessions.iter().zip(&alone) {
+            let m = rows.len();
+            let split: Vec<(usize, &[u32])> = rows.iter().map(|(l, e)| (*l, &e[..])).collect();
+            let keys = PassKeys::new(&split, &dev).unwrap();
+            let pos = Tensor::new(&positions[at..at + m], &dev).unwrap();
+            for (l, (k, v)) in c.iter().enumerate() {
+                let q = fused::qkv_rope_rows(
+                    &qkv[l].narrow(0, at, m).unwrap(),
+                    &cos,
+                    &sin,
+                    &pos,
+                    k,
+                    v,
+                    RowSlots::After(*past),
+                    shape(*cap),
+                    false,
+                    fused::Launch::DEFAULT,
+                )
+                .unwrap();
+                let y = fused::rows_attention(
+                    &q,
+                    k,
+                    v,
+                    &keys,
+                    shape(*cap),
+                    scale,
+                    fused::Launch::DEFAULT,
+                )
+                .unwrap();
+                want[l].extend(bits16(&y));
+            }
+            at += m;
+        }
+        // All sessions together, one launch of each kernel a layer.
+        let table_sessions: Vec<TableSession<'_>> = sessions
+            .iter()
+            .zip(&joint)
+            .map(|((cap, past, rows), c)| TableSession {
+                layers: c.iter().map(|(k, v)| (k, v)).collect(),
+                capacity: *cap,
+                past: *past,
+                keys: rows.iter().map(|(l, e)| (*l, &e[..])).collect(),
+            })
+            .collect();
+        let table = SessionTable::new(&table_sessions, kv, hd, &dev).unwrap();
+        assert_eq!(table.rows(), n);
+        let pos = Tensor::new(positions.as_slice(), &dev).unwrap();
+        for (l, qkv) in qkv.iter().enumerate() {
+            let q = fused::qkv_rope_sessions(
+                qkv,
+                &cos,
+                &sin,
+                &pos,
+                &table,
+                l,
+                shape(0),
+                false,
+                fused::Launch::DEFAULT,
+            )
+            .unwrap();
+            let y =
+                fused::sessions_attention(&q, &table, l, shape(0), scale, fused::Launch::DEFAULT)
+                    .unwrap();
+            assert_eq!(bits16(&y), want[l], "hd {hd} layer {l}: attention rows");
+        }
+        for (s, (a, j)) in alone.iter().zip(&joint).enumerate() {
+            for (l, ((ka, va), (kj, vj))) in a.iter().zip(j).enumerate() {
+                assert_eq!(
+                    bits16_all(ka),
+                    bits16_all(kj),
+                    "hd {hd} session {s} layer {l}: K"
+                );
+                assert_eq!(
+                    bits16_all(va),
+                    bits16_all(vj),
+                    "hd {hd} session {s} layer {l}: V"
+                );
+            }
+        }
+    }
+}
+
+/// The rows of a 2-D bf16 tensor, as bits.
+fn bits16(t: &Tensor) -> Vec<Vec<u16>> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(|r| {
+            r.into_iter()
+                .map(|x| half::bf16::from_f32(x).to_bits())
+                .collect()
+        })
+        .collect()
+}
+
+/// Every value of a bf16 tensor, as bits.
+fn bits16_all(t: &Tensor) -> Vec<u16> {
+    host(t)
+        .into_iter()
+        .map(|x| half::bf16::from_f32(x).to_bits())
+        .collect()
 }

@@ -1,6 +1,7 @@
 // Batch-invariant attention of the rows of one pass (uses attention.cu's key walk).
 #pragma once
 #include "attention.cu"
+#include "rope.cu"  // SessionCaches
 
 // Batch-invariant attention of the n rows of one pass, in two kernels. Row r attends to slots
 // 0..meta[2r], then to the meta[2r + 1] slots listed in extra[r * max_extra ..]; its key list is
@@ -212,6 +213,52 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
     rows_attention_row<HD, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
                                   chunks, scale, blockIdx.y, blockIdx.z, threadIdx.x, 0, qs, prob,
                                   slot, red, vsum, nullptr, nullptr, 0);
+}
+
+// rows_attention_part for the stacked rows of several sessions: row r reads the K/V caches
+// of its session rows[2r] at layer `layer` from the session table (caches, caps; see
+// session_caches in rope.cu); meta / extra are the stacked rows' PassKeys, q (heads, n, HD)
+// and part (n, heads, chunks, HD + 2) as there. Each row runs rows_attention_row exactly as
+// rows_attention_part does for its session alone. Grid (kv, n, chunks), RA_CHUNK threads.
+template <int HD>
+__device__ void sessions_attention_part(const bf16* __restrict__ q,
+                                        const uint32_t* __restrict__ rows,
+                                        const unsigned long long* __restrict__ caches,
+                                        const uint32_t* __restrict__ caps,
+                                        const uint32_t* __restrict__ meta,
+                                        const uint32_t* __restrict__ extra,
+                                        float* __restrict__ part, int heads, int kv, int n,
+                                        int max_extra, int chunks, float scale, int layer,
+                                        int sessions) {
+    __shared__ __align__(16) float qs[RA_MAX_REP][HD];
+    __shared__ float prob[RA_MAX_REP][RA_CHUNK];
+    __shared__ int slot[RA_CHUNK];
+    __shared__ float red[2][RA_MAX_REP];
+    __shared__ float vsum[RA_MAX_REP][HD];
+    const int r = blockIdx.y;
+    const SessionCaches sc = session_caches(caches, caps, layer, sessions, (int)rows[2 * r]);
+    rows_attention_row<HD, false>(q, sc.k, sc.v, meta, extra, part, heads, kv, n, sc.cap,
+                                  max_extra, chunks, scale, r, blockIdx.z, threadIdx.x, 0, qs,
+                                  prob, slot, red, vsum, nullptr, nullptr, 0);
+}
+
+#define SA_PART_ARGS                                                                            \
+    const bf16 *__restrict__ q, const uint32_t *__restrict__ rows,                              \
+        const unsigned long long *__restrict__ caches, const uint32_t *__restrict__ caps,       \
+        const uint32_t *__restrict__ meta, const uint32_t *__restrict__ extra,                  \
+        float *__restrict__ part, int heads, int kv, int n, int max_extra, int chunks,          \
+        float scale, int layer, int sessions
+
+extern "C" __global__ void specsplit_sessions_attention_part_bf16_hd64(SA_PART_ARGS) {
+    pdl_enter();
+    sessions_attention_part<64>(q, rows, caches, caps, meta, extra, part, heads, kv, n,
+                                max_extra, chunks, scale, layer, sessions);
+}
+
+extern "C" __global__ void specsplit_sessions_attention_part_bf16_hd128(SA_PART_ARGS) {
+    pdl_enter();
+    sessions_attention_part<128>(q, rows, caches, caps, meta, extra, part, heads, kv, n,
+                                 max_extra, chunks, scale, layer, sessions);
 }
 
 // Shared memory of one row group of rows_attention_staged: its heads' query values (reused

@@ -604,6 +604,152 @@ pub(super) fn rows_attention(
     Ok(y)
 }
 
+pub(super) fn addresses(ts: &[&Tensor]) -> Result<Vec<u64>> {
+    ts.iter().map(|t| ptr(t)).collect()
+}
+
+/// Checks `table` against `shape` and `layer`.
+fn check_table(table: &super::SessionTable, layer: usize, s: AttnShape) -> Result<()> {
+    check(
+        layer < table.layers && table.kv == s.kv && table.head_dim == s.head_dim,
+        || {
+            format!(
+                "layer {layer} of a {}-layer session table of {} KV heads of {} values, for {s:?}",
+                table.layers, table.kv, table.head_dim
+            )
+        },
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qkv_rope_sessions(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    table: &super::SessionTable,
+    layer: usize,
+    s: AttnShape,
+    interleaved: bool,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let hd = s.head_dim;
+    let (n, width) = qkv.dims2()?;
+    check(
+        width == (s.heads + 2 * s.kv) * hd && hd.is_multiple_of(2) && hd <= 2048,
+        || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
+    )?;
+    check(
+        n == table.rows() && positions.dims() == [n] && positions.dtype() == DType::U32,
+        || {
+            format!(
+                "positions {:?} for {n} rows of a {}-row table",
+                positions.dims(),
+                table.rows()
+            )
+        },
+    )?;
+    check_table(table, layer, s)?;
+    for t in [cos, sin] {
+        check(
+            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
+            || format!("rotary table {:?} for head size {hd}", t.dims()),
+        )?;
+    }
+    let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
+    let mut args = pointers(&[
+        qkv,
+        cos,
+        sin,
+        positions,
+        &table.rows,
+        &table.caches,
+        &table.capacities,
+        &q,
+    ])?;
+    args.extend([s.heads, s.kv, hd, n, layer, table.sessions].map(|v| I(v as i32)));
+    args.push(I(interleaved as i32));
+    let grid = ((s.heads + 2 * s.kv) as u32, n as u32);
+    launch_2d(
+        l.pdl,
+        cuda(qkv)?,
+        "specsplit_qkv_rope_sessions_bf16",
+        grid,
+        (hd / 2) as u32,
+        0,
+        &args,
+    )?;
+    Ok(q)
+}
+
+pub(super) fn sessions_attention(
+    q: &Tensor,
+    table: &super::SessionTable,
+    layer: usize,
+    s: AttnShape,
+    scale: f32,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let keys = &table.keys;
+    let n = keys.rows;
+    check(
+        q.dims() == [1, s.heads, n, s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
+        || format!("queries {:?} for {n} rows do not match {s:?}", q.dims()),
+    )?;
+    check_table(table, layer, s)?;
+    check(s.heads / s.kv <= super::RA_MAX_REP, || {
+        format!(
+            "{} query heads a KV head (at most {})",
+            s.heads / s.kv,
+            super::RA_MAX_REP
+        )
+    })?;
+    // Keys a chunk: RA_CHUNK of rows_attention.cu.
+    const CHUNK: usize = 64;
+    let chunks = keys.max_len.div_ceil(CHUNK);
+    let hd = s.head_dim;
+    let part = empty(&[n, s.heads, chunks, hd + 2], DType::F32, q)?;
+    let mut args = pointers(&[
+        q,
+        &table.rows,
+        &table.caches,
+        &table.capacities,
+        &keys.meta,
+        &keys.extra,
+        &part,
+    ])?;
+    args.extend([s.heads, s.kv, n, keys.max_extra, chunks].map(|v| I(v as i32)));
+    args.push(F(scale));
+    args.extend([layer, table.sessions].map(|v| I(v as i32)));
+    let dev = cuda(q)?;
+    let name = if hd == 64 {
+        "specsplit_sessions_attention_part_bf16_hd64"
+    } else {
+        "specsplit_sessions_attention_part_bf16_hd128"
+    };
+    launch_3d(
+        l.pdl,
+        dev,
+        name,
+        (s.kv as u32, n as u32, chunks as u32),
+        CHUNK as u32,
+        &args,
+    )?;
+    let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
+    let mut args = pointers(&[&part, &keys.meta, &y])?;
+    args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
+    launch_2d(
+        l.pdl,
+        dev,
+        "specsplit_rows_attention_merge_bf16",
+        (s.heads as u32, n as u32),
+        hd as u32,
+        0,
+        &args,
+    )?;
+    Ok(y)
+}
+
 pub(super) fn silu_mul(gate_up: &Tensor, l: super::Launch) -> Result<Tensor> {
     let (rows, two_n) = gate_up.dims2()?;
     check(two_n.is_multiple_of(2), || {

@@ -22,7 +22,7 @@
 //! output. Every kernel wrapper takes a [`Launch`]: how its kernels are launched.
 //!
 //! The wrappers, by kernel family: `gemv`, `bi_matmul`, `norm`, `rope`, `attention` and
-//! `elementwise` check their operands; `launch` holds the launch-shape rules, `scratch` the
+//! `elementwise` check their operands (`sessions` those of a multi-session pass); `launch` holds the launch-shape rules, `scratch` the
 //! graph-capture output carving, and `cuda` (`off` without the feature) loads the PTX and
 //! launches.
 
@@ -42,6 +42,7 @@ mod options;
 mod rope;
 #[cfg(feature = "cuda")]
 mod scratch;
+mod sessions;
 
 pub use attention::{decode_attention, rows_attention, AttnShape, PassKeys, RA_MAX_REP};
 pub use bi_matmul::{bi_matmul, bi_matmul_fits, cublas_product, BI_MAX_ROWS, WIDE_MAX_ROWS};
@@ -53,6 +54,10 @@ pub use options::KernelOptions;
 pub use rope::{qkv_rope_cache, qkv_rope_rows, RowSlots};
 #[cfg(feature = "cuda")]
 pub use scratch::{carving, counting, Scratch, ScratchNeed};
+pub use sessions::{
+    address_words, qkv_rope_sessions, sessions_attention, RowKeyList, SessionRows, SessionTable,
+    TableSession,
+};
 
 #[cfg(feature = "cuda")]
 use launch::{bi_col_tiles, bi_splits};

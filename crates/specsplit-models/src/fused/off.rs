@@ -96,3 +96,30 @@ pub(super) fn greedy_head(
 ) -> Result<()> {
     Err(off())
 }
+pub(super) fn addresses(_: &[&Tensor]) -> Result<Vec<u64>> {
+    Err(off())
+}
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qkv_rope_sessions(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &super::SessionTable,
+    _: usize,
+    _: AttnShape,
+    _: bool,
+    _: super::Launch,
+) -> Result<Tensor> {
+    Err(off())
+}
+pub(super) fn sessions_attention(
+    _: &Tensor,
+    _: &super::SessionTable,
+    _: usize,
+    _: AttnShape,
+    _: f32,
+    _: super::Launch,
+) -> Result<Tensor> {
+    Err(off())
+}

@@ -4,15 +4,16 @@
 //!
 //! The pass concatenates the sessions' rows for everything that computes a row from that row
 //! alone (the embedding, the norms, the residual adds, the SwiGLU gate and every product: Q|K|V,
-//! output, gate|up, down and the head) and splits them per session for what depends on the
-//! session: rotary at its positions, the K/V write into its cache and attention over its
-//! visible slots. On the paths whose every kernel is batch-invariant (the per-row CPU path, and
+//! output, gate|up, down and the head); what depends on the session (rotary at its positions,
+//! the K/V write into its cache and attention over its visible slots) runs per session, or on
+//! the fused path in one launch a layer for all sessions, each row reading its session's caches
+//! from a [`SessionTable`](crate::fused::SessionTable). On the paths whose every kernel is batch-invariant (the per-row CPU path, and
 //! on CUDA the batch-invariant rows passes, fused or not), a session's logits and K/V are then
 //! bit for bit what [`Transformer::forward_tree`] of that session alone gives.
 
 use super::{AttnPath, ForwardPath, Pass, Product, Transformer};
 use crate::cpu_attention::{RowKeys, TreeRows, Visibility};
-use crate::fused::{PassKeys, BI_MAX_ROWS};
+use crate::fused::{PassKeys, SessionTable, TableSession, BI_MAX_ROWS};
 use crate::ModelError;
 use candle_core::{DType, Tensor};
 use specsplit_core::cache::SessionCache;
@@ -230,8 +231,48 @@ impl Transformer {
         )
     }
 
+    /// The device table of a fused pass over `parts` (checked, with visible keys `keys`):
+    /// each part's K/V buffers of every layer, their slots, its cached length and its rows'
+    /// keys.
+    fn session_table(
+        &self,
+        parts: &[SessionPass<'_>],
+        keys: &[RowKeys],
+    ) -> Result<SessionTable, ModelError> {
+        let sessions = parts
+            .iter()
+            .zip(keys)
+            .map(|(p, k)| {
+                let layers = (0..self.layers.len())
+                    .map(|i| p.cache.buffers(i))
+                    .collect::<Result<Vec<_>, _>>()?;
+                // The slots of its buffers as allocated (the stride of a slot row), which
+                // SessionTable checks for every layer.
+                let capacity = match layers.first() {
+                    Some((k, _)) => k.dim(2)?,
+                    None => 0,
+                };
+                Ok(TableSession {
+                    layers,
+                    capacity,
+                    past: p.cache.len(),
+                    keys: k.split_rows(),
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let c = &self.config;
+        Ok(SessionTable::new(
+            &sessions,
+            c.num_key_value_heads,
+            c.head_dim,
+            &self.device,
+        )?)
+    }
+
     /// One pass of the per-row `path` over all rows of `parts`: the shared work over the
-    /// concatenated rows, rotary, K/V write and attention per part. Returns each part's logits.
+    /// concatenated rows; rotary, K/V write and attention per part (on the fused path one
+    /// launch each a layer for all parts, through a [`SessionTable`] uploaded once). Returns
+    /// each part's logits.
     fn joint_pass(
         &self,
         parts: &mut [SessionPass<'_>],
@@ -252,9 +293,9 @@ impl Transformer {
         let positions = Tensor::new(positions.as_slice(), dev)?;
         let pos = |s: &Range<usize>| positions.narrow(0, s.start, s.len());
         let eps = self.config.rms_norm_eps as f32;
-        // The per-row kernels of CUDA read each part's visible keys from the device.
+        // The unfused per-row CUDA path reads each part's visible keys from the device.
         let pass_keys = match path {
-            ForwardPath::FusedExact | ForwardPath::ExactUnfused => keys
+            ForwardPath::ExactUnfused => keys
                 .iter()
                 .map(|k| PassKeys::new(&k.split_rows(), dev))
                 .collect::<candle_core::Result<Vec<_>>>()?,
@@ -272,29 +313,23 @@ impl Transformer {
                 crate::fused::bi_matmul(x, w, b, launch)
             };
             let product: Product<'_> = &bi;
-            let caches: Vec<&SessionCache> = parts.iter().map(|p| &*p.cache).collect();
+            let table = self.session_table(parts, keys)?;
+            let (shape, scale) = self.fused_attn_shape(0);
             let (h, head) = self.fused_stack(&layers, &tokens, product, |i, qkv| {
-                let mut ys = Vec::with_capacity(spans.len());
-                for ((span, cache), keys) in spans.iter().zip(&caches).zip(&pass_keys) {
-                    let (kb, vb) = cache.buffers(i)?;
-                    let (shape, scale) = self.fused_attn_shape(cache.capacity());
-                    let q = crate::fused::qkv_rope_rows(
-                        &qkv.narrow(0, span.start, span.len())?,
-                        &self.cos,
-                        &self.sin,
-                        &pos(span)?,
-                        kb,
-                        vb,
-                        crate::fused::RowSlots::After(cache.len()),
-                        shape,
-                        self.rope_interleaved,
-                        launch,
-                    )?;
-                    ys.push(crate::fused::rows_attention(
-                        &q, kb, vb, keys, shape, scale, launch,
-                    )?);
-                }
-                Ok(Tensor::cat(&ys, 0)?)
+                let q = crate::fused::qkv_rope_sessions(
+                    qkv,
+                    &self.cos,
+                    &self.sin,
+                    &positions,
+                    &table,
+                    i,
+                    shape,
+                    self.rope_interleaved,
+                    launch,
+                )?;
+                Ok(crate::fused::sessions_attention(
+                    &q, &table, i, shape, scale, launch,
+                )?)
             })?;
             match &rows {
                 Some(rows) => {
