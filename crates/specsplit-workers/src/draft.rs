@@ -13,7 +13,10 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::Transformer;
 
-use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
+use crate::engine_session::{
+    common_prefix, session_cache_bytes, CacheClasses, EngineSession, SessionEngine,
+};
+use crate::session::KvCharge;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
@@ -210,6 +213,8 @@ pub struct DraftEngine {
     model: Arc<Transformer>,
     eos: Vec<u32>,
     max_context: usize,
+    /// The capacities sessions' caches start at and grow through.
+    classes: CacheClasses,
     synthetic: Option<SyntheticOracle>,
     static_chains: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
@@ -221,24 +226,28 @@ impl SessionEngine for DraftEngine {
     const WORKER_TYPE: &'static str = "draft";
 
     fn session_bytes(&self) -> usize {
-        session_cache_bytes(&self.model, self.max_context)
+        session_cache_bytes(&self.model, self.classes.first)
     }
 
-    fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
-        EngineSession::open(&self.spares, seed, || {
-            Ok(self.model.new_cache(self.max_context)?)
+    fn new_charged_session(&self, seed: u64, charge: KvCharge) -> Result<DraftSession, EngineError> {
+        EngineSession::open(&self.spares, seed, charge, || {
+            self.classes.new_cache(&self.model)
         })
     }
 }
 
 impl DraftEngine {
-    /// An engine over `model`; `eos` ends a branch; sessions hold `max_context` tokens.
+    /// An engine over `model`; `eos` ends a branch; sessions hold up to `max_context` tokens,
+    /// in caches that start at [`crate::engine_session::DEFAULT_FIRST_CAPACITY`] entries and
+    /// grow with use.
     pub fn new(model: Arc<Transformer>, eos: Vec<u32>, max_context: usize) -> Self {
         let static_chains = model.graph_capturable();
+        let first = crate::engine_session::DEFAULT_FIRST_CAPACITY;
         Self {
             model,
             eos,
             max_context,
+            classes: CacheClasses::new(first, max_context),
             synthetic: None,
             static_chains,
             spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
@@ -255,6 +264,13 @@ impl DraftEngine {
     /// Ended sessions' bodies kept now for new sessions.
     pub fn spare_sessions(&self) -> usize {
         self.spares.len()
+    }
+
+    /// New sessions' caches start at `entries` entries (at most `max_context`) and double
+    /// from there as requests need.
+    pub fn with_first_capacity(mut self, entries: usize) -> Self {
+        self.classes = CacheClasses::new(entries, self.max_context);
+        self
     }
 
     /// Whether greedy chains are drafted with fixed-shape steps ([`DecodeStepper`]: one CUDA
@@ -327,6 +343,8 @@ impl DraftEngine {
             )));
         }
         specsplit_core::device::bind_to_thread(self.model.device())?;
+        // Room for the sequence and the whole tree before anything is written.
+        s.reserve(tokens.len() + tree_nodes)?;
         let mut stats = DraftStats::default();
         let greedy = p.sampling.is_greedy();
         if self.static_chains && greedy && p.widths.iter().all(|&w| w == 1) {
@@ -587,10 +605,7 @@ impl DraftEngine {
             cached.extend_from_slice(head);
             feed = &feed[feed.len() - 1..];
         }
-        if stepper.is_none() {
-            *stepper = Some(DecodeStepper::new(&self.model, cache.capacity())?);
-        }
-        let stepper = stepper.as_mut().expect("stepper made above");
+        let stepper = stepper_over(stepper, &self.model, cache.capacity())?;
         // Two or more tokens (the accepted chain's last token and the bonus) go through in one
         // pass where the model can.
         stepper.feed(&self.model, cache, feed, cache.len())?;
@@ -735,6 +750,23 @@ pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec
             out
         })
         .collect())
+}
+
+/// The session's fixed-shape stepper over its cache of `capacity` entries, made at its first
+/// use and again after the cache grew (a stepper for another capacity holds graphs over
+/// buffers the cache no longer has: it is dropped, never replayed).
+pub(crate) fn stepper_over<'s>(
+    slot: &'s mut Option<DecodeStepper>,
+    model: &Transformer,
+    capacity: usize,
+) -> Result<&'s mut DecodeStepper, EngineError> {
+    if slot.as_ref().is_some_and(|st| st.capacity() != capacity) {
+        *slot = None;
+    }
+    Ok(match slot {
+        Some(st) => st,
+        none => none.insert(DecodeStepper::new(model, capacity)?),
+    })
 }
 
 /// Longest uncached tail fed one fixed-shape step per token; a longer one (a new prompt) goes

@@ -15,7 +15,10 @@ use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 use specsplit_models::SessionPass;
 
-use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
+use crate::engine_session::{
+    common_prefix, session_cache_bytes, CacheClasses, EngineSession, SessionEngine,
+};
+use crate::session::KvCharge;
 use crate::error::CACHE_EVICTED_MARKER;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
@@ -159,6 +162,8 @@ impl PassTimer {
 pub struct TargetEngine {
     model: Arc<Transformer>,
     max_context: usize,
+    /// The capacities sessions' caches start at and grow through.
+    classes: CacheClasses,
     /// Whether plain decoding steps replay a captured [`ExactStepper`] (bits identical to a
     /// one-token forward) where the model allows it.
     exact_steps: bool,
@@ -175,28 +180,42 @@ impl SessionEngine for TargetEngine {
     const WORKER_TYPE: &'static str = "target";
 
     fn session_bytes(&self) -> usize {
-        session_cache_bytes(&self.model, self.max_context)
+        session_cache_bytes(&self.model, self.classes.first)
     }
 
-    fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
-        EngineSession::open(&self.spares, seed, || {
-            Ok(self.model.new_cache(self.max_context)?)
+    fn new_charged_session(
+        &self,
+        seed: u64,
+        charge: KvCharge,
+    ) -> Result<TargetSession, EngineError> {
+        EngineSession::open(&self.spares, seed, charge, || {
+            self.classes.new_cache(&self.model)
         })
     }
 }
 
 impl TargetEngine {
-    /// An engine over `model` whose sessions hold `max_context` tokens.
+    /// An engine over `model` whose sessions hold up to `max_context` tokens, in caches that
+    /// start at [`crate::engine_session::DEFAULT_FIRST_CAPACITY`] entries and grow with use.
     pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
         let exact_steps = model.exact_step_fits(max_context);
+        let first = crate::engine_session::DEFAULT_FIRST_CAPACITY;
         Self {
             model,
             max_context,
+            classes: CacheClasses::new(first, max_context),
             exact_steps,
             spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
             device_timing: false,
             device_times: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// New sessions' caches start at `entries` entries (at most `max_context`) and double
+    /// from there as rounds need.
+    pub fn with_first_capacity(mut self, entries: usize) -> Self {
+        self.classes = CacheClasses::new(entries, self.max_context);
+        self
     }
 
     /// Times each verification pass on the device with two CUDA events when `on` (off by
@@ -330,6 +349,9 @@ impl TargetEngine {
                 self.max_context
             )));
         }
+        // Room for the whole round before anything is written: growth (and its charge) never
+        // happens inside a pass, and a refused growth leaves the session as it was.
+        s.reserve(needed)?;
         s.cache.truncate(keep)?;
         s.tokens.truncate(keep);
         if !new.is_empty() {
@@ -575,7 +597,7 @@ impl TargetEngine {
             // the same bits as the one-token forward below. The logits are the stepper's own
             // buffer, not a copy: its next step runs only for a new token, and `verify` drops
             // `last_logits` (the one view kept past this round) before that.
-            let st = self.stepper(&mut s.stepper)?;
+            let st = self.stepper(&mut s.stepper, s.cache.capacity())?;
             return Ok(st.step(&self.model, new[0], &mut s.cache)?);
         }
         if tree.is_empty() && new.len() == 1 {
@@ -589,7 +611,7 @@ impl TargetEngine {
         if new.len() == 1 && self.exact_steps && is_chain(tree) {
             // One new token and a chain below it (a chain draft): the rows pass of the eager
             // forward below, replayed from a graph captured for this chain length.
-            let st = self.stepper(&mut s.stepper)?;
+            let st = self.stepper(&mut s.stepper, s.cache.capacity())?;
             if st.chain_fits(&self.model, 1 + tree.len()) {
                 let mut chain = Vec::with_capacity(1 + tree.len());
                 chain.push(new[0]);
@@ -626,14 +648,20 @@ impl TargetEngine {
         }
     }
 
-    /// The session's graph-replayed stepper, made at its first use.
+    /// The session's graph-replayed stepper over its cache of `capacity` entries, made at its
+    /// first use and again after the cache grew (a stepper for another capacity holds graphs
+    /// over buffers the cache no longer has: it is dropped, never replayed).
     fn stepper<'s>(
         &self,
         slot: &'s mut Option<ExactStepper>,
+        capacity: usize,
     ) -> Result<&'s mut ExactStepper, EngineError> {
+        if slot.as_ref().is_some_and(|st| st.capacity() != capacity) {
+            *slot = None;
+        }
         Ok(match slot {
             Some(st) => st,
-            none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
+            none => none.insert(ExactStepper::new(&self.model, capacity)?),
         })
     }
 
