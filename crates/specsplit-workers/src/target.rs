@@ -796,6 +796,7 @@ pub(crate) fn greedy_continuation(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::{SessionLimits, SessionStore};
 
     fn tiny_engine(spares: usize) -> TargetEngine {
         let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
@@ -858,6 +859,118 @@ mod tests {
 
     fn prompt() -> Vec<u32> {
         (0..20).map(|i| (i * 37 + 5) % 500).collect()
+    }
+
+    #[test]
+    fn a_session_whose_cache_grew_verifies_exactly_like_a_full_size_one() {
+        // Caches of 4 entries that double as rounds need, against 128 entries up front.
+        let grown = tiny_engine(0).with_first_capacity(4);
+        let full = tiny_engine(0).with_first_capacity(128);
+        assert!(grown.session_bytes() * 32 == full.session_bytes());
+        // Target-only greedy decoding: 20 + 60 tokens grow the cache 4 -> 32 -> 64 -> 128.
+        let cont = greedy_continuation(&full, 9, prompt(), 60);
+        assert_eq!(greedy_continuation(&grown, 9, prompt(), 60), cont);
+        // Speculative rounds (chains, a forked tree, rejections) on a growing cache.
+        let mut s = grown.new_session(2).unwrap();
+        assert_eq!(s.cache.capacity(), 4);
+        let a = rounds(&grown, &mut s, &cont);
+        assert_eq!(s.cache.capacity(), 64, "the cache grew to the rounds' need");
+        assert_eq!(s.charge.bytes(), s.cache.memory_bytes());
+        let b = rounds(&full, &mut full.new_session(2).unwrap(), &cont);
+        assert_eq!(a, b, "the growing session verified differently");
+        assert!(a.iter().any(|(v, _)| !v.accepted_tokens.is_empty()));
+    }
+
+    /// A store with room for `sessions` sessions and `budget` bytes.
+    fn store(sessions: usize, budget: usize) -> SessionStore<TargetSession> {
+        SessionStore::new(SessionLimits {
+            max_sessions: sessions,
+            memory_budget_bytes: budget,
+            ttl: Duration::from_secs(600),
+        })
+    }
+
+    #[test]
+    fn sessions_are_charged_what_their_caches_hold_not_max_context() {
+        let e = tiny_engine(0).with_first_capacity(32);
+        let full = session_cache_bytes(e.model(), 128);
+        assert_eq!(e.session_bytes() * 4, full);
+        // A budget of 3 sessions at max_context holds 12 sessions at their first capacity.
+        let store = store(100, 3 * full);
+        let params = SamplingParams::default();
+        let held: Vec<_> = (0..12)
+            .map(|i| {
+                let (h, created) = store
+                    .get_or_create(&format!("s{i}"), e.session_bytes(), |c| {
+                        e.new_charged_session(i + 1, c)
+                    })
+                    .unwrap();
+                assert!(created);
+                let mut s = h.try_lock().unwrap();
+                e.verify(&mut s, Prefix::Full(prompt()), &TokenTree::new(), &params)
+                    .unwrap();
+                drop(s);
+                h
+            })
+            .collect();
+        assert_eq!(store.bytes(), 12 * e.session_bytes());
+        // All 12 are busy: a 13th does not fit, and nothing was evicted for it.
+        let err = store
+            .get_or_create("s12", e.session_bytes(), |c| e.new_charged_session(1, c))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(err, EngineError::ResourceExhausted(_)), "{err}");
+        assert_eq!(store.len(), held.len());
+    }
+
+    #[test]
+    fn growth_refused_at_the_budget_leaves_the_session_usable_at_its_old_size() {
+        let e = tiny_engine(0).with_first_capacity(16);
+        let small = e.session_bytes();
+        let cont = greedy_continuation(&tiny_engine(0), 9, prompt()[..10].to_vec(), 4);
+        // Room for two 16-entry sessions, not for one of them at 32 entries.
+        let store = store(10, 2 * small + small / 2);
+        let open = |id: &str, seed| {
+            store
+                .get_or_create(id, small, |c| e.new_charged_session(seed, c))
+                .unwrap()
+                .0
+        };
+        let (a, b) = (open("a", 9), open("b", 8));
+        let params = SamplingParams::default();
+        let mut s = a.try_lock().unwrap();
+        let o = e
+            .verify(&mut s, Prefix::Full(prompt()[..10].to_vec()), &TokenTree::new(), &params)
+            .unwrap();
+        assert_eq!(o.verdict.next_token, cont[0]);
+        // A round of 10 + 1 + 6 entries needs 32; "b" is busy, so the growth is refused.
+        let delta = |len| Prefix::Delta {
+            new_tokens: vec![cont[len - 10]],
+            expected_len: len,
+        };
+        let err = e
+            .verify(&mut s, delta(10), &tree(&[1, 2, 3, 4, 5, 6], false), &params)
+            .unwrap_err();
+        let EngineError::ResourceExhausted(m) = &err else {
+            panic!("expected RESOURCE_EXHAUSTED, got {err}");
+        };
+        assert!(m.contains("raise memory_budget_mb"), "{m}");
+        assert_eq!((s.cache.capacity(), s.charge.bytes()), (16, small));
+        assert_eq!(store.bytes(), 2 * small);
+        // The session still verifies at its old size, exactly.
+        let o = e.verify(&mut s, delta(10), &TokenTree::new(), &params).unwrap();
+        assert_eq!((o.verdict.next_token, o.cached_len), (cont[1], 11));
+        // Once "b" is idle, the growth evicts it.
+        drop(b);
+        // A chain of 6 whose second token is wrong: 11 + 1 + 6 entries.
+        let chain = [cont[2], (cont[3] + 1) % 500, 1, 2, 3, 4];
+        let o = e
+            .verify(&mut s, delta(11), &tree(&chain, false), &params)
+            .unwrap();
+        assert_eq!(o.verdict.accepted_tokens, [cont[2]]);
+        assert_eq!(s.cache.capacity(), 32);
+        assert_eq!(store.len(), 1, "the idle session was evicted for the growth");
+        assert_eq!(store.bytes(), s.cache.memory_bytes());
     }
 
     #[test]
