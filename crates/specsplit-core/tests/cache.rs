@@ -138,7 +138,7 @@ fn run_ops(ops: &[Op], dtype: DType, first: usize) {
     const CAP: usize = 20;
     let mut cache = SessionCache::growable(spec(first), CAP, dtype, &Device::Cpu).unwrap();
     // The capacities growth may leave the cache at: `first` doubled, capped at CAP.
-    let classes: Vec<usize> = std::iter::successors(Some(first), |&c| (c < CAP).then(|| c * 2))
+    let classes: Vec<usize> = std::iter::successors(Some(first), |&c| (c < CAP).then_some(c * 2))
         .map(|c| c.min(CAP))
         .collect();
     let mut model: Vec<Vec<Entry>> = vec![Vec::new(); LAYERS];
@@ -414,15 +414,26 @@ fn growth_keeps_every_entry_bit_for_bit() {
         assert_eq!(grown.len(), full.len());
         for l in 0..LAYERS {
             let (a, b) = (grown.layer(l), full.layer(l));
-            assert_eq!(from_tensor(&a.0), from_tensor(&b.0), "{dtype:?} layer {l} K");
-            assert_eq!(from_tensor(&a.1), from_tensor(&b.1), "{dtype:?} layer {l} V");
+            assert_eq!(
+                from_tensor(&a.0),
+                from_tensor(&b.0),
+                "{dtype:?} layer {l} K"
+            );
+            assert_eq!(
+                from_tensor(&a.1),
+                from_tensor(&b.1),
+                "{dtype:?} layer {l} V"
+            );
         }
         // Growing again copies every slot of the old buffers, valid or not, and zero-fills
         // the rest.
         let before = all_slots(&grown);
         assert!(grown.reserve(33).unwrap());
         assert_eq!(grown.capacity(), 64);
-        assert_eq!(grown.memory_bytes(), SessionCache::bytes_for(&spec(64), dtype));
+        assert_eq!(
+            grown.memory_bytes(),
+            SessionCache::bytes_for(&spec(64), dtype)
+        );
         for (old, new) in before.iter().zip(all_slots(&grown)) {
             assert_eq!(&new[..32], &old[..]);
             assert!(new[32..].iter().flatten().all(|&x| x == 0.0));
@@ -431,7 +442,10 @@ fn growth_keeps_every_entry_bit_for_bit() {
         grown.compact(10, &[12, 20, 29]).unwrap();
         full.compact(10, &[12, 20, 29]).unwrap();
         for l in 0..LAYERS {
-            assert_eq!(from_tensor(&grown.layer(l).0), from_tensor(&full.layer(l).0));
+            assert_eq!(
+                from_tensor(&grown.layer(l).0),
+                from_tensor(&full.layer(l).0)
+            );
         }
     }
 }

@@ -125,7 +125,9 @@ fn check_growth_matches_full_size(m: &Transformer, what: &str) {
     let tree = [None, Some(0), Some(0), Some(1), Some(2), Some(3)];
     let mut capacities = vec![grown.capacity()];
     for r in 0..8u32 {
-        let new: Vec<u32> = (0..3 + 2 * r).map(|i| (i * 37 + r * 11 + 5) % 512).collect();
+        let new: Vec<u32> = (0..3 + 2 * r)
+            .map(|i| (i * 37 + r * 11 + 5) % 512)
+            .collect();
         let a = round(m, &mut grown, &new, &tree, true);
         let b = round(m, &mut full, &new, &tree, false);
         assert_eq!(a, b, "{what}: round {r} logits");
@@ -137,7 +139,11 @@ fn check_growth_matches_full_size(m: &Transformer, what: &str) {
         capacities.push(grown.capacity());
     }
     capacities.dedup();
-    assert_eq!(capacities, [4, 16, 32, 64, 128], "{what}: the classes it went through");
+    assert_eq!(
+        capacities,
+        [4, 16, 32, 64, 128],
+        "{what}: the classes it went through"
+    );
     assert_eq!(grown.memory_bytes(), full.memory_bytes());
 }
 

@@ -229,7 +229,11 @@ impl SessionEngine for DraftEngine {
         session_cache_bytes(&self.model, self.classes.first)
     }
 
-    fn new_charged_session(&self, seed: u64, charge: KvCharge) -> Result<DraftSession, EngineError> {
+    fn new_charged_session(
+        &self,
+        seed: u64,
+        charge: KvCharge,
+    ) -> Result<DraftSession, EngineError> {
         EngineSession::open(&self.spares, seed, charge, || {
             self.classes.new_cache(&self.model)
         })
@@ -895,6 +899,60 @@ mod tests {
             0,
             "an engine with no spares keeps none"
         );
+    }
+
+    /// A drafted tree's tokens, parents and log-probabilities (as bits).
+    type Drafted = (Vec<u32>, Vec<Option<usize>>, Vec<u32>);
+
+    #[test]
+    fn a_session_whose_cache_grew_drafts_exactly_like_a_full_size_one() {
+        for static_chains in [false, true] {
+            let grown = tiny_engine(vec![], static_chains).with_first_capacity(4);
+            let full = tiny_engine(vec![], static_chains).with_first_capacity(128);
+            let trees = |e: &DraftEngine| {
+                let mut s = e.new_session(3).unwrap();
+                let mut seq: Vec<u32> = (0..10).map(|i| (i * 41 + 7) % 500).collect();
+                let mut out: Vec<Drafted> = Vec::new();
+                let mut caps = vec![s.cache_capacity()];
+                for round in 0..12u32 {
+                    // Chains, and every third round a tree of 2 x 2 x 1.
+                    let widths = if round % 3 == 2 {
+                        vec![2, 2, 1]
+                    } else {
+                        vec![1; 4]
+                    };
+                    let p = DraftParams {
+                        widths,
+                        sampling: SamplingParams::default(),
+                    };
+                    let (t, _) = e.draft(&mut s, &seq, &p).unwrap();
+                    let lps: Vec<u32> = (0..t.len()).map(|i| t.log_prob(i).to_bits()).collect();
+                    out.push((t.tokens().to_vec(), t.parents().to_vec(), lps));
+                    seq.extend(t.tokens().iter().take(2));
+                    seq.push((round * 53 + 1) % 500);
+                    caps.push(s.cache_capacity());
+                }
+                caps.dedup();
+                (out, caps)
+            };
+            let (a, caps) = trees(&grown);
+            let (b, _) = trees(&full);
+            assert_eq!(caps, [4, 16, 32, 64], "static chains {static_chains}");
+            if static_chains {
+                // The eager fixed-shape step (candle's ops, off the fused bf16 kernels) sums
+                // its attention over the whole capacity, so its rounding follows the capacity:
+                // the same tokens, log-probabilities a few ulps apart.
+                let tokens =
+                    |t: &[Drafted]| -> Vec<Vec<u32>> { t.iter().map(|d| d.0.clone()).collect() };
+                assert_eq!(
+                    tokens(&a),
+                    tokens(&b),
+                    "static chains: the grown session drafted differently"
+                );
+            } else {
+                assert_eq!(a, b, "the grown session drafted differently");
+            }
+        }
     }
 
     #[test]

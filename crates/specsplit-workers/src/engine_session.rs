@@ -22,8 +22,7 @@ use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
 /// The entries of the smallest KV cache a session starts with, unless the engine is told
-/// otherwise (a 7B target's cache of 256 entries takes 32 MiB in bf16; its `max_context`
-/// of 4096, 512 MiB).
+/// otherwise (at the Qwen2.5-7B shape in bf16, 256 entries take 14 MiB; 4096, 224 MiB).
 pub const DEFAULT_FIRST_CAPACITY: usize = 256;
 
 /// The capacities an engine's session caches take: the first one, doubled as often as needed,
@@ -115,9 +114,9 @@ impl<St> EngineSession<St> {
     /// it to the next capacity class that holds them, charging the growth first. A refused
     /// charge (RESOURCE_EXHAUSTED, saying what to raise) or a failed allocation leaves the
     /// session as it was, usable at its old size. Growth drops the stepper. A spare body's
-    /// cache larger than the charge is charged here; if the budget has no room for it, the
-    /// session takes a fresh cache of the class `entries` need instead (its sequence is lost
-    /// then: the next round resends it, as after an eviction).
+    /// cache larger than the charge is charged here, at the session's first request (once a
+    /// raise succeeded, the charge covers the cache for good); if the budget has no room for
+    /// it, the new session takes a fresh cache that holds `entries` within its charge instead.
     pub fn reserve(&mut self, entries: usize) -> Result<(), EngineError> {
         let target = self.cache.capacity_for(entries)?;
         let bytes = bytes_at(&self.cache, target);
@@ -168,6 +167,16 @@ impl<St> EngineSession<St> {
     /// Tokens currently in the session's cache.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Entries the session's cache holds room for now (it grows with use).
+    pub fn cache_capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+
+    /// Bytes the session is charged against its store's memory budget.
+    pub fn charged_bytes(&self) -> usize {
+        self.charge.bytes()
     }
 }
 

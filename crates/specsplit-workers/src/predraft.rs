@@ -16,8 +16,7 @@ use candle_core::Tensor;
 use specsplit_core::tree::{full_tree_size, TokenTree};
 
 use crate::draft::{
-    stepper_over, top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest,
-    Grow,
+    stepper_over, top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest, Grow,
 };
 use crate::engine_session::common_prefix;
 use crate::EngineError;

@@ -268,13 +268,14 @@ impl<S: Send + 'static> GrowthRoom for Shared<S> {
             }
             if !inner.evict_idle() {
                 return Err(EngineError::ResourceExhausted(format!(
-                    "this session's KV cache cannot grow from {} to {} MiB: {} MiB of the {} \
-                     MiB memory budget are held by busy sessions; raise memory_budget_mb (or \
-                     lower max_context), or retry later",
-                    now >> 20,
-                    bytes >> 20,
+                    "all {} sessions are busy ({} MiB of {} MiB used), so this session's KV \
+                     cache cannot grow from {} to {} MiB; raise memory_budget_mb (or lower \
+                     max_context), or retry later",
+                    inner.held(),
                     used >> 20,
-                    budget >> 20
+                    budget >> 20,
+                    now >> 20,
+                    bytes >> 20
                 )));
             }
         }
@@ -741,7 +742,10 @@ mod tests {
         // a refusal that names the budget.
         let _b = s.get("b").unwrap();
         let s3 = store(3, 100, 60_000);
-        let _a = s3.admit_owned("a", None, 60, wait, |_| Ok(1)).await.unwrap();
+        let _a = s3
+            .admit_owned("a", None, 60, wait, |_| Ok(1))
+            .await
+            .unwrap();
         let Err(EngineError::ResourceExhausted(m)) = s3
             .admit_owned("b", None, 60, Duration::from_millis(5), |_| Ok(2))
             .await
@@ -809,6 +813,60 @@ mod tests {
             SessionSecret::parse(&"x".repeat(MAX_SECRET_BYTES + 1)),
             Err(EngineError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn a_growing_charge_evicts_idle_sessions_then_refuses_and_stays() {
+        let s = store(10, 100, 60_000);
+        let mut charge = None;
+        let (a, _) = s
+            .get_or_create("a", 20, |c| {
+                charge = Some(c);
+                Ok(1)
+            })
+            .unwrap();
+        let charge = charge.unwrap();
+        let (b, _) = s.get_or_create("b", 30, |_| Ok(2)).unwrap();
+        s.get_or_create("idle", 30, |_| Ok(3)).unwrap();
+        assert_eq!(s.bytes(), 80);
+        // Growth within the budget is granted at once and counted.
+        charge.raise_to(30).unwrap();
+        assert_eq!((charge.bytes(), s.bytes()), (30, 90));
+        // Past it, the idle session goes; "a" (growing) and "b" (busy) stay.
+        charge.raise_to(60).unwrap();
+        assert!(s.get("idle").is_none() && s.get("b").is_some());
+        assert_eq!(s.bytes(), 90);
+        // Nothing idle is left: the growth is refused, naming what to raise, and the charge
+        // stays where it was.
+        let Err(EngineError::ResourceExhausted(m)) = charge.raise_to(71) else {
+            panic!("growth past the budget with every session busy");
+        };
+        assert!(m.contains("raise memory_budget_mb"), "{m}");
+        assert_eq!((charge.bytes(), s.bytes()), (60, 90));
+        let Err(EngineError::ResourceExhausted(m)) = charge.raise_to(101) else {
+            panic!("growth past the whole budget");
+        };
+        assert!(m.contains("memory budget is 0 MiB"), "{m}");
+        // Once "b" is idle it is evicted for the growth; a lowered charge gives room back.
+        drop(b);
+        charge.raise_to(71).unwrap();
+        assert_eq!((s.len(), s.bytes()), (1, 71));
+        charge.lower_to(40);
+        assert_eq!(s.bytes(), 40);
+        drop(a);
+        // A sessionless request's charge grows against the same budget.
+        let r = s.reserve_anonymous(10).unwrap();
+        r.charge().raise_to(50).unwrap();
+        assert_eq!(s.bytes(), 90);
+        // Another one evicts the idle "a" to fit.
+        let r2 = s.reserve_anonymous(20).unwrap();
+        assert_eq!((s.len(), s.bytes()), (0, 70));
+        drop((r, r2));
+        assert_eq!(s.anonymous(), 0);
+        // A charge no store limits grants every raise.
+        let free = KvCharge::unlimited(5);
+        free.raise_to(1 << 40).unwrap();
+        assert_eq!(free.bytes(), 1 << 40);
     }
 
     #[test]

@@ -18,8 +18,8 @@ use specsplit_models::SessionPass;
 use crate::engine_session::{
     common_prefix, session_cache_bytes, CacheClasses, EngineSession, SessionEngine,
 };
-use crate::session::KvCharge;
 use crate::error::CACHE_EVICTED_MARKER;
+use crate::session::KvCharge;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
@@ -924,6 +924,70 @@ mod tests {
     }
 
     #[test]
+    fn a_spare_larger_than_the_first_capacity_is_charged_at_the_first_request() {
+        let e = tiny_engine(1).with_first_capacity(8);
+        let small = e.session_bytes();
+        let params = SamplingParams::default();
+        // A session grows to 32 entries and ends: its body is kept.
+        let mut s = e.new_session(1).unwrap();
+        e.verify(&mut s, Prefix::Full(prompt()), &TokenTree::new(), &params)
+            .unwrap();
+        assert_eq!(s.cache_capacity(), 32);
+        drop(s);
+        assert_eq!(e.spare_sessions(), 1);
+        // With room, the next session takes it and is charged its 32 entries at its first
+        // request.
+        let roomy = store(10, 100 * small);
+        let (h, _) = roomy
+            .get_or_create("a", small, |c| e.new_charged_session(9, c))
+            .unwrap();
+        let mut s = h.try_lock().unwrap();
+        assert_eq!((s.cache_capacity(), s.charged_bytes()), (32, small));
+        e.verify(
+            &mut s,
+            Prefix::Full(prompt()[..5].to_vec()),
+            &TokenTree::new(),
+            &params,
+        )
+        .unwrap();
+        assert_eq!((s.cache_capacity(), s.charged_bytes()), (32, 4 * small));
+        assert_eq!(roomy.bytes(), 4 * small);
+        drop(s);
+        drop(h);
+        roomy.clear();
+        // Without room for it, the session takes a fresh cache its charge covers.
+        assert_eq!(e.spare_sessions(), 1);
+        let tight = store(10, 2 * small);
+        let (h, _) = tight
+            .get_or_create("b", small, |c| e.new_charged_session(9, c))
+            .unwrap();
+        let (_busy, _) = tight
+            .get_or_create("c", small, |c| e.new_charged_session(8, c))
+            .unwrap();
+        let mut s = h.try_lock().unwrap();
+        assert_eq!(s.cache_capacity(), 32);
+        let o = e
+            .verify(&mut s, Prefix::Full(prompt()), &TokenTree::new(), &params)
+            .unwrap_err();
+        assert!(
+            matches!(o, EngineError::ResourceExhausted(_)),
+            "20 entries need 32: {o}"
+        );
+        let o = e
+            .verify(
+                &mut s,
+                Prefix::Full(prompt()[..6].to_vec()),
+                &TokenTree::new(),
+                &params,
+            )
+            .unwrap();
+        assert_eq!((s.cache_capacity(), s.charged_bytes()), (8, small));
+        assert_eq!(tight.bytes(), 2 * small);
+        let full = greedy_continuation(&tiny_engine(0), 9, prompt()[..6].to_vec(), 1);
+        assert_eq!(o.verdict.next_token, full[0]);
+    }
+
+    #[test]
     fn growth_refused_at_the_budget_leaves_the_session_usable_at_its_old_size() {
         let e = tiny_engine(0).with_first_capacity(16);
         let small = e.session_bytes();
@@ -940,7 +1004,12 @@ mod tests {
         let params = SamplingParams::default();
         let mut s = a.try_lock().unwrap();
         let o = e
-            .verify(&mut s, Prefix::Full(prompt()[..10].to_vec()), &TokenTree::new(), &params)
+            .verify(
+                &mut s,
+                Prefix::Full(prompt()[..10].to_vec()),
+                &TokenTree::new(),
+                &params,
+            )
             .unwrap();
         assert_eq!(o.verdict.next_token, cont[0]);
         // A round of 10 + 1 + 6 entries needs 32; "b" is busy, so the growth is refused.
@@ -949,7 +1018,12 @@ mod tests {
             expected_len: len,
         };
         let err = e
-            .verify(&mut s, delta(10), &tree(&[1, 2, 3, 4, 5, 6], false), &params)
+            .verify(
+                &mut s,
+                delta(10),
+                &tree(&[1, 2, 3, 4, 5, 6], false),
+                &params,
+            )
             .unwrap_err();
         let EngineError::ResourceExhausted(m) = &err else {
             panic!("expected RESOURCE_EXHAUSTED, got {err}");
@@ -958,7 +1032,9 @@ mod tests {
         assert_eq!((s.cache.capacity(), s.charge.bytes()), (16, small));
         assert_eq!(store.bytes(), 2 * small);
         // The session still verifies at its old size, exactly.
-        let o = e.verify(&mut s, delta(10), &TokenTree::new(), &params).unwrap();
+        let o = e
+            .verify(&mut s, delta(10), &TokenTree::new(), &params)
+            .unwrap();
         assert_eq!((o.verdict.next_token, o.cached_len), (cont[1], 11));
         // Once "b" is idle, the growth evicts it.
         drop(b);
@@ -969,7 +1045,11 @@ mod tests {
             .unwrap();
         assert_eq!(o.verdict.accepted_tokens, [cont[2]]);
         assert_eq!(s.cache.capacity(), 32);
-        assert_eq!(store.len(), 1, "the idle session was evicted for the growth");
+        assert_eq!(
+            store.len(),
+            1,
+            "the idle session was evicted for the growth"
+        );
         assert_eq!(store.bytes(), s.cache.memory_bytes());
     }
 
