@@ -256,3 +256,21 @@ fn a_multi_session_pass_over_grown_and_full_size_caches_equals_each_alone() {
         assert_eq!(kv_bits(c, layers), kv_bits(&alone, layers));
     }
 }
+
+#[test]
+fn a_stepper_refuses_a_cache_that_grew_past_its_capacity() {
+    use specsplit_models::step::DecodeStepper;
+    let m = Transformer::random(small_config(), 11, DType::F32, &Device::Cpu).unwrap();
+    let mut cache = m.new_growable_cache(8, 64).unwrap();
+    let mut stepper = DecodeStepper::new(&m, cache.capacity()).unwrap();
+    stepper.start(5, 0).unwrap();
+    stepper.step(&m, &cache).unwrap();
+    cache.advance(1).unwrap();
+    cache.reserve(9).unwrap();
+    // Its buffers (and any graph over them) are for the old capacity: refused, not replayed.
+    let err = stepper.step(&m, &cache).unwrap_err();
+    assert!(err.to_string().contains("needs a new stepper"), "{err}");
+    let mut again = DecodeStepper::new(&m, cache.capacity()).unwrap();
+    again.start(5, 1).unwrap();
+    again.step(&m, &cache).unwrap();
+}
