@@ -1,11 +1,19 @@
-//! Pre-allocated per-session KV caches with O(1) rollback and path compaction.
+//! Per-session KV caches sized by use, with O(1) rollback and path compaction.
 //!
 //! A [`SessionCache`] owns, for every layer, one K and one V tensor of shape
-//! `(1, num_kv_heads, capacity, head_dim)`, allocated once. Appending writes the new entries in
-//! place (a single slice write per tensor) and hands back views of the valid prefix, so a model can
-//! attend over the whole cache without copying it. Rolling back ([`SessionCache::truncate`]) only
-//! moves the length; keeping an accepted tree path ([`SessionCache::compact`]) moves only the
-//! entries whose position changes.
+//! `(1, num_kv_heads, capacity, head_dim)`. Appending writes the new entries in place (a single
+//! slice write per tensor) and hands back views of the valid prefix, so a model can attend over
+//! the whole cache without copying it. Rolling back ([`SessionCache::truncate`]) only moves the
+//! length; keeping an accepted tree path ([`SessionCache::compact`]) moves only the entries whose
+//! position changes.
+//!
+//! A growable cache ([`SessionCache::growable`]) starts at a small capacity and, when
+//! [`SessionCache::reserve`] (or an append) needs more, moves to the next capacity class:
+//! double the capacity until the entries fit, capped at its maximum. Growth allocates the
+//! larger K/V tensors, copies the old buffers into them once (one device copy per tensor) and
+//! drops the old ones. Doubling keeps the copying below one copy per entry of the final
+//! capacity (`c/2 + c/4 + … < c`). A grown cache's buffers live at new addresses: anything
+//! captured over the old ones (a CUDA graph) must be made again.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -62,11 +70,11 @@ pub struct CacheSpec {
     pub num_kv_heads: usize,
     /// Dimension of one head.
     pub head_dim: usize,
-    /// Maximum number of token entries the cache can hold.
+    /// Number of token entries the cache's buffers hold now.
     pub capacity: usize,
 }
 
-/// Pre-allocated K/V storage for one decoding session (batch size 1).
+/// K/V storage for one decoding session (batch size 1).
 #[derive(Debug, Clone)]
 pub struct SessionCache {
     spec: CacheSpec,
@@ -74,12 +82,32 @@ pub struct SessionCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
     len: usize,
+    /// The capacity growth stops at (`spec.capacity` for a cache that never grows).
+    max_capacity: usize,
 }
 
 impl SessionCache {
-    /// Allocates (zero-filled) K and V tensors for every layer on `device`.
+    /// Allocates (zero-filled) K and V tensors of `spec.capacity` entries for every layer on
+    /// `device`; the cache never grows.
     pub fn new(spec: CacheSpec, dtype: DType, device: &Device) -> Result<Self, CacheError> {
+        Self::growable(spec, spec.capacity, dtype, device)
+    }
+
+    /// A cache of `spec.capacity` entries now that [`SessionCache::reserve`] grows up to
+    /// `max_capacity` entries (at least `spec.capacity`).
+    pub fn growable(
+        spec: CacheSpec,
+        max_capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, CacheError> {
         crate::device::bind_to_thread(device)?;
+        if max_capacity < spec.capacity {
+            return Err(CacheError::BadSpec(format!(
+                "the maximum capacity {max_capacity} is below the capacity {}",
+                spec.capacity
+            )));
+        }
         if spec.num_layers == 0 || spec.num_kv_heads == 0 || spec.head_dim == 0 {
             return Err(CacheError::BadSpec(format!(
                 "num_layers, num_kv_heads and head_dim must be positive, got {spec:?}"
@@ -90,20 +118,64 @@ impl SessionCache {
                 "the cache dtype must be a float type, got {dtype:?}"
             )));
         }
-        let shape = (1, spec.num_kv_heads, spec.capacity, spec.head_dim);
-        let mut k = Vec::with_capacity(spec.num_layers);
-        let mut v = Vec::with_capacity(spec.num_layers);
-        for _ in 0..spec.num_layers {
-            k.push(Tensor::zeros(shape, dtype, device)?);
-            v.push(Tensor::zeros(shape, dtype, device)?);
-        }
+        let (k, v) = allocate(&spec, dtype, device, None)?;
         Ok(Self {
             spec,
             dtype,
             k,
             v,
             len: 0,
+            max_capacity,
         })
+    }
+
+    /// The capacity growth stops at.
+    pub fn max_capacity(&self) -> usize {
+        self.max_capacity
+    }
+
+    /// The capacity [`SessionCache::reserve`] of `entries` leaves the cache at: the current
+    /// one when they fit, else the current one doubled until they fit, capped at the maximum;
+    /// CapacityExceeded beyond the maximum. Allocates nothing (for charging growth first).
+    pub fn capacity_for(&self, entries: usize) -> Result<usize, CacheError> {
+        let cap = self.spec.capacity;
+        if entries <= cap {
+            return Ok(cap);
+        }
+        if entries > self.max_capacity {
+            return Err(CacheError::CapacityExceeded {
+                needed: entries,
+                capacity: self.max_capacity,
+            });
+        }
+        let mut next = cap.max(1);
+        while next < entries {
+            next = next.saturating_mul(2);
+        }
+        Ok(next.min(self.max_capacity))
+    }
+
+    /// Makes room for `entries` entries in all: grows to [`SessionCache::capacity_for`] them
+    /// when the buffers are smaller (every entry of the old buffers, valid or not, is copied
+    /// bit for bit into the new ones). Returns whether the cache grew. On an error the cache
+    /// is left as it was (no half-grown state): the new buffers are all allocated before the
+    /// old ones are let go.
+    pub fn reserve(&mut self, entries: usize) -> Result<bool, CacheError> {
+        let capacity = self.capacity_for(entries)?;
+        if capacity == self.spec.capacity {
+            return Ok(false);
+        }
+        let spec = CacheSpec {
+            capacity,
+            ..self.spec
+        };
+        let device = self.k[0].device().clone();
+        crate::device::bind_to_thread(&device)?;
+        let (k, v) = allocate(&spec, self.dtype, &device, Some((&self.k, &self.v)))?;
+        self.k = k;
+        self.v = v;
+        self.spec = spec;
+        Ok(true)
     }
 
     /// Bytes a cache with this spec and dtype takes (K and V of every layer).
@@ -115,7 +187,7 @@ impl SessionCache {
             * dtype.size_in_bytes()
     }
 
-    /// Bytes this cache takes.
+    /// Bytes this cache's buffers take now (its current capacity, not its maximum).
     pub fn memory_bytes(&self) -> usize {
         Self::bytes_for(&self.spec, self.dtype)
     }
@@ -130,7 +202,7 @@ impl SessionCache {
         self.len == 0
     }
 
-    /// Maximum number of entries.
+    /// Number of entries the buffers hold now (see [`SessionCache::max_capacity`]).
     pub fn capacity(&self) -> usize {
         self.spec.capacity
     }
@@ -190,7 +262,8 @@ impl SessionCache {
     }
 
     /// Writes `k`, `v` of shape `(1, kv_heads, n, head_dim)` at `[len, len+n)` of `layer` in
-    /// place and returns views of entries `[0, len+n)`.
+    /// place and returns views of entries `[0, len+n)`, growing the cache first when it is too
+    /// small ([`SessionCache::reserve`]).
     ///
     /// The length itself only moves with [`SessionCache::advance`], once every layer appended.
     pub fn append(
@@ -208,12 +281,7 @@ impl SessionCache {
             )));
         }
         let needed = self.len + n;
-        if needed > self.spec.capacity {
-            return Err(CacheError::CapacityExceeded {
-                needed,
-                capacity: self.spec.capacity,
-            });
-        }
+        self.reserve(needed)?;
         if n > 0 {
             self.k[layer].slice_set(&k.contiguous()?, 2, self.len)?;
             self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
@@ -224,7 +292,9 @@ impl SessionCache {
         ))
     }
 
-    /// Marks `n` more entries valid, after every layer appended them.
+    /// Marks `n` more entries valid, after every layer appended them. Never grows the cache:
+    /// entries written through [`SessionCache::buffers`] are already within the capacity, and
+    /// past it there is nothing to mark.
     pub fn advance(&mut self, n: usize) -> Result<(), CacheError> {
         let needed = self.len + n;
         if needed > self.spec.capacity {
@@ -305,9 +375,9 @@ impl SessionCache {
         Ok(())
     }
 
-    /// The whole pre-allocated K and V buffers of `layer`, `(1, kv_heads, capacity, head_dim)`,
-    /// valid entries or not, for fixed-shape steps that write at a device-side index and mask
-    /// what is not valid. Unwritten entries hold zeros, never NaN.
+    /// The whole K and V buffers of `layer`, `(1, kv_heads, capacity, head_dim)`, valid entries
+    /// or not, for fixed-shape steps that write at a device-side index and mask what is not
+    /// valid. Unwritten entries hold zeros, never NaN. Growth replaces them (new addresses).
     pub fn buffers(&self, layer: usize) -> Result<(&Tensor, &Tensor), CacheError> {
         self.check_layer(layer)?;
         Ok((&self.k[layer], &self.v[layer]))
@@ -321,6 +391,34 @@ impl SessionCache {
         let v = self.v[layer].narrow(2, 0, self.len).expect("narrow v");
         (k, v)
     }
+}
+
+/// Zero-filled K and V tensors of `spec` for every layer on `device`, with `old`'s buffers
+/// (of a smaller capacity) copied into their first slots when given.
+#[allow(clippy::type_complexity)]
+fn allocate(
+    spec: &CacheSpec,
+    dtype: DType,
+    device: &Device,
+    old: Option<(&[Tensor], &[Tensor])>,
+) -> Result<(Vec<Tensor>, Vec<Tensor>), CacheError> {
+    let shape = (1, spec.num_kv_heads, spec.capacity, spec.head_dim);
+    let mut k = Vec::with_capacity(spec.num_layers);
+    let mut v = Vec::with_capacity(spec.num_layers);
+    for layer in 0..spec.num_layers {
+        let (nk, nv) = (
+            Tensor::zeros(shape, dtype, device)?,
+            Tensor::zeros(shape, dtype, device)?,
+        );
+        if let Some((ok, ov)) = old {
+            // The old buffers are whole contiguous tensors: one copy each.
+            nk.slice_set(&ok[layer], 2, 0)?;
+            nv.slice_set(&ov[layer], 2, 0)?;
+        }
+        k.push(nk);
+        v.push(nv);
+    }
+    Ok((k, v))
 }
 
 /// If `positions` (strictly increasing) form one contiguous run, its first position.

@@ -1,5 +1,5 @@
-//! SessionCache: random append/truncate/compact sequences against a rebuilt-from-scratch model,
-//! capacity and argument errors, O(1) truncation.
+//! SessionCache: random append/truncate/compact/reserve sequences against a rebuilt-from-scratch
+//! model (fixed and growable caches), growth, capacity and argument errors, O(1) truncation.
 
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
@@ -119,6 +119,7 @@ enum Op {
     Append(usize),
     Truncate(u16),
     Compact(u16, Vec<bool>),
+    Reserve(u8),
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -127,12 +128,19 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => any::<u16>().prop_map(Op::Truncate),
         2 => (any::<u16>(), proptest::collection::vec(any::<bool>(), 0..24))
             .prop_map(|(b, k)| Op::Compact(b, k)),
+        1 => any::<u8>().prop_map(Op::Reserve),
     ]
 }
 
-fn run_ops(ops: &[Op], dtype: DType) {
+/// Runs `ops` on a cache of `first` entries growable to `CAP`, checking it against the model of
+/// its entries after each.
+fn run_ops(ops: &[Op], dtype: DType, first: usize) {
     const CAP: usize = 20;
-    let mut cache = SessionCache::new(spec(CAP), dtype, &Device::Cpu).unwrap();
+    let mut cache = SessionCache::growable(spec(first), CAP, dtype, &Device::Cpu).unwrap();
+    // The capacities growth may leave the cache at: `first` doubled, capped at CAP.
+    let classes: Vec<usize> = std::iter::successors(Some(first), |&c| (c < CAP).then_some(c * 2))
+        .map(|c| c.min(CAP))
+        .collect();
     let mut model: Vec<Vec<Entry>> = vec![Vec::new(); LAYERS];
     for (step, op) in ops.iter().enumerate() {
         match op {
@@ -177,7 +185,28 @@ fn run_ops(ops: &[Op], dtype: DType) {
                     m.extend(kept);
                 }
             }
+            Op::Reserve(x) => {
+                let entries = *x as usize % (CAP + 4);
+                let before = cache.capacity();
+                match cache.reserve(entries) {
+                    Ok(grew) => {
+                        assert!(entries <= CAP);
+                        assert!(cache.capacity() >= entries);
+                        assert_eq!(grew, cache.capacity() > before);
+                    }
+                    Err(CacheError::CapacityExceeded { needed, capacity }) => {
+                        assert_eq!((needed, capacity), (entries, CAP));
+                        assert_eq!(cache.capacity(), before, "a refused growth changes nothing");
+                    }
+                    Err(e) => panic!("unexpected {e}"),
+                }
+            }
         }
+        assert!(classes.contains(&cache.capacity()), "{}", cache.capacity());
+        assert_eq!(
+            cache.memory_bytes(),
+            SessionCache::bytes_for(&spec(cache.capacity()), dtype)
+        );
         assert_matches(&cache, &model);
     }
     if !model[0].is_empty() {
@@ -195,12 +224,20 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
     fn random_ops_match_rebuilt_cache_f32(ops in proptest::collection::vec(op_strategy(), 1..30)) {
-        run_ops(&ops, DType::F32);
+        run_ops(&ops, DType::F32, 20);
     }
 
     #[test]
     fn random_ops_match_rebuilt_cache_f16(ops in proptest::collection::vec(op_strategy(), 1..30)) {
-        run_ops(&ops, DType::F16);
+        run_ops(&ops, DType::F16, 20);
+    }
+
+    #[test]
+    fn random_ops_on_a_growing_cache_match_rebuilt_cache(
+        ops in proptest::collection::vec(op_strategy(), 1..30),
+        first in 1usize..8,
+    ) {
+        run_ops(&ops, DType::F16, first);
     }
 }
 
@@ -342,6 +379,115 @@ fn errors_are_reported() {
     assert_eq!(cache.len(), 6);
     assert!(matches!(
         SessionCache::new(spec(4), DType::U32, &Device::Cpu),
+        Err(CacheError::BadSpec(_))
+    ));
+}
+
+/// Every slot of every buffer, K then V, layer by layer.
+fn all_slots(c: &SessionCache) -> Vec<Vec<Vec<f32>>> {
+    (0..LAYERS)
+        .flat_map(|l| {
+            let (k, v) = c.buffers(l).unwrap();
+            [from_tensor(k), from_tensor(v)]
+        })
+        .collect()
+}
+
+#[test]
+fn growth_keeps_every_entry_bit_for_bit() {
+    for dtype in [DType::F32, DType::F16] {
+        let mut grown = SessionCache::growable(spec(4), 64, dtype, &Device::Cpu).unwrap();
+        let mut full = SessionCache::new(spec(64), dtype, &Device::Cpu).unwrap();
+        let mut seed = 1;
+        // Appends of 3: the cache grows 4 -> 8 -> 16 -> 32 on the way to 30 entries, and a
+        // truncation in between leaves stale slots past the length that growth keeps too.
+        while grown.len() < 30 {
+            append_n(&mut grown, 3, seed, dtype);
+            append_n(&mut full, 3, seed, dtype);
+            seed += 1;
+            if seed == 4 {
+                grown.truncate(7).unwrap();
+                full.truncate(7).unwrap();
+            }
+        }
+        assert_eq!(grown.capacity(), 32);
+        assert_eq!(grown.len(), full.len());
+        for l in 0..LAYERS {
+            let (a, b) = (grown.layer(l), full.layer(l));
+            assert_eq!(
+                from_tensor(&a.0),
+                from_tensor(&b.0),
+                "{dtype:?} layer {l} K"
+            );
+            assert_eq!(
+                from_tensor(&a.1),
+                from_tensor(&b.1),
+                "{dtype:?} layer {l} V"
+            );
+        }
+        // Growing again copies every slot of the old buffers, valid or not, and zero-fills
+        // the rest.
+        let before = all_slots(&grown);
+        assert!(grown.reserve(33).unwrap());
+        assert_eq!(grown.capacity(), 64);
+        assert_eq!(
+            grown.memory_bytes(),
+            SessionCache::bytes_for(&spec(64), dtype)
+        );
+        for (old, new) in before.iter().zip(all_slots(&grown)) {
+            assert_eq!(&new[..32], &old[..]);
+            assert!(new[32..].iter().flatten().all(|&x| x == 0.0));
+        }
+        // Tree compaction on the grown cache moves entries as on the never-grown one.
+        grown.compact(10, &[12, 20, 29]).unwrap();
+        full.compact(10, &[12, 20, 29]).unwrap();
+        for l in 0..LAYERS {
+            assert_eq!(
+                from_tensor(&grown.layer(l).0),
+                from_tensor(&full.layer(l).0)
+            );
+        }
+    }
+}
+
+#[test]
+fn growth_follows_capacity_classes_up_to_the_maximum() {
+    let mut c = SessionCache::growable(spec(3), 20, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!((c.capacity(), c.max_capacity()), (3, 20));
+    assert_eq!(c.capacity_for(3).unwrap(), 3);
+    assert_eq!(c.capacity_for(4).unwrap(), 6);
+    assert_eq!(c.capacity_for(7).unwrap(), 12);
+    assert_eq!(c.capacity_for(13).unwrap(), 20, "capped at the maximum");
+    assert!(!c.reserve(2).unwrap(), "room already");
+    assert!(c.reserve(5).unwrap());
+    assert_eq!(c.capacity(), 6);
+    // Past the maximum: the existing CapacityExceeded error, and the cache is unchanged.
+    let Err(CacheError::CapacityExceeded { needed, capacity }) = c.reserve(21) else {
+        panic!("growth past the maximum must be refused");
+    };
+    assert_eq!((needed, capacity, c.capacity()), (21, 20, 6));
+    append_n(&mut c, 6, 1, DType::F32);
+    // Appending past the capacity grows; advancing past it does not.
+    append_n(&mut c, 1, 2, DType::F32);
+    assert_eq!((c.len(), c.capacity()), (7, 12));
+    assert!(matches!(
+        c.advance(6),
+        Err(CacheError::CapacityExceeded {
+            needed: 13,
+            capacity: 12
+        })
+    ));
+    // A fixed cache never grows, and a maximum below the capacity is refused.
+    let mut fixed = SessionCache::new(spec(4), DType::F32, &Device::Cpu).unwrap();
+    assert!(matches!(
+        fixed.reserve(5),
+        Err(CacheError::CapacityExceeded {
+            needed: 5,
+            capacity: 4
+        })
+    ));
+    assert!(matches!(
+        SessionCache::growable(spec(8), 4, DType::F32, &Device::Cpu),
         Err(CacheError::BadSpec(_))
     ));
 }

@@ -6,7 +6,10 @@
 //! token (or of a chain) with the batch-invariant kernels, one graph per row count.
 //!
 //! The graph bakes in the addresses of the weights, of the cache's buffers and of the step's
-//! own buffers, so a stepper belongs to one cache for that cache's whole life.
+//! own buffers, so a stepper belongs to one cache for that cache's whole life at one capacity:
+//! a cache that grows ([`SessionCache::reserve`]) gets new buffers, and every stepper method
+//! refuses a cache whose capacity is not the stepper's (so no graph over the old buffers is
+//! ever replayed); the owner makes a new stepper after growth.
 
 use candle_core::Tensor;
 use specsplit_core::cache::SessionCache;
@@ -296,6 +299,19 @@ impl RepeatedGraph {
     }
 }
 
+/// Refuses a cache whose capacity is not the one a stepper was made for: its graphs point at
+/// buffers of that capacity (a cache that grew has new ones).
+fn check_capacity(stepper: usize, cache: &SessionCache) -> Result<(), ModelError> {
+    if cache.capacity() != stepper {
+        return Err(ModelError::Input(format!(
+            "the stepper was made for a cache of {stepper} slots but the cache holds {}: a \
+             cache that grew needs a new stepper",
+            cache.capacity()
+        )));
+    }
+    Ok(())
+}
+
 /// A multi-row pass's buffers and its graph, one per row count a stepper has run.
 struct RowsReplay {
     bufs: ExactRows,
@@ -363,6 +379,11 @@ impl DecodeStepper {
         })
     }
 
+    /// The cache capacity this stepper serves.
+    pub fn capacity(&self) -> usize {
+        self.bufs.capacity()
+    }
+
     /// The batch-invariant passes over this stepper's cache that give every row's logits
     /// ([`ExactStepper::step_chain`]), where the model runs them.
     pub fn exact(&mut self, model: &Transformer) -> Result<&mut ExactStepper, ModelError> {
@@ -393,6 +414,7 @@ impl DecodeStepper {
         depth: usize,
         forced: &[Option<u32>],
     ) -> Result<Tensor, ModelError> {
+        check_capacity(self.bufs.capacity(), cache)?;
         let rows = roots.len();
         if !self.grow_chains_fit(model, rows) {
             return Err(ModelError::Unsupported(format!(
@@ -442,6 +464,7 @@ impl DecodeStepper {
     ) -> Result<usize, ModelError> {
         let n = tokens.len();
         let cap = self.bufs.capacity();
+        check_capacity(cap, cache)?;
         if n >= 2 && model.exact_rows_fit(cap, n) {
             let RowsReplay { bufs, replay } = rows_replay(&mut self.rows, model, cap, n)?;
             bufs.start(tokens, position)?;
@@ -504,6 +527,7 @@ impl DecodeStepper {
     /// where the model allows it, and later ones replay that graph. A failed capture falls back
     /// to eager steps for good, with a warning.
     pub fn step(&mut self, model: &Transformer, cache: &SessionCache) -> Result<(), ModelError> {
+        check_capacity(self.bufs.capacity(), cache)?;
         let bufs = &self.bufs;
         self.replay.run(model, || model.static_step(bufs, cache))
     }
@@ -544,6 +568,11 @@ impl ExactStepper {
         })
     }
 
+    /// The cache capacity this stepper serves.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Whether [`ExactStepper::step_chain`] takes chains of `rows` tokens for `model`: one
     /// token always, longer chains where the model runs them.
     pub fn chain_fits(&self, model: &Transformer, rows: usize) -> bool {
@@ -569,6 +598,7 @@ impl ExactStepper {
         tokens: &[u32],
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
+        check_capacity(self.capacity, cache)?;
         let n = tokens.len();
         if n == 0 || !self.chain_fits(model, n) {
             return Err(ModelError::Unsupported(format!(

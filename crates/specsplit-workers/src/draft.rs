@@ -13,7 +13,10 @@ use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::step::DecodeStepper;
 use specsplit_models::transformer::{SessionPass, Transformer};
 
-use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
+use crate::engine_session::{
+    common_prefix, session_cache_bytes, CacheClasses, EngineSession, SessionEngine,
+};
+use crate::session::KvCharge;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
@@ -288,6 +291,8 @@ pub struct DraftEngine {
     model: Arc<Transformer>,
     eos: Vec<u32>,
     max_context: usize,
+    /// The capacities sessions' caches start at and grow through.
+    classes: CacheClasses,
     synthetic: Option<SyntheticOracle>,
     static_chains: bool,
     /// Ended sessions' caches and graphs, for the next sessions.
@@ -299,24 +304,32 @@ impl SessionEngine for DraftEngine {
     const WORKER_TYPE: &'static str = "draft";
 
     fn session_bytes(&self) -> usize {
-        session_cache_bytes(&self.model, self.max_context)
+        session_cache_bytes(&self.model, self.classes.first)
     }
 
-    fn new_session(&self, seed: u64) -> Result<DraftSession, EngineError> {
-        EngineSession::open(&self.spares, seed, || {
-            Ok(self.model.new_cache(self.max_context)?)
+    fn new_charged_session(
+        &self,
+        seed: u64,
+        charge: KvCharge,
+    ) -> Result<DraftSession, EngineError> {
+        EngineSession::open(&self.spares, seed, charge, || {
+            self.classes.new_cache(&self.model)
         })
     }
 }
 
 impl DraftEngine {
-    /// An engine over `model`; `eos` ends a branch; sessions hold `max_context` tokens.
+    /// An engine over `model`; `eos` ends a branch; sessions hold up to `max_context` tokens,
+    /// in caches that start at [`crate::engine_session::DEFAULT_FIRST_CAPACITY`] entries and
+    /// grow with use.
     pub fn new(model: Arc<Transformer>, eos: Vec<u32>, max_context: usize) -> Self {
         let static_chains = model.graph_capturable();
+        let first = crate::engine_session::DEFAULT_FIRST_CAPACITY;
         Self {
             model,
             eos,
             max_context,
+            classes: CacheClasses::new(first, max_context),
             synthetic: None,
             static_chains,
             spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
@@ -333,6 +346,13 @@ impl DraftEngine {
     /// Ended sessions' bodies kept now for new sessions.
     pub fn spare_sessions(&self) -> usize {
         self.spares.len()
+    }
+
+    /// New sessions' caches start at `entries` entries (at most `max_context`) and double
+    /// from there as requests need.
+    pub fn with_first_capacity(mut self, entries: usize) -> Self {
+        self.classes = CacheClasses::new(entries, self.max_context);
+        self
     }
 
     /// Whether greedy chains are drafted with fixed-shape steps ([`DecodeStepper`]: one CUDA
@@ -438,6 +458,8 @@ impl DraftEngine {
         }
         before_deadline(p.deadline, "drafting began")?;
         specsplit_core::device::bind_to_thread(self.model.device())?;
+        // Room for the sequence and the whole tree before anything is written.
+        s.reserve(tokens.len() + tree_nodes)?;
         let mut stats = DraftStats::default();
         if self.drafts_static_chain(p) {
             let result = self.draft_chain_static(s, tokens, p.widths.len(), &mut stats);
@@ -851,10 +873,7 @@ impl DraftEngine {
             cached.extend_from_slice(head);
             feed = &feed[feed.len() - 1..];
         }
-        if stepper.is_none() {
-            *stepper = Some(DecodeStepper::new(&self.model, cache.capacity())?);
-        }
-        let stepper = stepper.as_mut().expect("stepper made above");
+        let stepper = stepper_over(stepper, &self.model, cache.capacity())?;
         // Two or more tokens (the accepted chain's last token and the bonus) go through in one
         // pass where the model can.
         stepper.feed(&self.model, cache, feed, cache.len())?;
@@ -1001,6 +1020,23 @@ pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec
         .collect())
 }
 
+/// The session's fixed-shape stepper over its cache of `capacity` entries, made at its first
+/// use and again after the cache grew (a stepper for another capacity holds graphs over
+/// buffers the cache no longer has: it is dropped, never replayed).
+pub(crate) fn stepper_over<'s>(
+    slot: &'s mut Option<DecodeStepper>,
+    model: &Transformer,
+    capacity: usize,
+) -> Result<&'s mut DecodeStepper, EngineError> {
+    if slot.as_ref().is_some_and(|st| st.capacity() != capacity) {
+        *slot = None;
+    }
+    Ok(match slot {
+        Some(st) => st,
+        none => none.insert(DecodeStepper::new(model, capacity)?),
+    })
+}
+
 /// Longest uncached tail fed one fixed-shape step per token; a longer one (a new prompt) goes
 /// through one causal forward first.
 const STATIC_FEED_MAX: usize = 4;
@@ -1129,6 +1165,60 @@ mod tests {
             0,
             "an engine with no spares keeps none"
         );
+    }
+
+    /// A drafted tree's tokens, parents and log-probabilities (as bits).
+    type Drafted = (Vec<u32>, Vec<Option<usize>>, Vec<u32>);
+
+    #[test]
+    fn a_session_whose_cache_grew_drafts_exactly_like_a_full_size_one() {
+        for static_chains in [false, true] {
+            let grown = tiny_engine(vec![], static_chains).with_first_capacity(4);
+            let full = tiny_engine(vec![], static_chains).with_first_capacity(128);
+            let trees = |e: &DraftEngine| {
+                let mut s = e.new_session(3).unwrap();
+                let mut seq: Vec<u32> = (0..10).map(|i| (i * 41 + 7) % 500).collect();
+                let mut out: Vec<Drafted> = Vec::new();
+                let mut caps = vec![s.cache_capacity()];
+                for round in 0..12u32 {
+                    // Chains, and every third round a tree of 2 x 2 x 1.
+                    let widths = if round % 3 == 2 {
+                        vec![2, 2, 1]
+                    } else {
+                        vec![1; 4]
+                    };
+                    let p = DraftParams {
+                        widths,
+                        sampling: SamplingParams::default(),
+                    };
+                    let (t, _) = e.draft(&mut s, &seq, &p).unwrap();
+                    let lps: Vec<u32> = (0..t.len()).map(|i| t.log_prob(i).to_bits()).collect();
+                    out.push((t.tokens().to_vec(), t.parents().to_vec(), lps));
+                    seq.extend(t.tokens().iter().take(2));
+                    seq.push((round * 53 + 1) % 500);
+                    caps.push(s.cache_capacity());
+                }
+                caps.dedup();
+                (out, caps)
+            };
+            let (a, caps) = trees(&grown);
+            let (b, _) = trees(&full);
+            assert_eq!(caps, [4, 16, 32, 64], "static chains {static_chains}");
+            if static_chains {
+                // The eager fixed-shape step (candle's ops, off the fused bf16 kernels) sums
+                // its attention over the whole capacity, so its rounding follows the capacity:
+                // the same tokens, log-probabilities a few ulps apart.
+                let tokens =
+                    |t: &[Drafted]| -> Vec<Vec<u32>> { t.iter().map(|d| d.0.clone()).collect() };
+                assert_eq!(
+                    tokens(&a),
+                    tokens(&b),
+                    "static chains: the grown session drafted differently"
+                );
+            } else {
+                assert_eq!(a, b, "the grown session drafted differently");
+            }
+        }
     }
 
     #[test]

@@ -126,7 +126,12 @@ impl SessionEngine for ModelFreeEngine {
         session_bytes(self.kind)
     }
 
-    fn new_session(&self, _seed: u64) -> Result<ModelFreeSession, EngineError> {
+    /// A model-free session's state has a fixed size: its charge never rises.
+    fn new_charged_session(
+        &self,
+        _seed: u64,
+        _charge: crate::session::KvCharge,
+    ) -> Result<ModelFreeSession, EngineError> {
         let drafter = match self.kind {
             DrafterKind::Suffix => ModelFreeDrafter::Suffix(SuffixDrafter::new(
                 SuffixConfig::default(),

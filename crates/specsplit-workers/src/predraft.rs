@@ -14,10 +14,9 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use specsplit_core::tree::{full_tree_size, TokenTree};
-use specsplit_models::step::DecodeStepper;
 
 use crate::draft::{
-    top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest, Grow,
+    stepper_over, top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest, Grow,
 };
 use crate::engine_session::common_prefix;
 use crate::EngineError;
@@ -112,6 +111,8 @@ impl DraftEngine {
         }
         crate::draft::before_deadline(p.deadline, "pre-drafting began")?;
         specsplit_core::device::bind_to_thread(self.model().device())?;
+        // Room for every pass before anything is written.
+        s.reserve(committed.saturating_add(nodes).max(tokens.len()))?;
         let result = self.predraft_passes(s, tokens, committed, &lengths, set.candidates, p);
         if result.is_err() {
             // Whatever a failed pass left in the cache is not trusted: start over.
@@ -291,10 +292,7 @@ impl DraftEngine {
         let model = self.model();
         let cap = s.cache.capacity();
         if self.static_chains() && model.exact_rows_fit(cap, feed.len()) {
-            let stepper = match &mut s.stepper {
-                Some(st) => st,
-                none => none.insert(DecodeStepper::new(model, cap)?),
-            };
+            let stepper = stepper_over(&mut s.stepper, model, cap)?;
             let logits = stepper
                 .exact(model)?
                 .step_chain(model, feed, &mut s.cache)?;
@@ -311,7 +309,7 @@ impl DraftEngine {
     }
 
     /// Whether `n` greedy chains of `depth` tokens grow from one replayed graph
-    /// ([`DecodeStepper::grow_chains`]) after a sequence of `len` tokens.
+    /// ([`specsplit_models::step::DecodeStepper::grow_chains`]) after a sequence of `len` tokens.
     fn chains_replayable(&self, s: &DraftSession, len: usize, n: usize, depth: usize) -> bool {
         let cap = s.cache.capacity();
         self.static_chains()
@@ -353,10 +351,7 @@ impl DraftEngine {
         }
         let model = self.model();
         let cap = s.cache.capacity();
-        let stepper = match &mut s.stepper {
-            Some(st) => st,
-            none => none.insert(DecodeStepper::new(model, cap)?),
-        };
+        let stepper = stepper_over(&mut s.stepper, model, cap)?;
         let out = stepper.grow_chains(
             model,
             &s.cache,

@@ -1,6 +1,9 @@
 //! Bodies of ended sessions (their KV caches and the CUDA graphs captured over them), kept for
 //! the next sessions: a new session then allocates no cache and captures no graph, which on a
-//! GPU otherwise costs its first rounds several eager passes and captures.
+//! GPU otherwise costs its first rounds several eager passes and captures. Caches grow with
+//! use, so kept bodies have any capacity; a new session takes the smallest, and its first
+//! round charges the body's bytes to the memory budget
+//! ([`crate::engine_session::EngineSession::reserve`]).
 
 use std::sync::Mutex;
 
@@ -69,12 +72,23 @@ pub struct SessionBody<St> {
 }
 
 impl<St> Spares<SessionBody<St>> {
-    /// A kept body with its cache emptied, else a new body over the cache `new_cache` makes.
+    /// The kept body whose cache is smallest (the least memory a new session holds before its
+    /// first round charges it), emptied; else a new body over the cache `new_cache` makes.
     pub fn body_or(
         &self,
         new_cache: impl FnOnce() -> Result<SessionCache, EngineError>,
     ) -> Result<SessionBody<St>, EngineError> {
-        match self.take() {
+        let smallest = {
+            let mut items = self.lock();
+            let at = items
+                .iter()
+                .enumerate()
+                .rev()
+                .min_by_key(|(_, b)| b.cache.capacity())
+                .map(|(i, _)| i);
+            at.map(|i| items.remove(i))
+        };
+        match smallest {
             Some(mut b) => {
                 b.cache.truncate(0)?;
                 Ok(b)

@@ -15,8 +15,11 @@ use specsplit_models::step::ExactStepper;
 use specsplit_models::transformer::Transformer;
 use specsplit_models::SessionPass;
 
-use crate::engine_session::{common_prefix, session_cache_bytes, EngineSession, SessionEngine};
+use crate::engine_session::{
+    common_prefix, session_cache_bytes, CacheClasses, EngineSession, SessionEngine,
+};
 use crate::error::CACHE_EVICTED_MARKER;
+use crate::session::KvCharge;
 use crate::spare::{SessionBody, Spares};
 use crate::EngineError;
 
@@ -159,6 +162,8 @@ impl PassTimer {
 pub struct TargetEngine {
     model: Arc<Transformer>,
     max_context: usize,
+    /// The capacities sessions' caches start at and grow through.
+    classes: CacheClasses,
     /// Whether plain decoding steps replay a captured [`ExactStepper`] (bits identical to a
     /// one-token forward) where the model allows it.
     exact_steps: bool,
@@ -175,28 +180,42 @@ impl SessionEngine for TargetEngine {
     const WORKER_TYPE: &'static str = "target";
 
     fn session_bytes(&self) -> usize {
-        session_cache_bytes(&self.model, self.max_context)
+        session_cache_bytes(&self.model, self.classes.first)
     }
 
-    fn new_session(&self, seed: u64) -> Result<TargetSession, EngineError> {
-        EngineSession::open(&self.spares, seed, || {
-            Ok(self.model.new_cache(self.max_context)?)
+    fn new_charged_session(
+        &self,
+        seed: u64,
+        charge: KvCharge,
+    ) -> Result<TargetSession, EngineError> {
+        EngineSession::open(&self.spares, seed, charge, || {
+            self.classes.new_cache(&self.model)
         })
     }
 }
 
 impl TargetEngine {
-    /// An engine over `model` whose sessions hold `max_context` tokens.
+    /// An engine over `model` whose sessions hold up to `max_context` tokens, in caches that
+    /// start at [`crate::engine_session::DEFAULT_FIRST_CAPACITY`] entries and grow with use.
     pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
         let exact_steps = model.exact_step_fits(max_context);
+        let first = crate::engine_session::DEFAULT_FIRST_CAPACITY;
         Self {
             model,
             max_context,
+            classes: CacheClasses::new(first, max_context),
             exact_steps,
             spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
             device_timing: false,
             device_times: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// New sessions' caches start at `entries` entries (at most `max_context`) and double
+    /// from there as rounds need.
+    pub fn with_first_capacity(mut self, entries: usize) -> Self {
+        self.classes = CacheClasses::new(entries, self.max_context);
+        self
     }
 
     /// Times each verification pass on the device with two CUDA events when `on` (off by
@@ -330,6 +349,9 @@ impl TargetEngine {
                 self.max_context
             )));
         }
+        // Room for the whole round before anything is written: growth (and its charge) never
+        // happens inside a pass, and a refused growth leaves the session as it was.
+        s.reserve(needed)?;
         s.cache.truncate(keep)?;
         s.tokens.truncate(keep);
         if !new.is_empty() {
@@ -575,7 +597,7 @@ impl TargetEngine {
             // the same bits as the one-token forward below. The logits are the stepper's own
             // buffer, not a copy: its next step runs only for a new token, and `verify` drops
             // `last_logits` (the one view kept past this round) before that.
-            let st = self.stepper(&mut s.stepper)?;
+            let st = self.stepper(&mut s.stepper, s.cache.capacity())?;
             return Ok(st.step(&self.model, new[0], &mut s.cache)?);
         }
         if tree.is_empty() && new.len() == 1 {
@@ -589,7 +611,7 @@ impl TargetEngine {
         if new.len() == 1 && self.exact_steps && is_chain(tree) {
             // One new token and a chain below it (a chain draft): the rows pass of the eager
             // forward below, replayed from a graph captured for this chain length.
-            let st = self.stepper(&mut s.stepper)?;
+            let st = self.stepper(&mut s.stepper, s.cache.capacity())?;
             if st.chain_fits(&self.model, 1 + tree.len()) {
                 let mut chain = Vec::with_capacity(1 + tree.len());
                 chain.push(new[0]);
@@ -626,14 +648,20 @@ impl TargetEngine {
         }
     }
 
-    /// The session's graph-replayed stepper, made at its first use.
+    /// The session's graph-replayed stepper over its cache of `capacity` entries, made at its
+    /// first use and again after the cache grew (a stepper for another capacity holds graphs
+    /// over buffers the cache no longer has: it is dropped, never replayed).
     fn stepper<'s>(
         &self,
         slot: &'s mut Option<ExactStepper>,
+        capacity: usize,
     ) -> Result<&'s mut ExactStepper, EngineError> {
+        if slot.as_ref().is_some_and(|st| st.capacity() != capacity) {
+            *slot = None;
+        }
         Ok(match slot {
             Some(st) => st,
-            none => none.insert(ExactStepper::new(&self.model, self.max_context)?),
+            none => none.insert(ExactStepper::new(&self.model, capacity)?),
         })
     }
 
@@ -768,6 +796,7 @@ pub(crate) fn greedy_continuation(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::{SessionLimits, SessionStore};
 
     fn tiny_engine(spares: usize) -> TargetEngine {
         let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
@@ -830,6 +859,198 @@ mod tests {
 
     fn prompt() -> Vec<u32> {
         (0..20).map(|i| (i * 37 + 5) % 500).collect()
+    }
+
+    #[test]
+    fn a_session_whose_cache_grew_verifies_exactly_like_a_full_size_one() {
+        // Caches of 4 entries that double as rounds need, against 128 entries up front.
+        let grown = tiny_engine(0).with_first_capacity(4);
+        let full = tiny_engine(0).with_first_capacity(128);
+        assert!(grown.session_bytes() * 32 == full.session_bytes());
+        // Target-only greedy decoding: 20 + 60 tokens grow the cache 4 -> 32 -> 64 -> 128.
+        let cont = greedy_continuation(&full, 9, prompt(), 60);
+        assert_eq!(greedy_continuation(&grown, 9, prompt(), 60), cont);
+        // Speculative rounds (chains, a forked tree, rejections) on a growing cache.
+        let mut s = grown.new_session(2).unwrap();
+        assert_eq!(s.cache.capacity(), 4);
+        let a = rounds(&grown, &mut s, &cont);
+        assert_eq!(s.cache.capacity(), 64, "the cache grew to the rounds' need");
+        assert_eq!(s.charge.bytes(), s.cache.memory_bytes());
+        let b = rounds(&full, &mut full.new_session(2).unwrap(), &cont);
+        assert_eq!(a, b, "the growing session verified differently");
+        assert!(a.iter().any(|(v, _)| !v.accepted_tokens.is_empty()));
+    }
+
+    /// A store with room for `sessions` sessions and `budget` bytes.
+    fn store(sessions: usize, budget: usize) -> SessionStore<TargetSession> {
+        SessionStore::new(SessionLimits {
+            max_sessions: sessions,
+            memory_budget_bytes: budget,
+            ttl: Duration::from_secs(600),
+        })
+    }
+
+    #[test]
+    fn sessions_are_charged_what_their_caches_hold_not_max_context() {
+        let e = tiny_engine(0).with_first_capacity(32);
+        let full = session_cache_bytes(e.model(), 128);
+        assert_eq!(e.session_bytes() * 4, full);
+        // A budget of 3 sessions at max_context holds 12 sessions at their first capacity.
+        let store = store(100, 3 * full);
+        let params = SamplingParams::default();
+        let held: Vec<_> = (0..12)
+            .map(|i| {
+                let (h, created) = store
+                    .get_or_create(&format!("s{i}"), e.session_bytes(), |c| {
+                        e.new_charged_session(i + 1, c)
+                    })
+                    .unwrap();
+                assert!(created);
+                let mut s = h.try_lock().unwrap();
+                e.verify(&mut s, Prefix::Full(prompt()), &TokenTree::new(), &params)
+                    .unwrap();
+                drop(s);
+                h
+            })
+            .collect();
+        assert_eq!(store.bytes(), 12 * e.session_bytes());
+        // All 12 are busy: a 13th does not fit, and nothing was evicted for it.
+        let err = store
+            .get_or_create("s12", e.session_bytes(), |c| e.new_charged_session(1, c))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(err, EngineError::ResourceExhausted(_)), "{err}");
+        assert_eq!(store.len(), held.len());
+    }
+
+    #[test]
+    fn a_spare_larger_than_the_first_capacity_is_charged_at_the_first_request() {
+        let e = tiny_engine(1).with_first_capacity(8);
+        let small = e.session_bytes();
+        let params = SamplingParams::default();
+        // A session grows to 32 entries and ends: its body is kept.
+        let mut s = e.new_session(1).unwrap();
+        e.verify(&mut s, Prefix::Full(prompt()), &TokenTree::new(), &params)
+            .unwrap();
+        assert_eq!(s.cache_capacity(), 32);
+        drop(s);
+        assert_eq!(e.spare_sessions(), 1);
+        // With room, the next session takes it and is charged its 32 entries at its first
+        // request.
+        let roomy = store(10, 100 * small);
+        let (h, _) = roomy
+            .get_or_create("a", small, |c| e.new_charged_session(9, c))
+            .unwrap();
+        let mut s = h.try_lock().unwrap();
+        assert_eq!((s.cache_capacity(), s.charged_bytes()), (32, small));
+        e.verify(
+            &mut s,
+            Prefix::Full(prompt()[..5].to_vec()),
+            &TokenTree::new(),
+            &params,
+        )
+        .unwrap();
+        assert_eq!((s.cache_capacity(), s.charged_bytes()), (32, 4 * small));
+        assert_eq!(roomy.bytes(), 4 * small);
+        drop(s);
+        drop(h);
+        roomy.clear();
+        // Without room for it, the session takes a fresh cache its charge covers.
+        assert_eq!(e.spare_sessions(), 1);
+        let tight = store(10, 2 * small);
+        let (h, _) = tight
+            .get_or_create("b", small, |c| e.new_charged_session(9, c))
+            .unwrap();
+        let (_busy, _) = tight
+            .get_or_create("c", small, |c| e.new_charged_session(8, c))
+            .unwrap();
+        let mut s = h.try_lock().unwrap();
+        assert_eq!(s.cache_capacity(), 32);
+        let o = e
+            .verify(&mut s, Prefix::Full(prompt()), &TokenTree::new(), &params)
+            .unwrap_err();
+        assert!(
+            matches!(o, EngineError::ResourceExhausted(_)),
+            "20 entries need 32: {o}"
+        );
+        let o = e
+            .verify(
+                &mut s,
+                Prefix::Full(prompt()[..6].to_vec()),
+                &TokenTree::new(),
+                &params,
+            )
+            .unwrap();
+        assert_eq!((s.cache_capacity(), s.charged_bytes()), (8, small));
+        assert_eq!(tight.bytes(), 2 * small);
+        let full = greedy_continuation(&tiny_engine(0), 9, prompt()[..6].to_vec(), 1);
+        assert_eq!(o.verdict.next_token, full[0]);
+    }
+
+    #[test]
+    fn growth_refused_at_the_budget_leaves_the_session_usable_at_its_old_size() {
+        let e = tiny_engine(0).with_first_capacity(16);
+        let small = e.session_bytes();
+        let cont = greedy_continuation(&tiny_engine(0), 9, prompt()[..10].to_vec(), 4);
+        // Room for two 16-entry sessions, not for one of them at 32 entries.
+        let store = store(10, 2 * small + small / 2);
+        let open = |id: &str, seed| {
+            store
+                .get_or_create(id, small, |c| e.new_charged_session(seed, c))
+                .unwrap()
+                .0
+        };
+        let (a, b) = (open("a", 9), open("b", 8));
+        let params = SamplingParams::default();
+        let mut s = a.try_lock().unwrap();
+        let o = e
+            .verify(
+                &mut s,
+                Prefix::Full(prompt()[..10].to_vec()),
+                &TokenTree::new(),
+                &params,
+            )
+            .unwrap();
+        assert_eq!(o.verdict.next_token, cont[0]);
+        // A round of 10 + 1 + 6 entries needs 32; "b" is busy, so the growth is refused.
+        let delta = |len| Prefix::Delta {
+            new_tokens: vec![cont[len - 10]],
+            expected_len: len,
+        };
+        let err = e
+            .verify(
+                &mut s,
+                delta(10),
+                &tree(&[1, 2, 3, 4, 5, 6], false),
+                &params,
+            )
+            .unwrap_err();
+        let EngineError::ResourceExhausted(m) = &err else {
+            panic!("expected RESOURCE_EXHAUSTED, got {err}");
+        };
+        assert!(m.contains("raise memory_budget_mb"), "{m}");
+        assert_eq!((s.cache.capacity(), s.charge.bytes()), (16, small));
+        assert_eq!(store.bytes(), 2 * small);
+        // The session still verifies at its old size, exactly.
+        let o = e
+            .verify(&mut s, delta(10), &TokenTree::new(), &params)
+            .unwrap();
+        assert_eq!((o.verdict.next_token, o.cached_len), (cont[1], 11));
+        // Once "b" is idle, the growth evicts it.
+        drop(b);
+        // A chain of 6 whose second token is wrong: 11 + 1 + 6 entries.
+        let chain = [cont[2], (cont[3] + 1) % 500, 1, 2, 3, 4];
+        let o = e
+            .verify(&mut s, delta(11), &tree(&chain, false), &params)
+            .unwrap();
+        assert_eq!(o.verdict.accepted_tokens, [cont[2]]);
+        assert_eq!(s.cache.capacity(), 32);
+        assert_eq!(
+            store.len(),
+            1,
+            "the idle session was evicted for the growth"
+        );
+        assert_eq!(store.bytes(), s.cache.memory_bytes());
     }
 
     #[test]

@@ -151,6 +151,21 @@ impl Transformer {
         )?)
     }
 
+    /// Allocates a session KV cache for this model holding `capacity` entries now that
+    /// [`SessionCache::reserve`] grows up to `max_capacity` entries.
+    pub fn new_growable_cache(
+        &self,
+        capacity: usize,
+        max_capacity: usize,
+    ) -> Result<SessionCache, ModelError> {
+        Ok(SessionCache::growable(
+            self.cache_spec(capacity),
+            max_capacity,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+
     /// The causal mask over `n` new tokens after `past` cached ones: `(n, past + n)`.
     fn causal_mask(&self, n: usize, past: usize) -> Result<Tensor, ModelError> {
         let tri = {

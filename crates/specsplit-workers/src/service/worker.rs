@@ -156,7 +156,10 @@ impl<E: SessionEngine> Worker<E> {
             .store
             .admit_anonymous(self.engine.session_bytes(), self.admission_wait)
             .await?;
-        let session = self.engine.new_session(seed).map_err(Status::from)?;
+        let session = self
+            .engine
+            .new_charged_session(seed, reservation.charge().clone())
+            .map_err(Status::from)?;
         Ok((Arc::new(tokio::sync::Mutex::new(session)), reservation))
     }
 
@@ -174,7 +177,7 @@ impl<E: SessionEngine> Worker<E> {
                 secret,
                 self.engine.session_bytes(),
                 self.admission_wait,
-                || self.engine.new_session(seed),
+                |charge| self.engine.new_charged_session(seed, charge),
             )
             .await?;
         Ok(session)
