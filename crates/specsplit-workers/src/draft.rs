@@ -1190,6 +1190,7 @@ mod tests {
                     let p = DraftParams {
                         widths,
                         sampling: SamplingParams::default(),
+                        deadline: None,
                     };
                     let (t, _) = e.draft(&mut s, &seq, &p).unwrap();
                     let lps: Vec<u32> = (0..t.len()).map(|i| t.log_prob(i).to_bits()).collect();

@@ -115,6 +115,7 @@ fn draft_run(e: &DraftEngine) -> (Vec<Vec<(u32, f32)>>, Vec<usize>) {
     let p = DraftParams {
         widths: vec![1; 4],
         sampling: SamplingParams::default(),
+        deadline: None,
     };
     let mut s = e.new_session(1).unwrap();
     let mut caps = vec![s.cache_capacity()];
