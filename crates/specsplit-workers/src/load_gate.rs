@@ -360,12 +360,23 @@ impl LoadAdvisor {
                 answered.clear();
             }
         }
-        let last = answered.get(session).copied();
-        let rounds = match (last, continued) {
-            (Some(a), true) => a.rounds.saturating_add(1),
-            _ => 0,
+        // A known session's entry is updated in place: no allocation a round.
+        let last = match answered.get_mut(session) {
+            Some(a) => {
+                let last = *a;
+                a.at = at;
+                a.rounds = if continued {
+                    last.rounds.saturating_add(1)
+                } else {
+                    0
+                };
+                Some(last)
+            }
+            None => {
+                answered.insert(session.to_string(), Answered { at, rounds: 0 });
+                None
+            }
         };
-        answered.insert(session.to_string(), Answered { at, rounds });
         let active = answered
             .values()
             .filter(|a| at.saturating_duration_since(a.at) <= ACTIVE_WINDOW)

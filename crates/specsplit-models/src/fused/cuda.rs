@@ -517,6 +517,52 @@ pub(super) fn bi_matmul(
     Ok(y)
 }
 
+/// Keys a chunk of the row attention kernels: RA_CHUNK of rows_attention.cu.
+const CHUNK: usize = 64;
+
+/// Checks the queries `(1, heads, n, head_dim)` of an `n`-row attention against `s`, and that
+/// the row kernels take its query heads a KV head.
+fn check_queries(q: &Tensor, n: usize, s: AttnShape) -> Result<()> {
+    check(
+        q.dims() == [1, s.heads, n, s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
+        || format!("queries {:?} for {n} rows do not match {s:?}", q.dims()),
+    )?;
+    check(s.heads / s.kv <= super::RA_MAX_REP, || {
+        format!(
+            "{} query heads a KV head (at most {})",
+            s.heads / s.kv,
+            super::RA_MAX_REP
+        )
+    })
+}
+
+/// Merges each row's per-chunk partial attention `part` into its output `(rows, heads ·
+/// head_dim)`, bf16.
+fn merge_row_parts(
+    part: &Tensor,
+    keys: &super::PassKeys,
+    s: AttnShape,
+    chunks: usize,
+    l: super::Launch,
+    dev: &CudaDevice,
+    q: &Tensor,
+) -> Result<Tensor> {
+    let (n, hd) = (keys.rows, s.head_dim);
+    let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
+    let mut args = pointers(&[part, &keys.meta, &y])?;
+    args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
+    launch_2d(
+        l.pdl,
+        dev,
+        "specsplit_rows_attention_merge_bf16",
+        (s.heads as u32, n as u32),
+        hd as u32,
+        0,
+        &args,
+    )?;
+    Ok(y)
+}
+
 pub(super) fn rows_attention(
     q: &Tensor,
     k_cache: &Tensor,
@@ -527,10 +573,7 @@ pub(super) fn rows_attention(
     l: super::Launch,
 ) -> Result<Tensor> {
     let n = keys.rows;
-    check(
-        q.dims() == [1, s.heads, n, s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
-        || format!("queries {:?} for {n} rows do not match {s:?}", q.dims()),
-    )?;
+    check_queries(q, n, s)?;
     check(keys.end <= s.capacity, || {
         format!(
             "rows read slot {} of a {}-slot cache",
@@ -540,15 +583,6 @@ pub(super) fn rows_attention(
     })?;
     check_cache(k_cache, s)?;
     check_cache(v_cache, s)?;
-    check(s.heads / s.kv <= super::RA_MAX_REP, || {
-        format!(
-            "{} query heads a KV head (at most {})",
-            s.heads / s.kv,
-            super::RA_MAX_REP
-        )
-    })?;
-    // Keys a chunk: RA_CHUNK of rows_attention.cu.
-    const CHUNK: usize = 64;
     let chunks = keys.max_len.div_ceil(CHUNK);
     let hd = s.head_dim;
     let part = empty(&[n, s.heads, chunks, hd + 2], DType::F32, q)?;
@@ -589,19 +623,7 @@ pub(super) fn rows_attention(
             &args,
         )?;
     }
-    let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
-    let mut args = pointers(&[&part, &keys.meta, &y])?;
-    args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
-    launch_2d(
-        l.pdl,
-        dev,
-        "specsplit_rows_attention_merge_bf16",
-        (s.heads as u32, n as u32),
-        hd as u32,
-        0,
-        &args,
-    )?;
-    Ok(y)
+    merge_row_parts(&part, keys, s, chunks, l, dev, q)
 }
 
 pub(super) fn addresses(ts: &[&Tensor]) -> Result<Vec<u64>> {
@@ -692,20 +714,8 @@ pub(super) fn sessions_attention(
 ) -> Result<Tensor> {
     let keys = &table.keys;
     let n = keys.rows;
-    check(
-        q.dims() == [1, s.heads, n, s.head_dim] && s.kv > 0 && s.heads.is_multiple_of(s.kv),
-        || format!("queries {:?} for {n} rows do not match {s:?}", q.dims()),
-    )?;
+    check_queries(q, n, s)?;
     check_table(table, layer, s)?;
-    check(s.heads / s.kv <= super::RA_MAX_REP, || {
-        format!(
-            "{} query heads a KV head (at most {})",
-            s.heads / s.kv,
-            super::RA_MAX_REP
-        )
-    })?;
-    // Keys a chunk: RA_CHUNK of rows_attention.cu.
-    const CHUNK: usize = 64;
     let chunks = keys.max_len.div_ceil(CHUNK);
     let hd = s.head_dim;
     let part = empty(&[n, s.heads, chunks, hd + 2], DType::F32, q)?;
@@ -735,19 +745,7 @@ pub(super) fn sessions_attention(
         CHUNK as u32,
         &args,
     )?;
-    let y = empty(&[n, s.heads * hd], DType::BF16, q)?;
-    let mut args = pointers(&[&part, &keys.meta, &y])?;
-    args.extend([s.heads, chunks, hd].map(|v| I(v as i32)));
-    launch_2d(
-        l.pdl,
-        dev,
-        "specsplit_rows_attention_merge_bf16",
-        (s.heads as u32, n as u32),
-        hd as u32,
-        0,
-        &args,
-    )?;
-    Ok(y)
+    merge_row_parts(&part, keys, s, chunks, l, dev, q)
 }
 
 pub(super) fn silu_mul(gate_up: &Tensor, l: super::Launch) -> Result<Tensor> {
