@@ -15,8 +15,11 @@
 //! That model misses how sessions fall out of step in a shared pass: a session still drafting
 //! when the next pass starts waits for the one after. So the gate also measures what each depth
 //! yields now: per depth, the tokens a round emits and a session's time from one answer to the
-//! next. A depth measured within [`GAP_MEMORY`] is judged by its measured tokens per second,
-//! the others by the model; a measurement that ages out lets the model try its depth again.
+//! next. A depth measured within [`GAP_MEMORY`] at the batch's load level (batches of
+//! `2^k..2^(k+1)` sessions share one) is judged by its measured tokens per second, the others
+//! by the model; a measurement that ages out lets the model try its depth again. Gaps and
+//! rounds are kept per load level: what a depth cost one session alone says nothing of what it
+//! costs four sessions sharing a draft worker.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -52,6 +55,16 @@ const GAP_MEMORY: Duration = Duration::from_secs(5);
 /// A session answered within this window counts in the batch the advice is for.
 const ACTIVE_WINDOW: Duration = Duration::from_millis(500);
 
+/// Load levels the gaps and rounds are kept for: level `k` holds batches of `2^k..2^(k+1)`
+/// sessions, the last one every larger batch.
+const LOAD_LEVELS: usize = 8;
+
+/// The load level of a batch of `sessions` (see [`LOAD_LEVELS`]).
+fn load_level(sessions: usize) -> usize {
+    let k = (usize::BITS - 1 - sessions.max(1).leading_zeros()) as usize;
+    k.min(LOAD_LEVELS - 1)
+}
+
 /// Sessions whose last answer the advisor remembers (their gaps are measured); beyond this,
 /// the oldest answers are forgotten.
 const MAX_REMEMBERED_SESSIONS: usize = 4096;
@@ -79,12 +92,13 @@ pub struct LoadGate {
     /// and accepted.
     tried: u64,
     accepted: u64,
-    /// Running mean of the gap (seconds) between an answer and the session's next request,
-    /// per drafted depth of that request (`None`: not measured).
-    gaps: Vec<Option<(f64, Instant)>>,
-    /// Per drafted depth: running means of a session's time from one answer to the next
-    /// (seconds) and of the tokens that round emitted, and when last measured.
-    cycles: Vec<Option<Cycle>>,
+    /// Per load level, then per drafted depth of the request: running mean of the gap
+    /// (seconds) between an answer and the session's next request (`None`: not measured).
+    gaps: Vec<Vec<Option<(f64, Instant)>>>,
+    /// Per load level, then per drafted depth: running means of a session's time from one
+    /// answer to the next (seconds) and of the tokens that round emitted, and when last
+    /// measured.
+    cycles: Vec<Vec<Option<Cycle>>>,
     /// The deepest draft a session sent lately, and when: deeper depths are not advised (the
     /// sessions would not draft them, so they would never be measured).
     deepest: Option<(usize, Instant)>,
@@ -109,16 +123,17 @@ impl LoadGate {
             passes: 0,
             tried: 0,
             accepted: 0,
-            gaps: vec![None; max_depth + 1],
-            cycles: vec![None; max_depth + 1],
+            gaps: vec![vec![None; max_depth + 1]; LOAD_LEVELS],
+            cycles: vec![vec![None; max_depth + 1]; LOAD_LEVELS],
             deepest: None,
             last_advice: None,
         }
     }
 
     /// Records a session's round drafted to `depth` (deeper counts as `max_depth`) that
-    /// emitted `tokens` and was answered `cycle` after the session's previous answer.
-    pub fn observe_cycle(&mut self, depth: usize, cycle: Duration, tokens: usize) {
+    /// emitted `tokens` and was answered `cycle` after the session's previous answer, in a
+    /// batch of `batch` sessions.
+    pub fn observe_cycle(&mut self, depth: usize, cycle: Duration, tokens: usize, batch: usize) {
         if cycle > MAX_ROUND_GAP {
             return;
         }
@@ -133,7 +148,7 @@ impl LoadGate {
             (Some((d, at)), false) if fresh(at) && d > depth => Some((d, at)),
             (_, false) => Some((depth, now)),
         };
-        let slot = &mut self.cycles[depth.min(self.max_depth)];
+        let slot = &mut self.cycles[load_level(batch)][depth.min(self.max_depth)];
         *slot = Some(match *slot {
             Some(m) if now.duration_since(m.at) <= GAP_MEMORY => Cycle {
                 secs: m.secs + GAP_WEIGHT * (c - m.secs),
@@ -148,21 +163,23 @@ impl LoadGate {
         });
     }
 
-    /// The tokens per second a session's rounds of `depth` measured within [`GAP_MEMORY`].
-    fn measured_rate(&self, depth: usize, now: Instant) -> Option<f64> {
-        self.cycles[depth]
+    /// The tokens per second a session's rounds of `depth` measured within [`GAP_MEMORY`] at
+    /// load level `level`.
+    fn measured_rate(&self, depth: usize, level: usize, now: Instant) -> Option<f64> {
+        self.cycles[level][depth]
             .filter(|c| now.duration_since(c.at) <= GAP_MEMORY)
             .map(|c| c.tokens / c.secs.max(f64::MIN_POSITIVE))
     }
 
     /// Records the `gap` between an answer to a session and its next request, which drafted
-    /// to `depth` (deeper than the gate's `max_depth` counts as `max_depth`).
-    pub fn observe_gap(&mut self, depth: usize, gap: Duration) {
+    /// to `depth` (deeper than the gate's `max_depth` counts as `max_depth`), in a batch of
+    /// `batch` sessions.
+    pub fn observe_gap(&mut self, depth: usize, gap: Duration, batch: usize) {
         if gap > MAX_ROUND_GAP {
             return;
         }
         let (g, now) = (gap.as_secs_f64(), Instant::now());
-        let slot = &mut self.gaps[depth.min(self.max_depth)];
+        let slot = &mut self.gaps[load_level(batch)][depth.min(self.max_depth)];
         *slot = Some(match *slot {
             Some((m, at)) if now.duration_since(at) <= GAP_MEMORY => {
                 (m + GAP_WEIGHT * (g - m), now)
@@ -171,16 +188,16 @@ impl LoadGate {
         });
     }
 
-    /// The gap the gate predicts after an answer before a request drafted to `depth`, in
-    /// seconds: the measured mean, else linear between the nearest measured depths, else along
+    /// The gap the gate predicts after an answer before a request drafted to `depth` in a
+    /// batch of `batch` sessions, in seconds, from the gaps measured at its load level: the
+    /// measured mean, else linear between the nearest measured depths, else along
     /// the line from the nearest measured depth to no gap at depth 0 below it, or along the
     /// last two measured depths' slope (never falling) above them. 0 before any gap is
     /// measured (the pass time alone decides). Gaps measured more than [`GAP_MEMORY`] ago
     /// count as unmeasured.
-    pub fn round_gap(&self, depth: usize) -> f64 {
+    pub fn round_gap(&self, depth: usize, batch: usize) -> f64 {
         let now = Instant::now();
-        let known: Vec<(f64, f64)> = self
-            .gaps
+        let known: Vec<(f64, f64)> = self.gaps[load_level(batch)]
             .iter()
             .enumerate()
             .filter_map(|(d, g)| {
@@ -278,6 +295,7 @@ impl LoadGate {
         }
         let alpha = self.acceptance()?;
         let b = batch_sessions.max(1) as f64;
+        let level = load_level(batch_sessions);
         let now = Instant::now();
         let mut best = (0, f64::NEG_INFINITY);
         let mut expected = 0.0;
@@ -289,9 +307,9 @@ impl LoadGate {
         for d in 0..=top {
             expected += term;
             term *= alpha;
-            let secs = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d);
+            let secs = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d, batch_sessions);
             let modelled = expected / secs.max(f64::MIN_POSITIVE);
-            let rate = b * self.measured_rate(d, now).unwrap_or(modelled);
+            let rate = b * self.measured_rate(d, level, now).unwrap_or(modelled);
             if rate > best.1 {
                 best = (d, rate);
             }
@@ -306,6 +324,9 @@ impl LoadGate {
 pub struct LoadAdvisor {
     gate: Mutex<LoadGate>,
     in_flight: AtomicUsize,
+    /// The batch the latest advice was for: the load a session's gap before its next request
+    /// is spent under.
+    batch: AtomicUsize,
     /// When each session was last answered (its gap to its next request is measured).
     answered: Mutex<HashMap<String, Answered>>,
 }
@@ -331,6 +352,7 @@ impl LoadAdvisor {
         Self {
             gate: Mutex::new(gate),
             in_flight: AtomicUsize::new(0),
+            batch: AtomicUsize::new(1),
             answered: Mutex::new(HashMap::new()),
         }
     }
@@ -345,7 +367,7 @@ impl LoadAdvisor {
         };
         if let Some(gap) = last.and_then(|a| arrived.checked_duration_since(a.at)) {
             let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-            g.observe_gap(depth, gap);
+            g.observe_gap(depth, gap, self.batch.load(Ordering::Relaxed));
         }
     }
 
@@ -406,6 +428,7 @@ impl LoadAdvisor {
             self.note_answer(round.session, now, round.continued)
         };
         let batch = self.in_flight().max(active);
+        self.batch.store(batch, Ordering::Relaxed);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         g.observe_pass(round.rows, round.time);
         if round.depth > 0 {
@@ -416,6 +439,7 @@ impl LoadAdvisor {
                 round.depth,
                 now.saturating_duration_since(last),
                 round.accepted + 1,
+                batch,
             );
         }
         g.advise(batch)
@@ -585,26 +609,26 @@ mod tests {
     fn round_gaps_interpolate_and_extrapolate_from_what_was_measured() {
         let mut g = LoadGate::new(8);
         assert_eq!(
-            g.round_gap(4),
+            g.round_gap(4, 1),
             0.0,
             "nothing measured: the pass time alone decides"
         );
-        g.observe_gap(4, Duration::from_millis(8));
+        g.observe_gap(4, Duration::from_millis(8), 1);
         // One depth measured: the line through no gap at depth 0.
-        assert!((g.round_gap(2) - 0.004).abs() < 1e-9);
-        assert!((g.round_gap(0) - 0.0).abs() < 1e-9);
-        assert!((g.round_gap(6) - 0.012).abs() < 1e-9);
-        g.observe_gap(0, Duration::from_millis(1));
-        assert!((g.round_gap(0) - 0.001).abs() < 1e-9);
-        assert!((g.round_gap(2) - 0.0045).abs() < 1e-9);
+        assert!((g.round_gap(2, 1) - 0.004).abs() < 1e-9);
+        assert!((g.round_gap(0, 1) - 0.0).abs() < 1e-9);
+        assert!((g.round_gap(6, 1) - 0.012).abs() < 1e-9);
+        g.observe_gap(0, Duration::from_millis(1), 1);
+        assert!((g.round_gap(0, 1) - 0.001).abs() < 1e-9);
+        assert!((g.round_gap(2, 1) - 0.0045).abs() < 1e-9);
         // Beyond the deepest measured depth, along the last two depths' slope.
-        assert!((g.round_gap(8) - 0.015).abs() < 1e-9);
+        assert!((g.round_gap(8, 1) - 0.015).abs() < 1e-9);
         // A pause of the client is not a round's gap.
-        g.observe_gap(8, MAX_ROUND_GAP + Duration::from_millis(1));
-        assert!((g.round_gap(8) - 0.015).abs() < 1e-9);
+        g.observe_gap(8, MAX_ROUND_GAP + Duration::from_millis(1), 1);
+        assert!((g.round_gap(8, 1) - 0.015).abs() < 1e-9);
         // Deeper than the gate advises counts at its deepest depth.
-        g.observe_gap(30, Duration::from_millis(20));
-        assert!((g.round_gap(8) - 0.020).abs() < 1e-9);
+        g.observe_gap(30, Duration::from_millis(20), 1);
+        assert!((g.round_gap(8, 1) - 0.020).abs() < 1e-9);
     }
 
     #[test]
@@ -617,15 +641,15 @@ mod tests {
         // depth 1 (a gap of 25.75 ms between the two) 1.8 in 45.75 ms, one without a draft
         // 1 token in 21 ms.
         for _ in 0..20 {
-            g.observe_gap(4, Duration::from_millis(100));
-            g.observe_gap(0, Duration::from_millis(1));
+            g.observe_gap(4, Duration::from_millis(100), 4);
+            g.observe_gap(0, Duration::from_millis(1), 4);
         }
         assert_eq!(g.advise(4), Some(0));
         // Drafting that takes 2 ms a level pays again.
         let mut g = gate(8, 1..=600, |_| 0.02);
         for _ in 0..20 {
-            g.observe_gap(4, Duration::from_millis(9));
-            g.observe_gap(0, Duration::from_millis(1));
+            g.observe_gap(4, Duration::from_millis(9), 4);
+            g.observe_gap(0, Duration::from_millis(1), 4);
         }
         assert!(g.advise(4).unwrap() >= 4, "{:?}", g.advise(4));
     }
@@ -639,16 +663,16 @@ mod tests {
         assert_eq!(a.note_answer("b", t0, false), (2, None));
         // Its first round after the prompt waits for the draft to catch up: not measured.
         a.observe_request("b", 3, t0 + Duration::from_millis(90));
-        assert_eq!(a.gate.lock().unwrap().round_gap(3), 0.0);
+        assert_eq!(a.gate.lock().unwrap().round_gap(3, 1), 0.0);
         let t = t0 + Duration::from_millis(100);
         assert_eq!(a.note_answer("b", t, true), (2, None));
         // Session b's next round, drafted to depth 3, came 30 ms after its answer.
         a.observe_request("b", 3, t + Duration::from_millis(30));
-        let gap = a.gate.lock().unwrap().round_gap(3);
+        let gap = a.gate.lock().unwrap().round_gap(3, 1);
         assert!((gap - 0.030).abs() < 1e-9, "{gap}");
         // A session never answered here has no gap.
         a.observe_request("c", 3, t + Duration::from_millis(500));
-        let gap = a.gate.lock().unwrap().round_gap(3);
+        let gap = a.gate.lock().unwrap().round_gap(3, 1);
         assert!((gap - 0.030).abs() < 1e-9, "{gap}");
         // Sessions answered long ago no longer count.
         assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3, false).0, 1);
@@ -662,17 +686,17 @@ mod tests {
     fn rounds_capped_by_the_advice_do_not_cap_later_advice() {
         let mut g = gate(8, 1..=600, |_| 0.02);
         // Sessions draft 4 deep by themselves: the advice goes no deeper.
-        g.observe_cycle(4, Duration::from_millis(20), 4);
+        g.observe_cycle(4, Duration::from_millis(20), 4, 1);
         assert_eq!(g.advise(1), Some(4));
         // Advised 2, they draft 2: that says nothing of how deep they would go.
         g.last_advice = Some(2);
         for _ in 0..5 {
-            g.observe_cycle(2, Duration::from_millis(25), 2);
+            g.observe_cycle(2, Duration::from_millis(25), 2, 1);
         }
         assert_eq!(g.deepest.map(|d| d.0), Some(4));
         // Once what they drafted by themselves is forgotten, every depth is open again.
         g.deepest = Some((4, Instant::now() - GAP_MEMORY * 2));
-        g.observe_cycle(2, Duration::from_millis(25), 2);
+        g.observe_cycle(2, Duration::from_millis(25), 2, 1);
         assert_eq!(g.deepest, None);
     }
 
@@ -684,8 +708,8 @@ mod tests {
         // But rounds of depth 8 measured 4.4 tokens a 120 ms cycle (they missed passes), and
         // rounds without a draft 1 token a 21 ms cycle.
         for _ in 0..10 {
-            g.observe_cycle(8, Duration::from_millis(120), 4);
-            g.observe_cycle(0, Duration::from_millis(21), 1);
+            g.observe_cycle(8, Duration::from_millis(120), 4, 16);
+            g.observe_cycle(0, Duration::from_millis(21), 1, 16);
         }
         // Depth 8 measured 0.037 tokens/ms, target-only 0.048; the model's unmeasured depths
         // (1.8 tokens in 20 ms at depth 1) still look better: the gate tries one.
@@ -694,12 +718,46 @@ mod tests {
         // Every depth measured as slower than target-only: no draft.
         for d in 1..=8 {
             for _ in 0..10 {
-                g.observe_cycle(d, Duration::from_millis(60 + 10 * d as u64), 1 + d / 2);
+                g.observe_cycle(d, Duration::from_millis(60 + 10 * d as u64), 1 + d / 2, 16);
             }
         }
         assert_eq!(g.advise(16), Some(0));
         // A pause is not a cycle.
-        g.observe_cycle(0, MAX_ROUND_GAP * 2, 1);
+        g.observe_cycle(0, MAX_ROUND_GAP * 2, 1, 16);
         assert_eq!(g.advise(16), Some(0));
+    }
+
+    #[test]
+    fn what_a_depth_measured_at_one_load_does_not_stand_for_another() {
+        // A target whose passes cost 5 ms a row: by the model alone, no draft pays.
+        let mut g = gate(8, 1..=600, |r| 5e-3 * r);
+        assert_eq!(g.advise(4), Some(0));
+        // One session alone measured rounds of depth 8 giving 5 tokens a 10 ms cycle, far
+        // better than its 20 ms rounds without a draft.
+        for _ in 0..10 {
+            g.observe_cycle(8, Duration::from_millis(10), 5, 1);
+            g.observe_cycle(0, Duration::from_millis(20), 1, 1);
+            g.observe_gap(8, Duration::from_millis(1), 1);
+        }
+        assert_eq!(g.advise(1), Some(8));
+        // Four sessions: that was measured at another load; the model decides again there.
+        assert_eq!(g.advise(4), Some(0));
+        assert_eq!(g.round_gap(8, 4), 0.0);
+        // Measured at four sessions too (batches of 4 to 7 share a level), it counts there.
+        for _ in 0..10 {
+            g.observe_cycle(8, Duration::from_millis(10), 5, 5);
+            g.observe_cycle(0, Duration::from_millis(20), 1, 5);
+        }
+        assert_eq!(g.advise(4), Some(8));
+        assert_eq!(g.advise(8), Some(0));
+    }
+
+    #[test]
+    fn load_levels_double() {
+        let levels: Vec<usize> = [0, 1, 2, 3, 4, 7, 8, 127, 128, 10_000]
+            .iter()
+            .map(|&b| load_level(b))
+            .collect();
+        assert_eq!(levels, [0, 0, 1, 1, 2, 2, 3, 6, 7, 7]);
     }
 }

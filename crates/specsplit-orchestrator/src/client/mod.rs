@@ -1,6 +1,7 @@
 //! The orchestrator: gRPC clients of the two workers, on a client runtime of their own, and
 //! generations run round by round against them.
 
+mod advice;
 mod error;
 mod options;
 mod round;
@@ -53,9 +54,9 @@ pub struct Orchestrator {
     suffix_store: SharedSuffixStore,
     /// What the generations measured of each drafter, for the online choice of the next ones.
     choice_memory: Arc<std::sync::Mutex<crate::ChoiceMemory>>,
-    /// The target's latest load advice (a depth; `usize::MAX`: none yet), for a generation's
+    /// The target's latest load advice per level of live generations, for a generation's
     /// first round, which has no answer of its own to take it from.
-    last_advice: Arc<std::sync::atomic::AtomicUsize>,
+    advice: Arc<advice::AdviceMemory>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -162,7 +163,7 @@ impl Orchestrator {
             planner: Arc::default(),
             suffix_store: SuffixStore::shared(SuffixConfig::default()),
             choice_memory: Arc::default(),
-            last_advice: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
+            advice: Arc::default(),
             rt,
         })
     }
@@ -282,7 +283,11 @@ impl Orchestrator {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Vec<u32>, Vec<f32>)>();
         let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
         let (session2, secret2) = (session.clone(), secret.clone());
+        // Counted live from here, so that generations started together count each other
+        // before their first rounds.
+        let live = self.advice.enter();
         let body = async move {
+            let _live = live;
             run_and_end(&o, &session2, &secret2, &cfg, &prompt, move |t, lp| {
                 // The receiver is gone only when the caller was dropped (and aborts us).
                 let _ = tx.send((t.to_vec(), lp.to_vec()));

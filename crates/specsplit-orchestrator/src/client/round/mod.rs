@@ -263,11 +263,9 @@ impl<'a> Run<'a> {
             ),
             suffix_used: false,
             prompt_len: 0,
-            // Until the target answers this generation, its latest advice to any of them.
-            advised_depth: match o.last_advice.load(std::sync::atomic::Ordering::Relaxed) {
-                usize::MAX => None,
-                d => Some(d),
-            },
+            // Until the target answers this generation, its latest advice to any of them when
+            // about as many ran.
+            advised_depth: o.advice.for_first_round(),
         }
     }
 
@@ -314,10 +312,7 @@ impl<'a> Run<'a> {
             };
             self.adapt_depth(&round, &verdict);
             self.advised_depth = verdict.verified.advised_depth;
-            self.o.last_advice.store(
-                self.advised_depth.unwrap_or(usize::MAX),
-                std::sync::atomic::Ordering::Relaxed,
-            );
+            self.o.advice.hear(self.advised_depth);
             let (emitted, stop_now) = self.cut_at_stop(&verdict.verified);
             if self.out.is_empty() {
                 self.ttft_ms = ms_since(self.start);
