@@ -63,6 +63,9 @@ pub struct LoadSettings {
     pub static_draft_chains: bool,
     /// Unmeasured runs of each measurement before it is measured.
     pub warmup: usize,
+    /// Measured runs of each (sessions, mode), the modes alternating run by run; a row reports
+    /// the run of median throughput.
+    pub repeats: usize,
     /// Most milliseconds one request to a worker may take.
     pub rpc_timeout_ms: u64,
     /// Seed of the pseudo-random prompts.
@@ -123,6 +126,39 @@ fn token_latencies_ms(gens: &[Generation]) -> Vec<f64> {
         .collect()
 }
 
+/// Rounds listed per row among its slowest (after each generation's first).
+const SLOWEST_ROUNDS: usize = 5;
+
+/// The `SLOWEST_ROUNDS` slowest rounds of `gens` after each generation's first, slowest first:
+/// where their time went.
+fn slowest_rounds(gens: &[Generation]) -> Vec<Value> {
+    let mut rounds: Vec<(usize, usize, &specsplit_orchestrator::RoundRecord)> = gens
+        .iter()
+        .enumerate()
+        .flat_map(|(g, gen)| {
+            gen.rounds
+                .iter()
+                .enumerate()
+                .skip(1)
+                .map(move |(i, r)| (g, i, r))
+        })
+        .collect();
+    rounds.sort_by(|a, b| b.2.round_ms.total_cmp(&a.2.round_ms));
+    rounds
+        .iter()
+        .take(SLOWEST_ROUNDS)
+        .map(|&(g, i, r)| {
+            json!({
+                "generation": g, "round": i, "drafted": r.drafted, "accepted": r.accepted,
+                "advised_depth": r.advised_depth, "round_ms": r.round_ms,
+                "draft_ms": r.draft_ms, "draft_server_ms": r.draft_server_ms,
+                "draft_model_ms": r.draft_model_ms, "verify_ms": r.verify_ms,
+                "verify_server_ms": r.verify_server_ms, "verify_model_ms": r.verify_model_ms,
+            })
+        })
+        .collect()
+}
+
 /// One result row: `n` sessions of `mode` generated `gens` in `wall_s` seconds; `alone` holds
 /// each prompt's output generated alone.
 fn row(mode: Mode, n: usize, gens: &[Generation], wall_s: f64, alone: &[Generation]) -> Value {
@@ -159,7 +195,19 @@ fn row(mode: Mode, n: usize, gens: &[Generation], wall_s: f64, alone: &[Generati
         "mean_advised_depth": if advised.is_empty() { Value::Null } else { json!(ratio(advised.iter().sum(), advised.len() as f64)) },
         "load_target_only_share": ratio(load_rounds as f64, rounds.len() as f64),
         "mean_verify_model_ms": ratio(rounds.iter().map(|r| r.verify_model_ms).sum(), rounds.len() as f64),
+        "slowest_rounds": slowest_rounds(gens),
     })
+}
+
+/// The row of median throughput among `runs` (each run's row), with every run's throughput
+/// in `aggregate_tok_per_s_runs`.
+fn median_run(mut runs: Vec<Value>) -> Value {
+    let rate = |r: &Value| r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0);
+    let all: Vec<f64> = runs.iter().map(rate).collect();
+    runs.sort_by(|a, b| rate(a).total_cmp(&rate(b)));
+    let mut mid = runs.swap_remove(runs.len() / 2);
+    mid["aggregate_tok_per_s_runs"] = json!(all);
+    mid
 }
 
 /// Runs the load benchmark, prints its table and writes its report; returns the report.
@@ -290,27 +338,41 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     );
 
     let mut rows = Vec::new();
+    let setup = |mode: Mode| match mode {
+        Mode::Ar => (&ar_orch, &ar_cfg),
+        Mode::Spec => (&spec_orch, &spec_cfg),
+    };
     for &n in &s.sessions {
         for &mode in &s.modes {
-            let (orch, cfg) = match mode {
-                Mode::Ar => (&ar_orch, &ar_cfg),
-                Mode::Spec => (&spec_orch, &spec_cfg),
-            };
+            let (orch, cfg) = setup(mode);
             for _ in 0..s.warmup {
                 generate_concurrently(orch, &prompts, n, cfg).await?;
             }
-            let (gens, wall) = generate_concurrently(orch, &prompts, n, cfg).await?;
-            let r = row(mode, n, &gens, wall, &alone);
-            eprintln!(
-                "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}",
-                mode_name(mode),
-                r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0),
-                r["p50_tpot_ms"].as_f64().unwrap_or(0.0),
-                r["p99_tpot_ms"].as_f64().unwrap_or(0.0),
-                r["identical_to_alone"].as_f64().unwrap_or(0.0),
-            );
-            rows.push(r);
         }
+        // The modes alternate run by run, so that a drift of the machine meets both alike.
+        let mut runs: Vec<Vec<Value>> = vec![Vec::new(); s.modes.len()];
+        for _ in 0..s.repeats.max(1) {
+            for (m, &mode) in s.modes.iter().enumerate() {
+                let (orch, cfg) = setup(mode);
+                let (gens, wall) = generate_concurrently(orch, &prompts, n, cfg).await?;
+                let r = row(mode, n, &gens, wall, &alone);
+                eprintln!(
+                    "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}",
+                    mode_name(mode),
+                    r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0),
+                    r["p50_tpot_ms"].as_f64().unwrap_or(0.0),
+                    r["p99_tpot_ms"].as_f64().unwrap_or(0.0),
+                    r["identical_to_alone"].as_f64().unwrap_or(0.0),
+                );
+                if mode == Mode::Spec {
+                    for slow in r["slowest_rounds"].as_array().into_iter().flatten() {
+                        eprintln!("    slow round {slow}");
+                    }
+                }
+                runs[m].push(r);
+            }
+        }
+        rows.extend(runs.into_iter().map(median_run));
     }
     d_server.stop().await;
     t_server.stop().await;
@@ -337,6 +399,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "draft_batch_sessions": s.draft_batch_sessions,
             "static_draft_chains": static_chains,
             "warmup_runs": s.warmup,
+            "repeats": s.repeats.max(1),
             "transport": "gRPC over loopback, workers in-process, one target and one draft worker shared by all sessions",
             "greedy": true,
             "work_placement": format!("{:?}", t_exec.placement()).to_lowercase(),
@@ -400,6 +463,7 @@ mod tests {
             draft_batch_sessions: 64,
             static_draft_chains: true,
             warmup: 0,
+            repeats: 2,
             rpc_timeout_ms: 30_000,
             seed: 3,
             client_spin: ClientSpin::Never,
@@ -433,7 +497,25 @@ mod tests {
                 r["p99_tpot_ms"].as_f64() >= r["p50_tpot_ms"].as_f64(),
                 "{r}"
             );
+            // Two runs each; the row is the median's (of two, the faster).
+            let runs: Vec<f64> = r["aggregate_tok_per_s_runs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            assert_eq!(runs.len(), 2, "{r}");
+            let best = runs.iter().copied().fold(f64::MIN, f64::max);
+            assert_eq!(r["aggregate_tok_per_s"].as_f64(), Some(best), "{r}");
+            let slow = r["slowest_rounds"].as_array().unwrap();
+            assert!(!slow.is_empty() && slow.len() <= SLOWEST_ROUNDS, "{r}");
+            let ms: Vec<f64> = slow
+                .iter()
+                .map(|x| x["round_ms"].as_f64().unwrap())
+                .collect();
+            assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{ms:?}");
         }
+        assert_eq!(doc["meta"]["repeats"], 2);
         let _ = std::fs::remove_dir_all(&out);
     }
 }

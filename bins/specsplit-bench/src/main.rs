@@ -134,6 +134,12 @@ struct LoadArgs {
     /// lengths captured).
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Measured runs of each (sessions, mode), the modes alternating run by run (a drift of
+    /// the machine meets both alike); each row reports the run of median throughput (of an even
+    /// count, the faster of the middle two) and lists
+    /// every run's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=20))]
+    repeats: u64,
     /// Most milliseconds one request to a worker may take (requests queue behind each other
     /// under load).
     #[arg(long, value_name = "MS", default_value_t = 120_000)]
@@ -542,6 +548,7 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         draft_batch_sessions: a.draft_batch_sessions,
         static_draft_chains: a.static_draft_chains,
         warmup: a.warmup,
+        repeats: a.repeats as usize,
         rpc_timeout_ms: a.rpc_timeout_ms,
         seed: a.seed,
         client_spin: a.client_spin,

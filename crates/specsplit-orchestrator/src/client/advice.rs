@@ -107,7 +107,10 @@ mod tests {
 
     #[test]
     fn levels_double() {
-        let levels: Vec<usize> = [0, 1, 2, 3, 4, 7, 8, 200].iter().map(|&n| level(n)).collect();
+        let levels: Vec<usize> = [0, 1, 2, 3, 4, 7, 8, 200]
+            .iter()
+            .map(|&n| level(n))
+            .collect();
         assert_eq!(levels, [0, 0, 1, 1, 2, 2, 3, 7]);
     }
 }
