@@ -136,8 +136,7 @@ struct LoadArgs {
     warmup: usize,
     /// Measured runs of each (sessions, mode), the modes alternating run by run (a drift of
     /// the machine meets both alike); each row reports the run of median throughput (of an even
-    /// count, the faster of the middle two) and lists
-    /// every run's.
+    /// count, the faster of the middle two) and lists every run's.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=20))]
     repeats: u64,
     /// Most milliseconds one request to a worker may take (requests queue behind each other
