@@ -48,9 +48,11 @@ const GAP_WEIGHT: f64 = 0.1;
 /// its client (between generations, or a slow consumer), not the cost of drafting.
 pub const MAX_ROUND_GAP: Duration = Duration::from_secs(2);
 
-/// A depth's gap measured longer ago than this is forgotten: it was measured under another
-/// load (a draft worker that is busier or idler now), and the depth is tried again.
-const GAP_MEMORY: Duration = Duration::from_secs(5);
+/// A depth's gap or rounds measured longer ago than this are forgotten, and the depth is tried
+/// again: the draft worker may be busier or idler now than then. (A change of the target's own
+/// batch moves to another load level, which keeps its own measurements; this memory bounds how
+/// long a level's stay valid.)
+const GAP_MEMORY: Duration = Duration::from_secs(30);
 
 /// A session answered within this window counts in the batch the advice is for.
 const ACTIVE_WINDOW: Duration = Duration::from_millis(500);
@@ -68,6 +70,29 @@ fn load_level(sessions: usize) -> usize {
 /// Sessions whose last answer the advisor remembers (their gaps are measured); beyond this,
 /// the oldest answers are forgotten.
 const MAX_REMEMBERED_SESSIONS: usize = 4096;
+
+/// The gap at depth `d` from the gaps `known` (depth, seconds; by depth) of one load level:
+/// see [`LoadGate::round_gap`]. 0 where nothing is known.
+fn interpolate_gap(known: &[(f64, f64)], d: f64) -> f64 {
+    let Some(&(d0, g0)) = known.first() else {
+        return 0.0;
+    };
+    if d <= d0 {
+        return if d0 == 0.0 { g0 } else { g0 * d / d0 };
+    }
+    for w in known.windows(2) {
+        let ((a, ga), (b, gb)) = (w[0], w[1]);
+        if d <= b {
+            return ga + (gb - ga) * (d - a) / (b - a);
+        }
+    }
+    let (b, gb) = known[known.len() - 1];
+    let slope = match known.len() {
+        1 => gb / b.max(1.0),
+        n => ((gb - known[n - 2].1) / (b - known[n - 2].0)).max(0.0),
+    };
+    gb + slope * (d - b)
+}
 
 /// Running means of the passes of one row bucket.
 #[derive(Debug, Clone, Copy)]
@@ -189,41 +214,56 @@ impl LoadGate {
     }
 
     /// The gap the gate predicts after an answer before a request drafted to `depth` in a
-    /// batch of `batch` sessions, in seconds, from the gaps measured at its load level: the
-    /// measured mean, else linear between the nearest measured depths, else along
+    /// batch of `batch` sessions, in seconds.
+    ///
+    /// From the gaps measured at the batch's load level where a drafted depth was measured
+    /// there: the measured mean, else linear between the nearest measured depths, else along
     /// the line from the nearest measured depth to no gap at depth 0 below it, or along the
-    /// last two measured depths' slope (never falling) above them. 0 before any gap is
-    /// measured (the pass time alone decides). Gaps measured more than [`GAP_MEMORY`] ago
-    /// count as unmeasured.
+    /// last two measured depths' slope (never falling) above them. Where no drafted depth was
+    /// measured at this level, the nearest level's drafting time (its gap beyond its depth-0
+    /// gap) stands in, scaled by the ratio of the levels' batches, as if the draft worker
+    /// served the sessions one after another: what one session's draft cost alone, four cost
+    /// about four times over, until measured. 0 before any gap is measured (the pass time alone
+    /// decides). Gaps measured more than [`GAP_MEMORY`] ago count as unmeasured.
     pub fn round_gap(&self, depth: usize, batch: usize) -> f64 {
+        let level = load_level(batch);
+        let own = self.known_gaps(level);
+        let drafted = |k: &[(f64, f64)]| k.iter().any(|&(d, _)| d > 0.0);
+        if drafted(&own) {
+            return interpolate_gap(&own, depth as f64);
+        }
+        let nearest = (1..LOAD_LEVELS).find_map(|step| {
+            [level.checked_sub(step), Some(level + step)]
+                .into_iter()
+                .flatten()
+                .filter(|&k| k < LOAD_LEVELS)
+                .map(|k| (k, self.known_gaps(k)))
+                .find(|(_, g)| drafted(g))
+        });
+        let Some((k, other)) = nearest else {
+            return interpolate_gap(&own, depth as f64);
+        };
+        let base = match own.first() {
+            Some(&(0.0, g0)) => g0,
+            _ => interpolate_gap(&other, 0.0),
+        };
+        let drafting =
+            (interpolate_gap(&other, depth as f64) - interpolate_gap(&other, 0.0)).max(0.0);
+        base + drafting * 2f64.powi(level as i32 - k as i32)
+    }
+
+    /// The gaps measured within [`GAP_MEMORY`] at load level `level`: (depth, seconds), by
+    /// depth.
+    fn known_gaps(&self, level: usize) -> Vec<(f64, f64)> {
         let now = Instant::now();
-        let known: Vec<(f64, f64)> = self.gaps[load_level(batch)]
+        self.gaps[level]
             .iter()
             .enumerate()
             .filter_map(|(d, g)| {
                 g.filter(|&(_, at)| now.duration_since(at) <= GAP_MEMORY)
                     .map(|(g, _)| (d as f64, g))
             })
-            .collect();
-        let d = depth as f64;
-        let Some(&(d0, g0)) = known.first() else {
-            return 0.0;
-        };
-        if d <= d0 {
-            return if d0 == 0.0 { g0 } else { g0 * d / d0 };
-        }
-        for w in known.windows(2) {
-            let ((a, ga), (b, gb)) = (w[0], w[1]);
-            if d <= b {
-                return ga + (gb - ga) * (d - a) / (b - a);
-            }
-        }
-        let (b, gb) = known[known.len() - 1];
-        let slope = match known.len() {
-            1 => gb / b.max(1.0),
-            n => ((gb - known[n - 2].1) / (b - known[n - 2].0)).max(0.0),
-        };
-        gb + slope * (d - b)
+            .collect()
     }
 
     /// Records one target pass of `rows` rows (all sessions' tokens) that took `time` in the
@@ -742,7 +782,12 @@ mod tests {
         assert_eq!(g.advise(1), Some(8));
         // Four sessions: that was measured at another load; the model decides again there.
         assert_eq!(g.advise(4), Some(0));
-        assert_eq!(g.round_gap(8, 4), 0.0);
+        // The drafting time measured alone stands in for four sessions' four times over.
+        assert!(
+            (g.round_gap(8, 4) - 0.004).abs() < 1e-9,
+            "{}",
+            g.round_gap(8, 4)
+        );
         // Measured at four sessions too (batches of 4 to 7 share a level), it counts there.
         for _ in 0..10 {
             g.observe_cycle(8, Duration::from_millis(10), 5, 5);
@@ -759,5 +804,32 @@ mod tests {
             .map(|&b| load_level(b))
             .collect();
         assert_eq!(levels, [0, 0, 1, 1, 2, 2, 3, 6, 7, 7]);
+    }
+
+    #[test]
+    fn an_unmeasured_load_level_borrows_the_nearest_levels_drafting_time_scaled() {
+        // Passes cost 20 ms whatever their rows: free drafts would go deepest at any batch.
+        let mut g = gate(8, 1..=600, |_| 0.02);
+        assert_eq!(g.advise(64), Some(8));
+        // One session alone: 1 ms between rounds without a draft, 8 ms drafting 8 deep.
+        g.observe_gap(0, Duration::from_millis(1), 1);
+        g.observe_gap(8, Duration::from_millis(9), 1);
+        assert_eq!(g.advise(1), Some(8));
+        // At 64 sessions those 8 ms of drafting stand for 64 times as much: no draft pays.
+        assert!((g.round_gap(8, 64) - (0.001 + 0.008 * 64.0)).abs() < 1e-9);
+        assert_eq!(g.advise(64), Some(0));
+        // Its own depth-0 gap measured, a level still borrows the drafting time.
+        g.observe_gap(0, Duration::from_millis(2), 64);
+        assert!((g.round_gap(8, 64) - (0.002 + 0.008 * 64.0)).abs() < 1e-9);
+        assert_eq!(g.advise(64), Some(0));
+        // Measured drafting at 64 sessions (the draft worker shares its passes) is its own.
+        g.observe_gap(8, Duration::from_millis(4), 64);
+        assert!((g.round_gap(8, 64) - 0.004).abs() < 1e-9);
+        assert_eq!(g.advise(64), Some(8));
+        // A larger level measured only borrows downwards too, scaled down.
+        let mut g = gate(8, 1..=600, |_| 0.02);
+        g.observe_gap(0, Duration::from_millis(1), 16);
+        g.observe_gap(4, Duration::from_millis(65), 16);
+        assert!((g.round_gap(4, 4) - (0.001 + 0.064 / 4.0)).abs() < 1e-9);
     }
 }
