@@ -7,7 +7,8 @@
 //! in a queue; the next pass takes every queued round (up to [`BatchLimits`]), runs their rows
 //! in one model call ([`TargetEngine::pass_sessions`]), then finishes each
 //! ([`TargetEngine::finish`]) and answers each request on its own. A pass of one session runs
-//! the one-session path ([`TargetEngine::pass`], with its captured graphs).
+//! the one-session path ([`TargetEngine::pass`], with its captured graphs). If a shared pass
+//! fails, each of its rounds runs alone, so only a bad one fails.
 //!
 //! There is no batching thread: the request that finds the device free runs the next pass
 //! (where the placement says) and answers every request in it; the others wait for their
@@ -23,30 +24,24 @@
 //! gathers: it lets the thread read requests until as many rounds are queued as the last pass
 //! held or as sessions asked for rounds within [`ACTIVE_WINDOW`], for at most
 //! [`GATHER_WINDOW`]. A session alone never waits.
+//!
+//! The queue, the turn, the counters, the gathering and the taking of a batch are the crate's
+//! pass queue (`pass_queue`, shared with [`crate::draft_batcher`]); this module holds what a
+//! verification pass does with its rounds.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::TokenTree;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use tonic::Status;
 
+use crate::pass_queue::{placed, PassCounters, PassJob, PassQueue};
+pub use crate::pass_queue::{BatchLimits, BatchStats, PassHold, ACTIVE_WINDOW, GATHER_WINDOW};
 use crate::service::WorkPlacement;
 use crate::session::SessionHandle;
 use crate::target::{Prefix, PreparedRound, TargetEngine, TargetSession, VerifyOutcome};
 use crate::EngineError;
-
-/// How much one multi-session pass takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BatchLimits {
-    /// Most sessions in one pass (1: every session's pass runs alone, one after another).
-    pub max_sessions: usize,
-    /// Most rows in one pass (each session's last new token and tree nodes); a request with
-    /// more rows than this runs alone.
-    pub max_rows: usize,
-}
 
 /// What a verification round asks for (a `VerifyDrafts` request, checked).
 #[derive(Debug, Clone)]
@@ -72,88 +67,6 @@ pub struct BatchedOutcome {
     pub pass_rows: usize,
 }
 
-/// Counts of the passes a [`VerifyBatcher`] ran.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BatchStats {
-    /// Passes run (each over one or more queued rounds).
-    pub passes: u64,
-    /// Of them, passes over the rows of more than one session.
-    pub multi_session_passes: u64,
-    /// Sessions in the largest pass.
-    pub most_sessions: u64,
-}
-
-/// The pass counters of a batcher.
-#[derive(Default)]
-pub(crate) struct Counters {
-    passes: AtomicU64,
-    multi_session_passes: AtomicU64,
-    most_sessions: AtomicU64,
-    /// Sessions of the last pass.
-    last_sessions: AtomicU64,
-}
-
-impl Counters {
-    /// Counts a pass of `sessions` sessions.
-    pub(crate) fn pass(&self, sessions: usize) {
-        if sessions == 0 {
-            return;
-        }
-        self.passes.fetch_add(1, Ordering::Relaxed);
-        self.last_sessions.store(sessions as u64, Ordering::Relaxed);
-        if sessions > 1 {
-            self.multi_session_passes.fetch_add(1, Ordering::Relaxed);
-        }
-        self.most_sessions
-            .fetch_max(sessions as u64, Ordering::Relaxed);
-    }
-
-    /// Sessions of the last pass.
-    pub(crate) fn last_sessions(&self) -> usize {
-        self.last_sessions.load(Ordering::Relaxed) as usize
-    }
-
-    /// The counts so far.
-    pub(crate) fn stats(&self) -> BatchStats {
-        BatchStats {
-            passes: self.passes.load(Ordering::Relaxed),
-            multi_session_passes: self.multi_session_passes.load(Ordering::Relaxed),
-            most_sessions: self.most_sessions.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// When each session (by its handle's address) last asked for work, within
-/// [`ACTIVE_WINDOW`].
-#[derive(Default)]
-pub(crate) struct ActiveSessions(Mutex<std::collections::HashMap<usize, std::time::Instant>>);
-
-impl ActiveSessions {
-    /// Notes that the session at `key` asked for work now.
-    pub(crate) fn note(&self, key: usize) {
-        let mut recent = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let now = std::time::Instant::now();
-        recent.retain(|_, &mut t| now.duration_since(t) < ACTIVE_WINDOW);
-        recent.insert(key, now);
-    }
-
-    /// Sessions that asked for work within the last [`ACTIVE_WINDOW`].
-    pub(crate) fn count(&self) -> usize {
-        let recent = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let now = std::time::Instant::now();
-        recent
-            .values()
-            .filter(|&&t| now.duration_since(t) < ACTIVE_WINDOW)
-            .count()
-    }
-}
-
-/// Longest wait of a pass for the rounds of the sessions that shared the last pass.
-pub const GATHER_WINDOW: std::time::Duration = std::time::Duration::from_micros(500);
-
-/// How recently a session must have asked for a round to be waited for by a gathering pass.
-pub const ACTIVE_WINDOW: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// The answer channel of one queued request.
 type Answer = oneshot::Sender<Result<BatchedOutcome, EngineError>>;
 
@@ -166,87 +79,79 @@ struct Job {
     answer: Answer,
 }
 
-impl Job {
-    /// Rows the round's pass runs.
+impl PassJob for Job {
+    type Engine = TargetEngine;
+    const PASS: &'static str = "verification";
+
     fn rows(&self) -> usize {
         self.round.pass_rows(&self.request.tree)
+    }
+
+    fn is_abandoned(&self) -> bool {
+        self.answer.is_closed()
+    }
+
+    fn abandon(mut self, engine: &TargetEngine) {
+        engine.abandon(&mut self.session, &self.round);
+    }
+
+    fn run_pass(engine: &TargetEngine, counters: &PassCounters, members: Vec<Job>) -> Vec<Job> {
+        run_pass(engine, counters, members);
+        Vec::new()
     }
 }
 
 /// Runs the verification rounds of concurrent sessions in shared model passes (see the
 /// module documentation).
 pub struct VerifyBatcher {
-    engine: Arc<TargetEngine>,
-    limits: BatchLimits,
-    placement: WorkPlacement,
-    queue: Mutex<VecDeque<Job>>,
-    /// Held while a pass is assembled and runs.
-    device: Arc<tokio::sync::Mutex<()>>,
-    counters: Arc<Counters>,
-    /// When each session last asked for a round.
-    recent: ActiveSessions,
+    queue: PassQueue<Job>,
 }
-
-/// Holds every pass of a batcher back until dropped (requests queue up meanwhile).
-pub struct PassHold(#[allow(dead_code)] pub(crate) OwnedMutexGuard<()>);
 
 impl VerifyBatcher {
     /// A batcher over `engine`, its passes bounded by `limits`, its model work placed as
     /// `placement` says.
     pub fn new(engine: Arc<TargetEngine>, limits: BatchLimits, placement: WorkPlacement) -> Self {
         Self {
-            engine,
-            limits: BatchLimits {
-                max_sessions: limits.max_sessions.max(1),
-                max_rows: limits.max_rows.max(1),
-            },
-            placement,
-            queue: Mutex::new(VecDeque::new()),
-            device: Arc::new(tokio::sync::Mutex::new(())),
-            counters: Arc::new(Counters::default()),
-            recent: ActiveSessions::default(),
+            queue: PassQueue::new(engine, limits, placement),
         }
     }
 
     /// A batcher like this one whose model work is placed as `placement` says (a new queue).
     pub fn placed(&self, placement: WorkPlacement) -> Self {
-        Self::new(self.engine.clone(), self.limits, placement)
+        Self {
+            queue: self.queue.placed(placement),
+        }
     }
 
     /// The engine.
     pub fn engine(&self) -> &Arc<TargetEngine> {
-        &self.engine
+        self.queue.engine()
     }
 
     /// Where its passes run.
     pub fn placement(&self) -> WorkPlacement {
-        self.placement
+        self.queue.placement()
     }
 
     /// The limits of one pass.
     pub fn limits(&self) -> BatchLimits {
-        self.limits
+        self.queue.limits()
     }
 
     /// Requests waiting for a pass.
     pub fn queued(&self) -> usize {
-        self.lock_queue().len()
+        self.queue.queued()
     }
 
     /// The passes run so far.
     pub fn stats(&self) -> BatchStats {
-        self.counters.stats()
+        self.queue.stats()
     }
 
     /// Waits for the pass in flight, then holds every later pass back until the returned
     /// hold is dropped; requests queue up meanwhile and the next pass takes them together.
     pub async fn hold(&self) -> PassHold {
-        PassHold(self.device.clone().lock_owned().await)
-    }
-
-    fn lock_queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Job>> {
-        // Every mutation is one push or pop: a panic elsewhere cannot leave it half-done.
-        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+        self.queue.hold().await
     }
 
     /// Verifies one round of `session`: prepares it alone, then runs its rows in the next
@@ -256,10 +161,10 @@ impl VerifyBatcher {
         session: SessionHandle<TargetSession>,
         request: RoundRequest,
     ) -> Result<BatchedOutcome, Status> {
-        self.recent.note(Arc::as_ptr(&session) as usize);
+        self.queue.note_session(Arc::as_ptr(&session) as usize);
         let session = session.lock_owned().await;
-        let engine = self.engine.clone();
-        let (session, request, round) = placed(self.placement, move || {
+        let engine = self.engine().clone();
+        let (session, request, round) = placed(self.placement(), move || {
             let mut session = session;
             let round = engine.prepare(&mut session, request.prefix.clone(), &request.tree);
             (session, request, round)
@@ -267,109 +172,18 @@ impl VerifyBatcher {
         .await?;
         let round = round.map_err(Status::from)?;
         let (answer, mut answered) = oneshot::channel();
-        self.lock_queue().push_back(Job {
+        self.queue.push(Job {
             session,
             request,
             round,
             answer,
         });
-        loop {
-            tokio::select! {
-                biased;
-                r = &mut answered => {
-                    return r
-                        .map_err(|_| Status::internal("worker task failed: the verification pass stopped"))?
-                        .map_err(Status::from);
-                }
-                turn = self.device.clone().lock_owned() => {
-                    self.gather().await;
-                    self.run_next(turn)
-                }
-            }
-        }
-    }
-
-    /// Lets the thread read requests until as many rounds are queued as the last pass held or
-    /// as sessions asked for rounds lately (at most the pass limit), for at most
-    /// [`GATHER_WINDOW`]: rounds of sessions that shared the last pass arrive just after its
-    /// answers. Only for passes placed `Inline` (elsewhere
-    /// requests are read while a pass runs).
-    async fn gather(&self) {
-        if self.placement != WorkPlacement::Inline {
-            return;
-        }
-        let last = self.counters.last_sessions();
-        let expected = last.max(self.recent.count()).min(self.limits.max_sessions);
-        if expected <= 1 {
-            return;
-        }
-        let deadline = std::time::Instant::now() + GATHER_WINDOW;
-        while self.lock_queue().len() < expected && std::time::Instant::now() < deadline {
-            tokio::task::yield_now().await;
-        }
-    }
-
-    /// The queued rounds of the next pass, oldest first, within the limits (at least one when
-    /// any is queued). Rounds whose caller went away are dropped, their sessions cut back to
-    /// the rounds' kept prefixes.
-    fn take_batch(&self) -> Vec<Job> {
-        let mut queue = self.lock_queue();
-        let mut batch: Vec<Job> = Vec::new();
-        let mut rows = 0;
-        while let Some(job) = queue.front() {
-            if job.answer.is_closed() {
-                if let Some(mut job) = queue.pop_front() {
-                    self.engine.abandon(&mut job.session, &job.round);
-                }
-                continue;
-            }
-            let r = job.rows();
-            let full = batch.len() >= self.limits.max_sessions
-                || (!batch.is_empty() && rows + r > self.limits.max_rows);
-            if full {
-                break;
-            }
-            rows += r;
-            batch.extend(queue.pop_front());
-        }
-        batch
-    }
-
-    /// Runs the next pass, holding `turn` until it ends, where the placement says: here
-    /// (`Inline`, or `Pool` under `block_in_place` on a multi-thread runtime) or on the
-    /// blocking pool (`Pool` on a current-thread runtime), whose pass answers its requests
-    /// itself. A panic fails the pass's requests (INTERNAL) and nothing else.
-    fn run_next(&self, turn: OwnedMutexGuard<()>) {
-        let batch = self.take_batch();
-        if batch.is_empty() {
-            return;
-        }
-        let (engine, counters) = (self.engine.clone(), self.counters.clone());
-        let work = move || {
-            run_pass(&engine, &counters, batch);
-            drop(turn);
-        };
-        let caught = |work: Box<dyn FnOnce() + Send>| {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).is_err() {
-                tracing::error!("a verification pass panicked; its requests failed");
-            }
-        };
-        let multi_thread = tokio::runtime::Handle::current().runtime_flavor()
-            == tokio::runtime::RuntimeFlavor::MultiThread;
-        match self.placement {
-            WorkPlacement::Inline => caught(Box::new(work)),
-            WorkPlacement::Pool if multi_thread => {
-                tokio::task::block_in_place(|| caught(Box::new(work)))
-            }
-            WorkPlacement::Pool => {
-                tokio::task::spawn_blocking(move || caught(Box::new(work)));
-            }
-        }
+        self.queue.await_answer(&mut answered).await
     }
 }
 
 /// One pass: runs the prepared rounds' rows together, finishes and answers each.
-fn run_pass(engine: &TargetEngine, counters: &Counters, mut members: Vec<Job>) {
+fn run_pass(engine: &TargetEngine, counters: &PassCounters, mut members: Vec<Job>) {
     let sessions = members.len();
     let rows: usize = members.iter().map(Job::rows).sum();
     counters.pass(sessions);
@@ -439,27 +253,6 @@ fn finish(
         pass_sessions: sessions,
         pass_rows: rows,
     }));
-}
-
-/// Runs `f` where `placement` says: here (`Inline`), under `block_in_place` (`Pool` on a
-/// multi-thread runtime) or on the blocking pool (`Pool` on a current-thread runtime). A panic
-/// in `f` is answered INTERNAL.
-pub(crate) async fn placed<T: Send + 'static>(
-    placement: WorkPlacement,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, Status> {
-    let failed = |e: &dyn std::fmt::Display| Status::internal(format!("worker task failed: {e}"));
-    let caught = |f: Box<dyn FnOnce() -> T + Send>| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-            .map_err(|_| failed(&"the model work panicked"))
-    };
-    let multi_thread = tokio::runtime::Handle::current().runtime_flavor()
-        == tokio::runtime::RuntimeFlavor::MultiThread;
-    match placement {
-        WorkPlacement::Inline => caught(Box::new(f)),
-        WorkPlacement::Pool if multi_thread => tokio::task::block_in_place(|| caught(Box::new(f))),
-        WorkPlacement::Pool => tokio::task::spawn_blocking(f).await.map_err(|e| failed(&e)),
-    }
 }
 
 #[cfg(test)]

@@ -31,9 +31,12 @@
 //! only a bad one fails. Before a pass placed `Inline` that would start only new rounds, the
 //! batcher gathers as [`crate::batcher::VerifyBatcher`] does (for at most
 //! [`crate::batcher::GATHER_WINDOW`]); a round in the middle of its tree never waits.
+//!
+//! The queue, the turn, the counters, the gathering and the taking of a batch are the crate's
+//! pass queue (`pass_queue`, shared with [`crate::batcher`]); this module holds what a level
+//! pass does with its rounds.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
@@ -41,9 +44,9 @@ use specsplit_core::tree::TokenTree;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use tonic::Status;
 
-use crate::batcher::GATHER_WINDOW;
-use crate::batcher::{placed, ActiveSessions, BatchLimits, BatchStats, Counters, PassHold};
+use crate::batcher::{BatchLimits, BatchStats, PassHold};
 use crate::draft::{DraftEngine, DraftParams, DraftRound, DraftSession, DraftStats, Prepared};
+use crate::pass_queue::{placed, PassCounters, PassJob, PassQueue};
 use crate::service::WorkPlacement;
 use crate::session::SessionHandle;
 use crate::EngineError;
@@ -92,27 +95,35 @@ impl Job {
     }
 }
 
-/// The rounds waiting for a pass, oldest first (rounds in the middle of their trees ahead).
-type Queue = Arc<Mutex<VecDeque<Job>>>;
+impl PassJob for Job {
+    type Engine = DraftEngine;
+    const PASS: &'static str = "draft";
 
-/// Locks the queue. Every mutation is whole under the lock: a panic elsewhere cannot leave it
-/// half-done.
-fn lock(queue: &Queue) -> std::sync::MutexGuard<'_, VecDeque<Job>> {
-    queue.lock().unwrap_or_else(|e| e.into_inner())
+    fn rows(&self) -> usize {
+        self.round.pass_rows()
+    }
+
+    fn is_abandoned(&self) -> bool {
+        self.answer.is_closed()
+    }
+
+    fn abandon(mut self, engine: &DraftEngine) {
+        engine.abandon(&mut self.session, &self.round);
+    }
+
+    fn in_progress(&self) -> bool {
+        self.passes > 0
+    }
+
+    fn run_pass(engine: &DraftEngine, counters: &PassCounters, members: Vec<Job>) -> Vec<Job> {
+        run_pass(engine, counters, members)
+    }
 }
 
 /// Runs the draft rounds of concurrent sessions' requests with their levels in shared model
 /// passes (see the module documentation).
 pub struct DraftBatcher {
-    engine: Arc<DraftEngine>,
-    limits: BatchLimits,
-    placement: WorkPlacement,
-    queue: Queue,
-    /// Held while a pass is assembled and runs.
-    device: Arc<tokio::sync::Mutex<()>>,
-    counters: Arc<Counters>,
-    /// When each session last asked for a draft.
-    recent: ActiveSessions,
+    queue: PassQueue<Job>,
 }
 
 impl DraftBatcher {
@@ -120,53 +131,46 @@ impl DraftBatcher {
     /// `placement` says.
     pub fn new(engine: Arc<DraftEngine>, limits: BatchLimits, placement: WorkPlacement) -> Self {
         Self {
-            engine,
-            limits: BatchLimits {
-                max_sessions: limits.max_sessions.max(1),
-                max_rows: limits.max_rows.max(1),
-            },
-            placement,
-            queue: Queue::default(),
-            device: Arc::new(tokio::sync::Mutex::new(())),
-            counters: Arc::new(Counters::default()),
-            recent: ActiveSessions::default(),
+            queue: PassQueue::new(engine, limits, placement),
         }
     }
 
     /// A batcher like this one whose model work is placed as `placement` says (a new queue).
     pub fn placed(&self, placement: WorkPlacement) -> Self {
-        Self::new(self.engine.clone(), self.limits, placement)
+        Self {
+            queue: self.queue.placed(placement),
+        }
     }
 
     /// The engine.
     pub fn engine(&self) -> &Arc<DraftEngine> {
-        &self.engine
+        self.queue.engine()
     }
 
     /// Where its passes run.
     pub fn placement(&self) -> WorkPlacement {
-        self.placement
+        self.queue.placement()
     }
 
     /// The limits of one pass.
     pub fn limits(&self) -> BatchLimits {
-        self.limits
+        self.queue.limits()
     }
 
     /// Rounds waiting for a pass.
     pub fn queued(&self) -> usize {
-        lock(&self.queue).len()
+        self.queue.queued()
     }
 
     /// The level passes run so far.
     pub fn stats(&self) -> BatchStats {
-        self.counters.stats()
+        self.queue.stats()
     }
 
     /// Waits for the pass in flight, then holds every later pass back until the returned
     /// hold is dropped; rounds queue up meanwhile and the next pass takes them together.
     pub async fn hold(&self) -> PassHold {
-        PassHold(self.device.clone().lock_owned().await)
+        self.queue.hold().await
     }
 
     /// Drafts a tree continuing `tokens` for `session` as `params` say: prepares the round
@@ -177,11 +181,11 @@ impl DraftBatcher {
         tokens: Vec<u32>,
         params: DraftParams,
     ) -> Result<BatchedDraft, Status> {
-        self.recent.note(Arc::as_ptr(&session) as usize);
-        let others = self.recent.count() > 1;
+        self.queue.note_session(Arc::as_ptr(&session) as usize);
+        let others = self.queue.active_sessions() > 1;
         let session = session.lock_owned().await;
-        let engine = self.engine.clone();
-        let (session, prepared) = placed(self.placement, move || {
+        let engine = self.engine().clone();
+        let (session, prepared) = placed(self.placement(), move || {
             let mut session = session;
             let prepared = engine.prepare_among(&mut session, &tokens, params, others);
             (session, prepared)
@@ -199,7 +203,7 @@ impl DraftBatcher {
         };
         // Declared before the answer's receiver, so dropped after it: a request dropped while
         // its round waits takes the round out of the queue, freeing its session.
-        let _sweep = Sweep(self);
+        let _sweep = Sweep(&self.queue);
         let (answer, mut answered) = oneshot::channel();
         let job = Job {
             session,
@@ -209,141 +213,26 @@ impl DraftBatcher {
             pass_sessions: 0,
         };
         if job.round.is_complete() {
-            job.complete(&self.engine);
+            job.complete(self.engine());
         } else {
-            lock(&self.queue).push_back(job);
+            self.queue.push(job);
         }
-        loop {
-            tokio::select! {
-                biased;
-                r = &mut answered => {
-                    return r
-                        .map_err(|_| Status::internal("worker task failed: the draft pass stopped"))?
-                        .map_err(Status::from);
-                }
-                turn = self.device.clone().lock_owned() => {
-                    self.gather().await;
-                    self.run_next(turn)
-                }
-            }
-        }
-    }
-
-    /// Before a pass placed `Inline` that would start only new rounds: lets the thread read
-    /// requests until as many rounds are queued as the last pass held or as sessions asked
-    /// for drafts lately (at most the pass limit), for at most [`GATHER_WINDOW`].
-    async fn gather(&self) {
-        if self.placement != WorkPlacement::Inline {
-            return;
-        }
-        let expected = self
-            .counters
-            .last_sessions()
-            .max(self.recent.count())
-            .min(self.limits.max_sessions);
-        if expected <= 1 || lock(&self.queue).iter().any(|j| j.passes > 0) {
-            return;
-        }
-        let deadline = Instant::now() + GATHER_WINDOW;
-        while self.queued() < expected && Instant::now() < deadline {
-            tokio::task::yield_now().await;
-        }
-    }
-
-    /// The queued rounds of the next pass, in queue order, within the limits (at least one
-    /// when any is queued). Rounds whose caller went away are dropped, their sessions' caches
-    /// cut back to the rounds' tokens.
-    fn take_batch(&self) -> Vec<Job> {
-        let mut queue = lock(&self.queue);
-        let mut batch: Vec<Job> = Vec::new();
-        let mut rows = 0;
-        while let Some(job) = queue.front() {
-            if job.answer.is_closed() {
-                if let Some(mut job) = queue.pop_front() {
-                    self.engine.abandon(&mut job.session, &job.round);
-                }
-                continue;
-            }
-            let r = job.round.pass_rows();
-            let full = batch.len() >= self.limits.max_sessions
-                || (!batch.is_empty() && rows + r > self.limits.max_rows);
-            if full {
-                break;
-            }
-            rows += r;
-            batch.extend(queue.pop_front());
-        }
-        batch
-    }
-
-    /// Runs the next pass, holding `turn` until it ends, where the placement says (as
-    /// [`crate::batcher::VerifyBatcher`] does). A panic fails the pass's rounds (INTERNAL) and
-    /// nothing else.
-    fn run_next(&self, turn: OwnedMutexGuard<()>) {
-        let batch = self.take_batch();
-        if batch.is_empty() {
-            return;
-        }
-        let (engine, counters, queue) = (
-            self.engine.clone(),
-            self.counters.clone(),
-            self.queue.clone(),
-        );
-        let work = move || {
-            let unfinished = run_pass(&engine, &counters, batch);
-            let mut queue = lock(&queue);
-            for mut job in unfinished.into_iter().rev() {
-                if job.answer.is_closed() {
-                    // Its caller went away during the pass.
-                    engine.abandon(&mut job.session, &job.round);
-                } else {
-                    queue.push_front(job);
-                }
-            }
-            drop(queue);
-            drop(turn);
-        };
-        let caught = |work: Box<dyn FnOnce() + Send>| {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).is_err() {
-                tracing::error!("a draft pass panicked; its rounds failed");
-            }
-        };
-        let multi_thread = tokio::runtime::Handle::current().runtime_flavor()
-            == tokio::runtime::RuntimeFlavor::MultiThread;
-        match self.placement {
-            WorkPlacement::Inline => caught(Box::new(work)),
-            WorkPlacement::Pool if multi_thread => {
-                tokio::task::block_in_place(|| caught(Box::new(work)))
-            }
-            WorkPlacement::Pool => {
-                tokio::task::spawn_blocking(move || caught(Box::new(work)));
-            }
-        }
+        self.queue.await_answer(&mut answered).await
     }
 }
 
-/// Takes the rounds of its batcher's dropped requests out of the queue when dropped.
-struct Sweep<'a>(&'a DraftBatcher);
+/// Takes the rounds of its queue's dropped requests out of the queue when dropped.
+struct Sweep<'a>(&'a PassQueue<Job>);
 
 impl Drop for Sweep<'_> {
     fn drop(&mut self) {
-        let b = self.0;
-        let mut queue = lock(&b.queue);
-        let mut kept = VecDeque::with_capacity(queue.len());
-        for mut job in queue.drain(..) {
-            if job.answer.is_closed() {
-                b.engine.abandon(&mut job.session, &job.round);
-            } else {
-                kept.push_back(job);
-            }
-        }
-        *queue = kept;
+        self.0.drop_abandoned();
     }
 }
 
 /// One pass: runs the members' pending levels together, picks each one's next level, answers
 /// those whose trees are complete (or failed); returns the others, in order.
-fn run_pass(engine: &DraftEngine, counters: &Counters, mut members: Vec<Job>) -> Vec<Job> {
+fn run_pass(engine: &DraftEngine, counters: &PassCounters, mut members: Vec<Job>) -> Vec<Job> {
     let sessions = members.len();
     counters.pass(sessions);
     let t0 = Instant::now();
@@ -403,6 +292,11 @@ mod tests {
     use candle_core::DType;
     use specsplit_core::sampling::SamplingParams;
     use specsplit_models::transformer::Transformer;
+
+    /// The rounds queued in `queue`, locked.
+    fn lock(queue: &PassQueue<Job>) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Job>> {
+        queue.lock()
+    }
 
     fn tiny_engine(static_chains: bool) -> Arc<DraftEngine> {
         let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();

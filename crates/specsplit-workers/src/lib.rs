@@ -16,6 +16,7 @@ pub mod launch;
 pub mod load_gate;
 pub mod metrics;
 pub mod model_free;
+mod pass_queue;
 pub mod predraft;
 pub mod service;
 pub mod session;
