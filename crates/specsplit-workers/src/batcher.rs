@@ -36,7 +36,7 @@ use specsplit_core::tree::TokenTree;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use tonic::Status;
 
-use crate::pass_queue::{placed, PassCounters, PassJob, PassQueue};
+use crate::pass_queue::{batcher_methods, PassCounters, PassJob, PassQueue};
 pub use crate::pass_queue::{BatchLimits, BatchStats, PassHold, ACTIVE_WINDOW, GATHER_WINDOW};
 use crate::service::WorkPlacement;
 use crate::session::SessionHandle;
@@ -123,36 +123,7 @@ impl VerifyBatcher {
         }
     }
 
-    /// The engine.
-    pub fn engine(&self) -> &Arc<TargetEngine> {
-        self.queue.engine()
-    }
-
-    /// Where its passes run.
-    pub fn placement(&self) -> WorkPlacement {
-        self.queue.placement()
-    }
-
-    /// The limits of one pass.
-    pub fn limits(&self) -> BatchLimits {
-        self.queue.limits()
-    }
-
-    /// Requests waiting for a pass.
-    pub fn queued(&self) -> usize {
-        self.queue.queued()
-    }
-
-    /// The passes run so far.
-    pub fn stats(&self) -> BatchStats {
-        self.queue.stats()
-    }
-
-    /// Waits for the pass in flight, then holds every later pass back until the returned
-    /// hold is dropped; requests queue up meanwhile and the next pass takes them together.
-    pub async fn hold(&self) -> PassHold {
-        self.queue.hold().await
-    }
+    batcher_methods!(TargetEngine);
 
     /// Verifies one round of `session`: prepares it alone, then runs its rows in the next
     /// pass that takes it.
@@ -161,15 +132,13 @@ impl VerifyBatcher {
         session: SessionHandle<TargetSession>,
         request: RoundRequest,
     ) -> Result<BatchedOutcome, Status> {
-        self.queue.note_session(Arc::as_ptr(&session) as usize);
-        let session = session.lock_owned().await;
-        let engine = self.engine().clone();
-        let (session, request, round) = placed(self.placement(), move || {
-            let mut session = session;
-            let round = engine.prepare(&mut session, request.prefix.clone(), &request.tree);
-            (session, request, round)
-        })
-        .await?;
+        let (session, (request, round)) = self
+            .queue
+            .prepare(session, move |engine, session, _active| {
+                let round = engine.prepare(session, request.prefix.clone(), &request.tree);
+                (request, round)
+            })
+            .await?;
         let round = round.map_err(Status::from)?;
         let (answer, mut answered) = oneshot::channel();
         self.queue.push(Job {

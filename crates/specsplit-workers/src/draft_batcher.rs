@@ -44,9 +44,9 @@ use specsplit_core::tree::TokenTree;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use tonic::Status;
 
-use crate::batcher::{BatchLimits, BatchStats, PassHold};
+use crate::batcher::BatchLimits;
 use crate::draft::{DraftEngine, DraftParams, DraftRound, DraftSession, DraftStats, Prepared};
-use crate::pass_queue::{placed, PassCounters, PassJob, PassQueue};
+use crate::pass_queue::{batcher_methods, PassCounters, PassJob, PassQueue};
 use crate::service::WorkPlacement;
 use crate::session::SessionHandle;
 use crate::EngineError;
@@ -142,36 +142,7 @@ impl DraftBatcher {
         }
     }
 
-    /// The engine.
-    pub fn engine(&self) -> &Arc<DraftEngine> {
-        self.queue.engine()
-    }
-
-    /// Where its passes run.
-    pub fn placement(&self) -> WorkPlacement {
-        self.queue.placement()
-    }
-
-    /// The limits of one pass.
-    pub fn limits(&self) -> BatchLimits {
-        self.queue.limits()
-    }
-
-    /// Rounds waiting for a pass.
-    pub fn queued(&self) -> usize {
-        self.queue.queued()
-    }
-
-    /// The level passes run so far.
-    pub fn stats(&self) -> BatchStats {
-        self.queue.stats()
-    }
-
-    /// Waits for the pass in flight, then holds every later pass back until the returned
-    /// hold is dropped; rounds queue up meanwhile and the next pass takes them together.
-    pub async fn hold(&self) -> PassHold {
-        self.queue.hold().await
-    }
+    batcher_methods!(DraftEngine);
 
     /// Drafts a tree continuing `tokens` for `session` as `params` say: prepares the round
     /// alone, then runs its levels in the passes that take them.
@@ -181,16 +152,12 @@ impl DraftBatcher {
         tokens: Vec<u32>,
         params: DraftParams,
     ) -> Result<BatchedDraft, Status> {
-        self.queue.note_session(Arc::as_ptr(&session) as usize);
-        let others = self.queue.active_sessions() > 1;
-        let session = session.lock_owned().await;
-        let engine = self.engine().clone();
-        let (session, prepared) = placed(self.placement(), move || {
-            let mut session = session;
-            let prepared = engine.prepare_among(&mut session, &tokens, params, others);
-            (session, prepared)
-        })
-        .await?;
+        let (session, prepared) = self
+            .queue
+            .prepare(session, move |engine, session, active| {
+                engine.prepare_among(session, &tokens, params, active > 1)
+            })
+            .await?;
         let round = match prepared.map_err(Status::from)? {
             Prepared::Drafted(tree, stats) => {
                 return Ok(BatchedDraft {

@@ -22,6 +22,7 @@ use tokio::sync::{oneshot, OwnedMutexGuard};
 use tonic::Status;
 
 use crate::service::WorkPlacement;
+use crate::session::SessionHandle;
 use crate::EngineError;
 
 /// How much one multi-session pass takes.
@@ -226,14 +227,28 @@ impl<J: PassJob> PassQueue<J> {
         PassHold(self.turn.clone().lock_owned().await)
     }
 
-    /// Notes that the session at `key` (its handle's address) asked for work now.
-    pub(crate) fn note_session(&self, key: usize) {
-        self.recent.note(key);
-    }
-
-    /// Sessions that asked for work within the last [`ACTIVE_WINDOW`].
-    pub(crate) fn active_sessions(&self) -> usize {
-        self.recent.count()
+    /// Prepares a job of `session` alone: notes that the session asked for work, locks it
+    /// (its job holds the lock until answered) and runs `prepare` on it where the placement
+    /// says, with the number of sessions (this one included) that asked for work within
+    /// [`ACTIVE_WINDOW`]. A panic in `prepare` is answered INTERNAL.
+    pub(crate) async fn prepare<S, R>(
+        &self,
+        session: SessionHandle<S>,
+        prepare: impl FnOnce(&J::Engine, &mut S, usize) -> R + Send + 'static,
+    ) -> Result<(OwnedMutexGuard<S>, R), Status>
+    where
+        S: Send + 'static,
+        R: Send + 'static,
+    {
+        self.recent.note(Arc::as_ptr(&session) as usize);
+        let active = self.recent.count();
+        let mut session = session.lock_owned().await;
+        let engine = self.engine.clone();
+        placed(self.placement, move || {
+            let prepared = prepare(&engine, &mut session, active);
+            (session, prepared)
+        })
+        .await
     }
 
     /// The queued jobs, locked.
@@ -383,7 +398,7 @@ impl<J: PassJob> PassQueue<J> {
 /// Runs `f` where `placement` says: here (`Inline`), under `block_in_place` (`Pool` on a
 /// multi-thread runtime) or on the blocking pool (`Pool` on a current-thread runtime). A panic
 /// in `f` is answered INTERNAL.
-pub(crate) async fn placed<T: Send + 'static>(
+async fn placed<T: Send + 'static>(
     placement: WorkPlacement,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Status> {
@@ -400,3 +415,42 @@ pub(crate) async fn placed<T: Send + 'static>(
         WorkPlacement::Pool => tokio::task::spawn_blocking(f).await.map_err(|e| failed(&e)),
     }
 }
+
+/// The public accessors of a batcher whose field `queue` is a [`PassQueue`] over `$engine`:
+/// `engine`, `placement`, `limits`, `queued`, `stats` and `hold`. Invoked in the batcher's
+/// `impl` block.
+macro_rules! batcher_methods {
+    ($engine:ty) => {
+        /// The engine.
+        pub fn engine(&self) -> &std::sync::Arc<$engine> {
+            self.queue.engine()
+        }
+
+        /// Where its passes run.
+        pub fn placement(&self) -> $crate::service::WorkPlacement {
+            self.queue.placement()
+        }
+
+        /// The limits of one pass.
+        pub fn limits(&self) -> $crate::pass_queue::BatchLimits {
+            self.queue.limits()
+        }
+
+        /// Requests waiting for a pass.
+        pub fn queued(&self) -> usize {
+            self.queue.queued()
+        }
+
+        /// The passes run so far.
+        pub fn stats(&self) -> $crate::pass_queue::BatchStats {
+            self.queue.stats()
+        }
+
+        /// Waits for the pass in flight, then holds every later pass back until the returned
+        /// hold is dropped; requests queue up meanwhile and the next pass takes them together.
+        pub async fn hold(&self) -> $crate::pass_queue::PassHold {
+            self.queue.hold().await
+        }
+    };
+}
+pub(crate) use batcher_methods;
