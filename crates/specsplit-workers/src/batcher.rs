@@ -134,7 +134,7 @@ impl VerifyBatcher {
     ) -> Result<BatchedOutcome, Status> {
         let (session, (request, round)) = self
             .queue
-            .prepare(session, move |engine, session, _active| {
+            .prepare(session, move |engine, session| {
                 let round = engine.prepare(session, request.prefix.clone(), &request.tree);
                 (request, round)
             })

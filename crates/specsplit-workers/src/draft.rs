@@ -435,21 +435,6 @@ impl DraftEngine {
         tokens: &[u32],
         params: DraftParams,
     ) -> Result<Prepared, EngineError> {
-        self.prepare_among(s, tokens, params, false)
-    }
-
-    /// [`DraftEngine::prepare`] for a round whose levels other sessions' rounds may share
-    /// passes with. Where `others` (other sessions asked for drafts lately), a greedy chain
-    /// goes level by level like a tree, to share those passes, instead of on its session's
-    /// fixed-shape steps, which serve one session at a time. Its tokens are the same either
-    /// way.
-    pub fn prepare_among(
-        &self,
-        s: &mut DraftSession,
-        tokens: &[u32],
-        params: DraftParams,
-        others: bool,
-    ) -> Result<Prepared, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::InvalidArgument(
                 "the draft request holds no tokens: send the prompt (and accepted tokens)".into(),
@@ -476,7 +461,7 @@ impl DraftEngine {
         // Room for the sequence and the whole tree before anything is written.
         s.reserve(tokens.len() + tree_nodes)?;
         let mut stats = DraftStats::default();
-        if !others && self.drafts_static_chain(p) {
+        if self.drafts_static_chain(p) {
             let result = self.draft_chain_static(s, tokens, p.widths.len(), &mut stats);
             if result.is_err() {
                 // Whatever the failed step left in the cache is not trusted: start over.

@@ -6,10 +6,7 @@
 //! other and a long prompt holds no other session's draft back. A tree that needs no level
 //! pass (depth 1, or every first pick an end of sequence) is answered at once, and so is a
 //! greedy chain on the fixed-shape path ([`DraftEngine::with_static_chains`], on by default on
-//! CUDA) of a session drafting alone (no other session asked for a draft within
-//! [`crate::batcher::ACTIVE_WINDOW`]): it is drafted whole in its preparation, exactly as
-//! without batching. Where other sessions draft too, such a chain goes level by level with
-//! theirs ([`DraftEngine::prepare_among`]): fixed-shape steps serve one session at a time.
+//! CUDA): it is drafted whole, alone, in its preparation, exactly as without batching.
 //!
 //! The other rounds wait in a queue with their next level's nodes. Each pass takes queued
 //! rounds (up to [`BatchLimits`]: sessions, and the rows of their pending levels together),
@@ -154,8 +151,8 @@ impl DraftBatcher {
     ) -> Result<BatchedDraft, Status> {
         let (session, prepared) = self
             .queue
-            .prepare(session, move |engine, session, active| {
-                engine.prepare_among(session, &tokens, params, active > 1)
+            .prepare(session, move |engine, session| {
+                engine.prepare(session, &tokens, params)
             })
             .await?;
         let round = match prepared.map_err(Status::from)? {
@@ -715,7 +712,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_static_chain_is_drafted_whole_alone_and_shares_level_passes_among_others() {
+    async fn static_chains_are_drafted_whole_alone() {
         let engine = tiny_engine(true);
         let b = batcher(&engine, WorkPlacement::Pool);
         let reference = tiny_engine(true);
@@ -724,38 +721,20 @@ mod tests {
             sampling: SamplingParams::default(),
             deadline: None,
         };
-        // The chain's tokens (the two paths' log-probabilities differ in the last bits).
-        let reference_chain = |i: usize| {
-            let mut s = reference.new_session(i as u64 + 1).unwrap();
-            reference
-                .draft(&mut s, &prompt(i), &chain)
-                .unwrap()
-                .0
-                .tokens()
-                .to_vec()
-        };
-        // One session drafting alone: its fixed-shape steps, no level pass.
-        let alone = handle(&engine, 1);
-        let o = b.draft(alone, prompt(0), chain.clone()).await.unwrap();
-        assert_eq!(o.tree.tokens(), reference_chain(0));
-        assert_eq!((o.pass_sessions, b.stats().passes), (1, 0));
-        // Three sessions drafting together: the chains of those that find others drafting
-        // share level passes, with the same tokens.
         let handles: Vec<_> = (0..3).map(|i| handle(&engine, i + 1)).collect();
         let requests = (0..3)
             .map(|i| (handles[i].clone(), prompt(i), chain.clone()))
             .collect();
-        let outcomes = one_batch(&b, requests).await;
-        for (i, o) in outcomes.iter().enumerate() {
-            assert_eq!(o.as_ref().unwrap().tree.tokens(), reference_chain(i));
+        for (i, o) in one_batch(&b, requests).await.into_iter().enumerate() {
+            let o = o.unwrap();
+            assert_eq!(o.pass_sessions, 1);
+            let mut s = reference.new_session(i as u64 + 1).unwrap();
+            assert_eq!(
+                o.tree,
+                reference.draft(&mut s, &prompt(i), &chain).unwrap().0
+            );
         }
-        assert!(b.stats().passes > 0, "no level pass ran");
-        assert!(
-            outcomes
-                .iter()
-                .any(|o| o.as_ref().unwrap().pass_sessions > 1),
-            "no chain shared a pass"
-        );
+        assert_eq!(b.stats().passes, 0, "no level pass ran");
     }
 
     #[tokio::test(flavor = "current_thread")]

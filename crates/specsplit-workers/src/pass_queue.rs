@@ -234,18 +234,17 @@ impl<J: PassJob> PassQueue<J> {
     pub(crate) async fn prepare<S, R>(
         &self,
         session: SessionHandle<S>,
-        prepare: impl FnOnce(&J::Engine, &mut S, usize) -> R + Send + 'static,
+        prepare: impl FnOnce(&J::Engine, &mut S) -> R + Send + 'static,
     ) -> Result<(OwnedMutexGuard<S>, R), Status>
     where
         S: Send + 'static,
         R: Send + 'static,
     {
         self.recent.note(Arc::as_ptr(&session) as usize);
-        let active = self.recent.count();
         let mut session = session.lock_owned().await;
         let engine = self.engine.clone();
         placed(self.placement, move || {
-            let prepared = prepare(&engine, &mut session, active);
+            let prepared = prepare(&engine, &mut session);
             (session, prepared)
         })
         .await
