@@ -14,10 +14,12 @@
 //!
 //! That model misses how sessions fall out of step in a shared pass: a session still drafting
 //! when the next pass starts waits for the one after. So the gate also measures what each depth
-//! yields now: per depth, the tokens a round emits and a session's time from one answer to the
-//! next. A depth measured within [`GAP_MEMORY`] at the batch's load level (batches of
-//! `2^k..2^(k+1)` sessions share one) is judged by its measured tokens per second, the others
-//! by the model; a measurement that ages out lets the model try its depth again. Gaps and
+//! costs now: per depth, a session's time from one answer to the next. A depth measured within
+//! [`GAP_MEMORY`] at the batch's load level (batches of `2^k..2^(k+1)` sessions share one) is
+//! judged by `E(d)` over its measured cycle, the others by the model; a measurement that ages
+//! out lets the model try its depth again. (The tokens a depth's rounds emitted are not used:
+//! `E(d)` from the acceptance every depth's verdicts measure is the steadier estimate, where a
+//! few unlucky rounds would otherwise keep a depth from being tried again.) Gaps and
 //! rounds are kept per load level: what a depth cost one session alone says nothing of what it
 //! costs four sessions sharing a draft worker.
 
@@ -120,9 +122,8 @@ pub struct LoadGate {
     /// Per load level, then per drafted depth of the request: running mean of the gap
     /// (seconds) between an answer and the session's next request (`None`: not measured).
     gaps: Vec<Vec<Option<(f64, Instant)>>>,
-    /// Per load level, then per drafted depth: running means of a session's time from one
-    /// answer to the next (seconds) and of the tokens that round emitted, and when last
-    /// measured.
+    /// Per load level, then per drafted depth: running mean of a session's time from one
+    /// answer to the next (seconds), and when last measured.
     cycles: Vec<Vec<Option<Cycle>>>,
     /// The deepest draft a session sent lately, and when: deeper depths are not advised (the
     /// sessions would not draft them, so they would never be measured).
@@ -131,11 +132,10 @@ pub struct LoadGate {
     last_advice: Option<usize>,
 }
 
-/// What rounds of one depth measured: a session's answer-to-answer time and the tokens emitted.
+/// What rounds of one depth measured: a session's answer-to-answer time.
 #[derive(Debug, Clone, Copy)]
 struct Cycle {
     secs: f64,
-    tokens: f64,
     at: Instant,
 }
 
@@ -155,14 +155,13 @@ impl LoadGate {
         }
     }
 
-    /// Records a session's round drafted to `depth` (deeper counts as `max_depth`) that
-    /// emitted `tokens` and was answered `cycle` after the session's previous answer, in a
-    /// batch of `batch` sessions.
-    pub fn observe_cycle(&mut self, depth: usize, cycle: Duration, tokens: usize, batch: usize) {
+    /// Records a session's round drafted to `depth` (deeper counts as `max_depth`) that was
+    /// answered `cycle` after the session's previous answer, in a batch of `batch` sessions.
+    pub fn observe_cycle(&mut self, depth: usize, cycle: Duration, batch: usize) {
         if cycle > MAX_ROUND_GAP {
             return;
         }
-        let (c, t, now) = (cycle.as_secs_f64(), tokens as f64, Instant::now());
+        let (c, now) = (cycle.as_secs_f64(), Instant::now());
         let fresh = |at: Instant| now.duration_since(at) <= GAP_MEMORY;
         // A round shallower than the advice shows how deep its session drafts by itself; one
         // as deep as the advice only that the advice capped it.
@@ -177,23 +176,18 @@ impl LoadGate {
         *slot = Some(match *slot {
             Some(m) if now.duration_since(m.at) <= GAP_MEMORY => Cycle {
                 secs: m.secs + GAP_WEIGHT * (c - m.secs),
-                tokens: m.tokens + GAP_WEIGHT * (t - m.tokens),
                 at: now,
             },
-            _ => Cycle {
-                secs: c,
-                tokens: t,
-                at: now,
-            },
+            _ => Cycle { secs: c, at: now },
         });
     }
 
-    /// The tokens per second a session's rounds of `depth` measured within [`GAP_MEMORY`] at
+    /// The cycle (seconds) a session's rounds of `depth` measured within [`GAP_MEMORY`] at
     /// load level `level`.
-    fn measured_rate(&self, depth: usize, level: usize, now: Instant) -> Option<f64> {
+    fn measured_cycle(&self, depth: usize, level: usize, now: Instant) -> Option<f64> {
         self.cycles[level][depth]
             .filter(|c| now.duration_since(c.at) <= GAP_MEMORY)
-            .map(|c| c.tokens / c.secs.max(f64::MIN_POSITIVE))
+            .map(|c| c.secs)
     }
 
     /// Records the `gap` between an answer to a session and its next request, which drafted
@@ -347,9 +341,9 @@ impl LoadGate {
         for d in 0..=top {
             expected += term;
             term *= alpha;
-            let secs = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d, batch_sessions);
-            let modelled = expected / secs.max(f64::MIN_POSITIVE);
-            let rate = b * self.measured_rate(d, level, now).unwrap_or(modelled);
+            let modelled = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d, batch_sessions);
+            let secs = self.measured_cycle(d, level, now).unwrap_or(modelled);
+            let rate = b * expected / secs.max(f64::MIN_POSITIVE);
             if rate > best.1 {
                 best = (d, rate);
             }
@@ -475,12 +469,7 @@ impl LoadAdvisor {
             g.observe_verdict(round.depth, round.accepted);
         }
         if let Some(last) = last {
-            g.observe_cycle(
-                round.depth,
-                now.saturating_duration_since(last),
-                round.accepted + 1,
-                batch,
-            );
+            g.observe_cycle(round.depth, now.saturating_duration_since(last), batch);
         }
         g.advise(batch)
     }
@@ -726,17 +715,17 @@ mod tests {
     fn rounds_capped_by_the_advice_do_not_cap_later_advice() {
         let mut g = gate(8, 1..=600, |_| 0.02);
         // Sessions draft 4 deep by themselves: the advice goes no deeper.
-        g.observe_cycle(4, Duration::from_millis(20), 4, 1);
+        g.observe_cycle(4, Duration::from_millis(20), 1);
         assert_eq!(g.advise(1), Some(4));
         // Advised 2, they draft 2: that says nothing of how deep they would go.
         g.last_advice = Some(2);
         for _ in 0..5 {
-            g.observe_cycle(2, Duration::from_millis(25), 2, 1);
+            g.observe_cycle(2, Duration::from_millis(25), 1);
         }
         assert_eq!(g.deepest.map(|d| d.0), Some(4));
         // Once what they drafted by themselves is forgotten, every depth is open again.
         g.deepest = Some((4, Instant::now() - GAP_MEMORY * 2));
-        g.observe_cycle(2, Duration::from_millis(25), 2, 1);
+        g.observe_cycle(2, Duration::from_millis(25), 1);
         assert_eq!(g.deepest, None);
     }
 
@@ -745,25 +734,26 @@ mod tests {
         // The model alone: a latency-bound target and cheap drafts, the deepest draft.
         let mut g = gate(8, 1..=600, |_| 0.02);
         assert_eq!(g.advise(16), Some(8));
-        // But rounds of depth 8 measured 4.4 tokens a 120 ms cycle (they missed passes), and
-        // rounds without a draft 1 token a 21 ms cycle.
+        // But rounds of depth 8 measured a 120 ms cycle (they missed passes), and rounds
+        // without a draft a 21 ms cycle.
         for _ in 0..10 {
-            g.observe_cycle(8, Duration::from_millis(120), 4, 16);
-            g.observe_cycle(0, Duration::from_millis(21), 1, 16);
+            g.observe_cycle(8, Duration::from_millis(120), 16);
+            g.observe_cycle(0, Duration::from_millis(21), 16);
         }
-        // Depth 8 measured 0.037 tokens/ms, target-only 0.048; the model's unmeasured depths
-        // (1.8 tokens in 20 ms at depth 1) still look better: the gate tries one.
+        // At α = 0.8 depth 8 measured 4.3 tokens in 120 ms, 0.036 tokens/ms, target-only 0.048;
+        // the model's unmeasured depths (1.8 tokens in 20 ms at depth 1) still look better: the
+        // gate tries one.
         let d = g.advise(16).unwrap();
         assert!((1..8).contains(&d), "{d}");
         // Every depth measured as slower than target-only: no draft.
         for d in 1..=8 {
             for _ in 0..10 {
-                g.observe_cycle(d, Duration::from_millis(60 + 10 * d as u64), 1 + d / 2, 16);
+                g.observe_cycle(d, Duration::from_millis(60 + 10 * d as u64), 16);
             }
         }
         assert_eq!(g.advise(16), Some(0));
         // A pause is not a cycle.
-        g.observe_cycle(0, MAX_ROUND_GAP * 2, 1, 16);
+        g.observe_cycle(0, MAX_ROUND_GAP * 2, 16);
         assert_eq!(g.advise(16), Some(0));
     }
 
@@ -772,11 +762,11 @@ mod tests {
         // A target whose passes cost 5 ms a row: by the model alone, no draft pays.
         let mut g = gate(8, 1..=600, |r| 5e-3 * r);
         assert_eq!(g.advise(4), Some(0));
-        // One session alone measured rounds of depth 8 giving 5 tokens a 10 ms cycle, far
-        // better than its 20 ms rounds without a draft.
+        // One session alone measured rounds of depth 8 a 10 ms cycle (4.3 tokens at α = 0.8),
+        // far better than its 20 ms rounds without a draft.
         for _ in 0..10 {
-            g.observe_cycle(8, Duration::from_millis(10), 5, 1);
-            g.observe_cycle(0, Duration::from_millis(20), 1, 1);
+            g.observe_cycle(8, Duration::from_millis(10), 1);
+            g.observe_cycle(0, Duration::from_millis(20), 1);
             g.observe_gap(8, Duration::from_millis(1), 1);
         }
         assert_eq!(g.advise(1), Some(8));
@@ -790,11 +780,28 @@ mod tests {
         );
         // Measured at four sessions too (batches of 4 to 7 share a level), it counts there.
         for _ in 0..10 {
-            g.observe_cycle(8, Duration::from_millis(10), 5, 5);
-            g.observe_cycle(0, Duration::from_millis(20), 1, 5);
+            g.observe_cycle(8, Duration::from_millis(10), 5);
+            g.observe_cycle(0, Duration::from_millis(20), 5);
         }
         assert_eq!(g.advise(4), Some(8));
         assert_eq!(g.advise(8), Some(0));
+    }
+
+    #[test]
+    fn a_depth_is_judged_by_the_acceptance_of_every_verdict_not_its_own_few_rounds() {
+        // One session: passes of 5 ms, drafting 0.75 ms a level. At α = 0.8, depth 4's rounds
+        // (8.5 ms) give 3.36 tokens, depth 3's (7.8 ms) 2.95: depth 4 is the faster.
+        let mut g = gate(4, 1..=64, |_| 0.005);
+        g.observe_cycle(3, Duration::from_micros(7_800), 1);
+        g.observe_cycle(4, Duration::from_micros(8_500), 1);
+        for d in 0..=2 {
+            g.observe_cycle(d, Duration::from_micros(5_600 + 750 * d as u64), 1);
+        }
+        assert_eq!(g.advise(1), Some(4));
+        // Depth 4's one round got only its bonus token accepted: that is the acceptance's
+        // business (one verdict among many), not a verdict on depth 4.
+        g.observe_verdict(4, 0);
+        assert_eq!(g.advise(1), Some(4));
     }
 
     #[test]

@@ -4,24 +4,31 @@
 
 // y[j][r] = W[r, :] . x[j] (+ bias[r]) for r < n and each of the R rows x[j] of x (R, k):
 // matrix-vector products for steps of one to a few tokens. W is (n, k) row-major, k % 8 == 0,
-// rows 16-byte aligned; x is (R, k) contiguous. One warp per row of W, four independent
-// 16-byte weight loads in flight per lane, each weight word loaded once for all R rows of x.
-// Row j's sums run in the same order whatever R is, so its result is the one-row product's,
-// bit for bit.
-// Adds four weight words (a lane's words i, i + WARP, i + 2 WARP, i + 3 WARP of one W row)
-// times the same words of each of the R rows of x (k8 words a row) to that row's four sums.
-template <int R>
-__device__ __forceinline__ void gemv_add4(uint4 w0, uint4 w1, uint4 w2, uint4 w3,
-                                          const uint4* __restrict__ xr, int k8, int i,
-                                          float (&a0)[R], float (&a1)[R], float (&a2)[R],
-                                          float (&a3)[R]) {
+// rows 16-byte aligned; x is (R, k) contiguous. One warp per row of W; each lane takes the
+// row's 16-byte words in groups of four (words i, i + WARP, i + 2 WARP, i + 3 WARP), every load
+// of a group issued before any is used (the last group has the words that exist), each weight
+// word loaded once for all R rows of x. Row j's sums run in the same order whatever R is, so its
+// result is the one-row product's, bit for bit.
+
+// Loads the words of the group at i that lie below k8 (the others are zero and never used).
+__device__ __forceinline__ void gemv_load4(const uint4* __restrict__ wr, int i, int k8,
+                                           uint4 (&w)[4]) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+        w[u] = i + u * WARP < k8 ? load_stream(wr + i + u * WARP) : make_uint4(0, 0, 0, 0);
+}
+
+// Adds the group's weight words times the same words of each of the R rows of x (k8 words a
+// row) to that row's four sums, word u to sum u: every word where FULL, else those below k8.
+template <int R, bool FULL>
+__device__ __forceinline__ void gemv_add4(const uint4 (&w)[4], const uint4* __restrict__ xr,
+                                          int k8, int i, float (&a)[4][R]) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
         const uint4* xj = xr + (size_t)j * k8;
-        a0[j] += dot8(w0, __ldg(xj + i));
-        a1[j] += dot8(w1, __ldg(xj + i + WARP));
-        a2[j] += dot8(w2, __ldg(xj + i + 2 * WARP));
-        a3[j] += dot8(w3, __ldg(xj + i + 3 * WARP));
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (FULL || i + u * WARP < k8) a[u][j] += dot8(w[u], __ldg(xj + i + u * WARP));
     }
 }
 
@@ -38,34 +45,36 @@ __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ w, const bf16
     const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
     const int k8 = k / 8;
     const uint4* xr = reinterpret_cast<const uint4*>(x);
-    float a0[R], a1[R], a2[R], a3[R];
+    float a[4][R];
 #pragma unroll
-    for (int j = 0; j < R; ++j) a0[j] = a1[j] = a2[j] = a3[j] = 0.f;
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int j = 0; j < R; ++j) a[u][j] = 0.f;
+    // The first group's weights are loaded before waiting for the kernel that writes x
+    // (weights are constant); then each group's loads are issued before the group before it
+    // is summed, so that two groups are in flight.
+    uint4 wg[4];
     int i = lane;
-    // The first four words of the lane's share of the row are loaded before waiting for the
-    // kernel that writes x (weights are constant), then summed exactly as the loop would.
-    if (i + 3 * WARP < k8) {
-        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
-        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
-        pdl_enter();
-        gemv_add4<R>(w0, w1, w2, w3, xr, k8, i, a0, a1, a2, a3);
-        i += 4 * WARP;
-    } else {
-        pdl_enter();
-    }
-    for (; i + 3 * WARP < k8; i += 4 * WARP) {
-        const uint4 w0 = load_stream(wr + i), w1 = load_stream(wr + i + WARP);
-        const uint4 w2 = load_stream(wr + i + 2 * WARP), w3 = load_stream(wr + i + 3 * WARP);
-        gemv_add4<R>(w0, w1, w2, w3, xr, k8, i, a0, a1, a2, a3);
-    }
-    for (; i < k8; i += WARP) {
-        const uint4 w0 = load_stream(wr + i);
+    if (i < k8) gemv_load4(wr, i, k8, wg);
+    pdl_enter();
+    while (i < k8) {
+        const int next = i + 4 * WARP;
+        uint4 wn[4];
+        if (next < k8) gemv_load4(wr, next, k8, wn);
+        // Whole for every lane of the warp (a warp-uniform branch): lane 31's last word exists.
+        if (i - lane + 4 * WARP <= k8) {
+            gemv_add4<R, true>(wg, xr, k8, i, a);
+        } else {
+            gemv_add4<R, false>(wg, xr, k8, i, a);
+        }
+        if (next >= k8) break;
 #pragma unroll
-        for (int j = 0; j < R; ++j) a0[j] += dot8(w0, __ldg(xr + (size_t)j * k8 + i));
+        for (int u = 0; u < 4; ++u) wg[u] = wn[u];
+        i = next;
     }
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-        float acc = warp_sum((a0[j] + a1[j]) + (a2[j] + a3[j]));
+        float acc = warp_sum((a[0][j] + a[1][j]) + (a[2][j] + a[3][j]));
         if (lane == 0) {
             // The unfused path rounds the product to bf16 before adding the bias.
             if (bias != nullptr) acc = round_bf16(acc) + __bfloat162float(bias[row]);
