@@ -43,8 +43,13 @@ const MIN_TRIED: u64 = 8;
 /// The acceptance estimate is kept below 1 so that deeper drafts always cost something.
 const MAX_ACCEPTANCE: f64 = 0.999;
 
-/// Weight of a new gap in its depth's running mean.
-const GAP_WEIGHT: f64 = 0.1;
+/// How long the deepest draft sessions sent by themselves caps the advice after the last such
+/// round: long enough to span a generation's last rounds, cut short by its end, and short
+/// enough that a cap mistaken from them lifts within a few generations.
+const DEEPEST_MEMORY: Duration = Duration::from_secs(2);
+
+/// Samples kept of each measured gap and cycle; their lower median stands for it.
+const RECENT: usize = 8;
 
 /// A session's gap between an answer and its next request longer than this is a pause of
 /// its client (between generations, or a slow consumer), not the cost of drafting.
@@ -119,12 +124,12 @@ pub struct LoadGate {
     /// and accepted.
     tried: u64,
     accepted: u64,
-    /// Per load level, then per drafted depth of the request: running mean of the gap
-    /// (seconds) between an answer and the session's next request (`None`: not measured).
-    gaps: Vec<Vec<Option<(f64, Instant)>>>,
-    /// Per load level, then per drafted depth: running mean of a session's time from one
-    /// answer to the next (seconds), and when last measured.
-    cycles: Vec<Vec<Option<Cycle>>>,
+    /// Per load level, then per drafted depth of the request: the latest gaps (seconds)
+    /// between an answer and the session's next request (`None`: not measured).
+    gaps: Vec<Vec<Option<Recent>>>,
+    /// Per load level, then per drafted depth: the latest times (seconds) from a session's
+    /// answer to its next (its cycle).
+    cycles: Vec<Vec<Option<Recent>>>,
     /// The deepest draft a session sent lately, and when: deeper depths are not advised (the
     /// sessions would not draft them, so they would never be measured).
     deepest: Option<(usize, Instant)>,
@@ -132,11 +137,55 @@ pub struct LoadGate {
     last_advice: Option<usize>,
 }
 
-/// What rounds of one depth measured: a session's answer-to-answer time.
+/// The latest samples of one measurement (a depth's gap or cycle at one load level), whose
+/// lower median stands for it: a one-off stall among them (a CUDA graph captured, a cache
+/// grown) moves it no more than any other sample, where it would hold a running mean up, and
+/// keep its depth from being tried again, for many rounds.
 #[derive(Debug, Clone, Copy)]
-struct Cycle {
-    secs: f64,
+struct Recent {
+    samples: [f64; RECENT],
+    len: usize,
+    next: usize,
+    /// When the latest sample was taken.
     at: Instant,
+}
+
+impl Recent {
+    /// Adds `x`, taken at `now`, to `slot`: to its samples (the oldest dropped) where they are
+    /// within [`GAP_MEMORY`], else as the first of fresh ones.
+    fn record(slot: &mut Option<Recent>, x: f64, now: Instant) {
+        match slot {
+            Some(r) if r.fresh(now) => {
+                r.samples[r.next] = x;
+                r.next = (r.next + 1) % RECENT;
+                r.len = (r.len + 1).min(RECENT);
+                r.at = now;
+            }
+            _ => {
+                let mut samples = [0.0; RECENT];
+                samples[0] = x;
+                *slot = Some(Recent {
+                    samples,
+                    len: 1,
+                    next: 1,
+                    at: now,
+                });
+            }
+        }
+    }
+
+    /// Whether the latest sample is within [`GAP_MEMORY`] of `now`.
+    fn fresh(&self, now: Instant) -> bool {
+        now.duration_since(self.at) <= GAP_MEMORY
+    }
+
+    /// The lower median of the samples.
+    fn median(&self) -> f64 {
+        let mut s = self.samples;
+        let s = &mut s[..self.len];
+        s.sort_by(f64::total_cmp);
+        s[(self.len - 1) / 2]
+    }
 }
 
 impl LoadGate {
@@ -162,7 +211,7 @@ impl LoadGate {
             return;
         }
         let (c, now) = (cycle.as_secs_f64(), Instant::now());
-        let fresh = |at: Instant| now.duration_since(at) <= GAP_MEMORY;
+        let fresh = |at: Instant| now.duration_since(at) <= DEEPEST_MEMORY;
         // A round shallower than the advice shows how deep its session drafts by itself; one
         // as deep as the advice only that the advice capped it.
         let capped = self.last_advice.is_some_and(|a| depth >= a);
@@ -172,22 +221,19 @@ impl LoadGate {
             (Some((d, at)), false) if fresh(at) && d > depth => Some((d, at)),
             (_, false) => Some((depth, now)),
         };
-        let slot = &mut self.cycles[load_level(batch)][depth.min(self.max_depth)];
-        *slot = Some(match *slot {
-            Some(m) if now.duration_since(m.at) <= GAP_MEMORY => Cycle {
-                secs: m.secs + GAP_WEIGHT * (c - m.secs),
-                at: now,
-            },
-            _ => Cycle { secs: c, at: now },
-        });
+        Recent::record(
+            &mut self.cycles[load_level(batch)][depth.min(self.max_depth)],
+            c,
+            now,
+        );
     }
 
     /// The cycle (seconds) a session's rounds of `depth` measured within [`GAP_MEMORY`] at
     /// load level `level`.
     fn measured_cycle(&self, depth: usize, level: usize, now: Instant) -> Option<f64> {
         self.cycles[level][depth]
-            .filter(|c| now.duration_since(c.at) <= GAP_MEMORY)
-            .map(|c| c.secs)
+            .filter(|c| c.fresh(now))
+            .map(|c| c.median())
     }
 
     /// Records the `gap` between an answer to a session and its next request, which drafted
@@ -198,13 +244,11 @@ impl LoadGate {
             return;
         }
         let (g, now) = (gap.as_secs_f64(), Instant::now());
-        let slot = &mut self.gaps[load_level(batch)][depth.min(self.max_depth)];
-        *slot = Some(match *slot {
-            Some((m, at)) if now.duration_since(at) <= GAP_MEMORY => {
-                (m + GAP_WEIGHT * (g - m), now)
-            }
-            _ => (g, now),
-        });
+        Recent::record(
+            &mut self.gaps[load_level(batch)][depth.min(self.max_depth)],
+            g,
+            now,
+        );
     }
 
     /// The gap the gate predicts after an answer before a request drafted to `depth` in a
@@ -253,10 +297,7 @@ impl LoadGate {
         self.gaps[level]
             .iter()
             .enumerate()
-            .filter_map(|(d, g)| {
-                g.filter(|&(_, at)| now.duration_since(at) <= GAP_MEMORY)
-                    .map(|(g, _)| (d as f64, g))
-            })
+            .filter_map(|(d, g)| g.filter(|g| g.fresh(now)).map(|g| (d as f64, g.median())))
             .collect()
     }
 
@@ -336,7 +377,7 @@ impl LoadGate {
         let mut term = 1.0;
         let top = self
             .deepest
-            .filter(|&(d, at)| d > 0 && now.duration_since(at) <= GAP_MEMORY)
+            .filter(|&(d, at)| d > 0 && now.duration_since(at) <= DEEPEST_MEMORY)
             .map_or(self.max_depth, |(d, _)| d.min(self.max_depth));
         for d in 0..=top {
             expected += term;
@@ -724,7 +765,7 @@ mod tests {
         }
         assert_eq!(g.deepest.map(|d| d.0), Some(4));
         // Once what they drafted by themselves is forgotten, every depth is open again.
-        g.deepest = Some((4, Instant::now() - GAP_MEMORY * 2));
+        g.deepest = Some((4, Instant::now() - DEEPEST_MEMORY * 2));
         g.observe_cycle(2, Duration::from_millis(25), 1);
         assert_eq!(g.deepest, None);
     }
@@ -802,6 +843,47 @@ mod tests {
         // business (one verdict among many), not a verdict on depth 4.
         g.observe_verdict(4, 0);
         assert_eq!(g.advise(1), Some(4));
+    }
+
+    #[test]
+    fn a_one_off_stall_does_not_keep_deeper_drafts_from_being_tried() {
+        // One session, passes of 5 ms whatever their rows, drafting 0.75 ms a level.
+        let mut g = gate(4, 1..=64, |_| 0.005);
+        let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+        // Sessions draft 4 deep by themselves; advised depth 1, they draft 1.
+        g.deepest = Some((4, Instant::now()));
+        g.last_advice = Some(1);
+        // Depth 1's first measured round waited 60 ms (a CUDA graph captured), the next two
+        // 0.75 ms: drafting is cheap, and deeper drafts pay.
+        g.observe_gap(1, ms(60.0), 1);
+        g.observe_cycle(1, ms(66.0), 1);
+        for _ in 0..2 {
+            g.observe_gap(1, ms(0.75), 1);
+            g.observe_cycle(1, ms(6.5), 1);
+        }
+        assert!((g.round_gap(1, 1) - 0.00075).abs() < 1e-12);
+        assert_eq!(g.advise(1), Some(4));
+    }
+
+    #[test]
+    fn recent_samples_keep_the_latest_and_stand_by_their_lower_median() {
+        let now = Instant::now();
+        let mut slot = None;
+        Recent::record(&mut slot, 60.0, now);
+        assert_eq!(slot.unwrap().median(), 60.0);
+        Recent::record(&mut slot, 1.0, now);
+        assert_eq!(slot.unwrap().median(), 1.0);
+        for x in 2..=9 {
+            Recent::record(&mut slot, x as f64, now);
+        }
+        // The 60 and the 1 are gone: 2..=9 remain.
+        let r = slot.unwrap();
+        assert_eq!((r.len, r.median()), (RECENT, 5.0));
+        // Stale samples start over.
+        let later = now + GAP_MEMORY * 2;
+        assert!(!r.fresh(later));
+        Recent::record(&mut slot, 7.5, later);
+        assert_eq!((slot.unwrap().len, slot.unwrap().median()), (1, 7.5));
     }
 
     #[test]
