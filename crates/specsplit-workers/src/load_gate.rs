@@ -93,10 +93,15 @@ fn interpolate_gap(known: &[(f64, f64)], d: f64) -> f64 {
             return ga + (gb - ga) * (d - a) / (b - a);
         }
     }
+    // Beyond the deepest measured depth: along the slope of the last two drafted depths, or
+    // flat where only one drafted depth was measured. A slope through depth 0 would charge
+    // every further level the draft call's fixed cost too, and keep deeper drafts from ever
+    // being tried; flat is optimistic, so they are tried, and then measured.
     let (b, gb) = known[known.len() - 1];
-    let slope = match known.len() {
-        1 => gb / b.max(1.0),
-        n => ((gb - known[n - 2].1) / (b - known[n - 2].0)).max(0.0),
+    let drafted: Vec<&(f64, f64)> = known.iter().filter(|&&(k, _)| k > 0.0).collect();
+    let slope = match drafted.as_slice() {
+        [.., a, z] => ((z.1 - a.1) / (z.0 - a.0)).max(0.0),
+        _ => 0.0,
     };
     gb + slope * (d - b)
 }
@@ -213,14 +218,15 @@ impl LoadGate {
         let (c, now) = (cycle.as_secs_f64(), Instant::now());
         let fresh = |at: Instant| now.duration_since(at) <= DEEPEST_MEMORY;
         // A round shallower than the advice shows how deep its session drafts by itself; one
-        // as deep as the advice only that the advice capped it.
+        // as deep as the advice only that the advice capped it, which says nothing of the cap
+        // to keep (were it kept, the advice would hold itself down).
         let capped = self.last_advice.is_some_and(|a| depth >= a);
-        self.deepest = match (self.deepest, capped) {
-            (Some((d, at)), true) if fresh(at) => Some((d.max(depth), at)),
-            (_, true) => None,
-            (Some((d, at)), false) if fresh(at) && d > depth => Some((d, at)),
-            (_, false) => Some((depth, now)),
-        };
+        if !capped {
+            self.deepest = match self.deepest {
+                Some((d, at)) if fresh(at) && d > depth => Some((d, at)),
+                _ => Some((depth, now)),
+            };
+        }
         Recent::record(
             &mut self.cycles[load_level(batch)][depth.min(self.max_depth)],
             c,
@@ -255,9 +261,11 @@ impl LoadGate {
     /// batch of `batch` sessions, in seconds.
     ///
     /// From the gaps measured at the batch's load level where a drafted depth was measured
-    /// there: the measured mean, else linear between the nearest measured depths, else along
-    /// the line from the nearest measured depth to no gap at depth 0 below it, or along the
-    /// last two measured depths' slope (never falling) above them. Where no drafted depth was
+    /// there: the measured value, else linear between the nearest measured depths, else along
+    /// the line from the nearest measured depth to no gap at depth 0 below it, or above them
+    /// along the last two measured drafted depths' slope (never falling), flat where only one
+    /// drafted depth was measured (optimistic, so that a deeper draft is tried and measured
+    /// rather than charged the draft call's fixed cost once a level). Where no drafted depth was
     /// measured at this level, the nearest level's drafting time (its gap beyond its depth-0
     /// gap) stands in, scaled by the ratio of the levels' batches, as if the draft worker
     /// served the sessions one after another: what one session's draft cost alone, four cost
@@ -684,18 +692,22 @@ mod tests {
             "nothing measured: the pass time alone decides"
         );
         g.observe_gap(4, Duration::from_millis(8), 1);
-        // One depth measured: the line through no gap at depth 0.
+        // One depth measured: the line through no gap at depth 0 below it, flat above it.
         assert!((g.round_gap(2, 1) - 0.004).abs() < 1e-9);
         assert!((g.round_gap(0, 1) - 0.0).abs() < 1e-9);
-        assert!((g.round_gap(6, 1) - 0.012).abs() < 1e-9);
+        assert!((g.round_gap(6, 1) - 0.008).abs() < 1e-9);
         g.observe_gap(0, Duration::from_millis(1), 1);
         assert!((g.round_gap(0, 1) - 0.001).abs() < 1e-9);
         assert!((g.round_gap(2, 1) - 0.0045).abs() < 1e-9);
-        // Beyond the deepest measured depth, along the last two depths' slope.
-        assert!((g.round_gap(8, 1) - 0.015).abs() < 1e-9);
+        // Beyond the only drafted depth measured: flat (depth 0's gap has no draft call in it).
+        assert!((g.round_gap(8, 1) - 0.008).abs() < 1e-9);
+        // Two drafted depths measured: along their slope beyond them.
+        g.observe_gap(2, Duration::from_millis(5), 1);
+        assert!((g.round_gap(6, 1) - 0.011).abs() < 1e-9);
+        assert!((g.round_gap(8, 1) - 0.014).abs() < 1e-9);
         // A pause of the client is not a round's gap.
         g.observe_gap(8, MAX_ROUND_GAP + Duration::from_millis(1), 1);
-        assert!((g.round_gap(8, 1) - 0.015).abs() < 1e-9);
+        assert!((g.round_gap(8, 1) - 0.014).abs() < 1e-9);
         // Deeper than the gate advises counts at its deepest depth.
         g.observe_gap(30, Duration::from_millis(20), 1);
         assert!((g.round_gap(8, 1) - 0.020).abs() < 1e-9);
@@ -764,10 +776,14 @@ mod tests {
             g.observe_cycle(2, Duration::from_millis(25), 1);
         }
         assert_eq!(g.deepest.map(|d| d.0), Some(4));
+        // Capped rounds of target-only sessions beside them do not become the cap either.
+        g.last_advice = Some(0);
+        g.observe_cycle(0, Duration::from_millis(21), 1);
+        assert_eq!(g.deepest.map(|d| d.0), Some(4));
         // Once what they drafted by themselves is forgotten, every depth is open again.
         g.deepest = Some((4, Instant::now() - DEEPEST_MEMORY * 2));
         g.observe_cycle(2, Duration::from_millis(25), 1);
-        assert_eq!(g.deepest, None);
+        assert!(g.advise(1).unwrap() > 4, "{:?}", g.advise(1));
     }
 
     #[test]
@@ -920,5 +936,23 @@ mod tests {
         g.observe_gap(0, Duration::from_millis(1), 16);
         g.observe_gap(4, Duration::from_millis(65), 16);
         assert!((g.round_gap(4, 4) - (0.001 + 0.064 / 4.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn one_drafted_depth_measured_does_not_keep_deeper_drafts_from_being_tried() {
+        // One session: passes of 5.3 ms; target-only rounds come back after 0.1 ms, rounds
+        // drafting one token after 2.1 ms (a draft call's fixed cost and one level). A slope
+        // through depth 0 would charge depth 4 8.1 ms of drafting and keep the gate at depth 1.
+        let mut g = gate(4, 1..=64, |_| 0.0053);
+        let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+        // Advised depth 1, the drafting sessions draft 1 (capped), the others none.
+        g.last_advice = Some(1);
+        for _ in 0..4 {
+            g.observe_gap(0, ms(0.1), 1);
+            g.observe_gap(1, ms(2.1), 1);
+            g.observe_cycle(0, ms(5.5), 1);
+            g.observe_cycle(1, ms(7.4), 1);
+        }
+        assert_eq!(g.advise(1), Some(4));
     }
 }
