@@ -311,6 +311,12 @@ impl LoadGate {
 
     /// Records one target pass of `rows` rows (all sessions' tokens) that took `time` in the
     /// model. A pass of no rows is ignored.
+    ///
+    /// A pass that took more than twice what its rows would take as passes of a smaller
+    /// measured size, one after another, is a stall (kernels compiled or a graph captured at
+    /// their first use, a cache grown), not its size's cost, and is not recorded: the first
+    /// pass of a size seeds its mean, and a size that looks too slow is never run again to
+    /// correct it.
     pub fn observe_pass(&mut self, rows: usize, time: Duration) {
         if rows == 0 {
             return;
@@ -318,6 +324,16 @@ impl LoadGate {
         let k = (usize::BITS - 1 - rows.leading_zeros()) as usize;
         let k = k.min(BUCKETS - 1);
         let (r, s) = (rows as f64, time.as_secs_f64());
+        let bound = self
+            .table
+            .iter()
+            .flatten()
+            .filter(|p| p.rows <= r)
+            .map(|p| (r / p.rows).ceil() * p.secs)
+            .min_by(f64::total_cmp);
+        if bound.is_some_and(|b| s > 2.0 * b) {
+            return;
+        }
         self.table[k] = Some(match self.table[k] {
             None => Point { rows: r, secs: s },
             Some(p) => Point {
@@ -954,5 +970,29 @@ mod tests {
             g.observe_cycle(1, ms(7.4), 1);
         }
         assert_eq!(g.advise(1), Some(4));
+    }
+
+    #[test]
+    fn a_stalled_pass_does_not_seed_its_size() {
+        // One-row passes measured at 5.2 ms; the first 5-row pass stalled 400 ms (its kernels
+        // compiled at their first use).
+        let mut g = LoadGate::new(4);
+        for _ in 0..4 {
+            g.observe_pass(1, Duration::from_micros(5_200));
+            g.observe_pass(2, Duration::from_micros(5_250));
+        }
+        g.observe_pass(5, Duration::from_millis(400));
+        for i in 0..100 {
+            g.observe_verdict(1, usize::from(i % 5 != 0));
+        }
+        let t5 = g.pass_secs(5.0).unwrap();
+        assert!(t5 < 0.006, "{t5}");
+        assert_eq!(g.advise(1), Some(4));
+        // A real 5-row pass is recorded.
+        g.observe_pass(5, Duration::from_micros(5_400));
+        assert!((g.pass_secs(5.0).unwrap() - 0.0054).abs() < 1e-9);
+        // Large passes that are just slow (a long prompt's prefill) are within the bound.
+        g.observe_pass(512, Duration::from_millis(60));
+        assert!((g.pass_secs(512.0).unwrap() - 0.060).abs() < 1e-9);
     }
 }
