@@ -12,10 +12,8 @@ use candle_core::{DType, Device, Tensor};
 use reference_support::*;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::tree::TokenTree;
-use specsplit_models::config::ModelConfig;
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::transformer::Transformer;
-use specsplit_models::weights::random_tensors;
 
 /// The largest pass a verification runs: 128 tree nodes and the root.
 const MAX_ROWS: usize = 129;
@@ -210,33 +208,14 @@ fn compare<'a>(
     }
 }
 
-/// A small Llama-shaped configuration whose widths are multiples of 256 (the k-quant block).
-fn small_config() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 512,
-        hidden_size: 256,
-        intermediate_size: 512,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 64,
-        attention_bias: true,
-        tie_word_embeddings: false,
-        ..ModelConfig::preset("tiny").unwrap()
-    }
-}
-
 /// Every pass size from 1 to [`MAX_ROWS`].
 fn every_size() -> Vec<usize> {
     (1..=MAX_ROWS).collect()
 }
 
 fn check_quantized(quant: GgmlDType) {
-    let cfg = small_config();
-    let tensors = random_tensors(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
-    let model =
-        Transformer::from_tensors_quantized(cfg.clone(), &tensors, quant, &Device::Cpu).unwrap();
-    let case = Case::new(cfg.vocab_size, 3);
+    let model = small_quantized(quant);
+    let case = Case::new(small_config().vocab_size, 3);
     check(&model, &case, &every_size(), &format!("{quant:?}"));
 }
 

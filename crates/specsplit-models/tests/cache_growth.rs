@@ -9,33 +9,9 @@ use candle_core::{DType, Device};
 use reference_support::*;
 use specsplit_core::cache::{CacheError, SessionCache};
 use specsplit_core::mask::TreeMask;
-use specsplit_models::config::ModelConfig;
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::transformer::Transformer;
-use specsplit_models::weights::random_tensors;
 use specsplit_models::{ModelError, SessionPass};
-
-/// A small Llama-shaped configuration whose widths are multiples of 256 (the k-quant block).
-fn small_config() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 512,
-        hidden_size: 256,
-        intermediate_size: 512,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 64,
-        attention_bias: true,
-        tie_word_embeddings: false,
-        ..ModelConfig::preset("tiny").unwrap()
-    }
-}
-
-fn quantized(quant: GgmlDType) -> Transformer {
-    let cfg = small_config();
-    let tensors = random_tensors(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
-    Transformer::from_tensors_quantized(cfg, &tensors, quant, &Device::Cpu).unwrap()
-}
 
 /// Every valid entry of every layer, as bits.
 fn kv_bits(cache: &SessionCache, layers: usize) -> Vec<Vec<u32>> {
@@ -155,7 +131,7 @@ fn f32_passes_over_a_grown_cache_equal_a_full_size_cache() {
 
 #[test]
 fn q8_0_passes_over_a_grown_cache_equal_a_full_size_cache() {
-    check_growth_matches_full_size(&quantized(GgmlDType::Q8_0), "Q8_0");
+    check_growth_matches_full_size(&small_quantized(GgmlDType::Q8_0), "Q8_0");
 }
 
 #[test]

@@ -13,33 +13,10 @@ use specsplit_core::mask::TreeMask;
 use specsplit_models::config::ModelConfig;
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::transformer::Transformer;
-use specsplit_models::weights::random_tensors;
 use specsplit_models::{ModelError, SessionPass};
-
-/// A small Llama-shaped configuration whose widths are multiples of 256 (the k-quant block).
-fn small_config() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 512,
-        hidden_size: 256,
-        intermediate_size: 512,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 64,
-        attention_bias: true,
-        tie_word_embeddings: false,
-        ..ModelConfig::preset("tiny").unwrap()
-    }
-}
 
 fn dense(dtype: DType) -> Transformer {
     Transformer::random(small_config(), 11, dtype, &Device::Cpu).unwrap()
-}
-
-fn quantized(quant: GgmlDType) -> Transformer {
-    let cfg = small_config();
-    let tensors = random_tensors(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
-    Transformer::from_tensors_quantized(cfg, &tensors, quant, &Device::Cpu).unwrap()
 }
 
 /// One session of a test: a prompt in the cache, a tree of which the first `cached` nodes are
@@ -277,12 +254,12 @@ fn dense_f16_sessions_match_each_session_alone() {
 
 #[test]
 fn q4k_sessions_match_each_session_alone() {
-    check_sessions_match_alone(&quantized(GgmlDType::Q4K), "Q4K");
+    check_sessions_match_alone(&small_quantized(GgmlDType::Q4K), "Q4K");
 }
 
 #[test]
 fn q8_0_sessions_match_each_session_alone() {
-    check_sessions_match_alone(&quantized(GgmlDType::Q8_0), "Q8_0");
+    check_sessions_match_alone(&small_quantized(GgmlDType::Q8_0), "Q8_0");
 }
 
 /// A bad part `bad` among good ones: the call fails naming the part, and no cache changes.

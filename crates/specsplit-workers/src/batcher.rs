@@ -228,15 +228,10 @@ fn finish(
 mod tests {
     use super::*;
     use crate::engine_session::SessionEngine;
-    use candle_core::DType;
     use specsplit_core::verify::Verdict;
-    use specsplit_models::transformer::Transformer;
 
     fn tiny_engine() -> Arc<TargetEngine> {
-        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
-        cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 11, DType::F32, &candle_core::Device::Cpu).unwrap();
-        Arc::new(TargetEngine::new(Arc::new(m), 128).with_spare_sessions(0))
+        Arc::new(TargetEngine::new(crate::test_models::tiny_model(11), 128).with_spare_sessions(0))
     }
 
     fn batcher(engine: &Arc<TargetEngine>, placement: WorkPlacement) -> Arc<VerifyBatcher> {

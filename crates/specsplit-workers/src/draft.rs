@@ -1088,10 +1088,8 @@ mod tests {
     }
 
     fn tiny_engine(eos: Vec<u32>, static_chains: bool) -> DraftEngine {
-        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
-        cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 7, DType::F32, &candle_core::Device::Cpu).unwrap();
-        DraftEngine::new(Arc::new(m), eos, 128).with_static_chains(static_chains)
+        DraftEngine::new(crate::test_models::tiny_model(7), eos, 128)
+            .with_static_chains(static_chains)
     }
 
     fn chain(e: &DraftEngine, s: &mut DraftSession, seq: &[u32], depth: usize) -> TokenTree {

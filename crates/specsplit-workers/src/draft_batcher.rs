@@ -253,9 +253,7 @@ fn run_pass(engine: &DraftEngine, counters: &PassCounters, mut members: Vec<Job>
 mod tests {
     use super::*;
     use crate::engine_session::SessionEngine;
-    use candle_core::DType;
     use specsplit_core::sampling::SamplingParams;
-    use specsplit_models::transformer::Transformer;
 
     /// The rounds queued in `queue`, locked.
     fn lock(queue: &PassQueue<Job>) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Job>> {
@@ -263,11 +261,8 @@ mod tests {
     }
 
     fn tiny_engine(static_chains: bool) -> Arc<DraftEngine> {
-        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
-        cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 7, DType::F32, &candle_core::Device::Cpu).unwrap();
         Arc::new(
-            DraftEngine::new(Arc::new(m), vec![], 128)
+            DraftEngine::new(crate::test_models::tiny_model(7), vec![], 128)
                 .with_static_chains(static_chains)
                 .with_spare_sessions(0),
         )

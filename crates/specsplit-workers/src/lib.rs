@@ -22,5 +22,7 @@ pub mod service;
 pub mod session;
 pub mod spare;
 pub mod target;
+#[cfg(test)]
+pub(crate) mod test_models;
 
 pub use error::EngineError;

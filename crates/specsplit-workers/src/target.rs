@@ -799,10 +799,7 @@ mod tests {
     use crate::session::{SessionLimits, SessionStore};
 
     fn tiny_engine(spares: usize) -> TargetEngine {
-        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
-        cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 11, DType::F32, &candle_core::Device::Cpu).unwrap();
-        TargetEngine::new(Arc::new(m), 128).with_spare_sessions(spares)
+        TargetEngine::new(crate::test_models::tiny_model(11), 128).with_spare_sessions(spares)
     }
 
     /// A chain of `tokens`, or a root with two children when `fork`.

@@ -300,6 +300,29 @@ fn check_pos(pos: &Tensor) -> Result<()> {
     })
 }
 
+/// Checks that `cos` and `sin` are bf16 rotary tables of `hd / 2` columns.
+fn check_rotary(cos: &Tensor, sin: &Tensor, hd: usize) -> Result<()> {
+    for t in [cos, sin] {
+        check(
+            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
+            || format!("rotary table {:?} for head size {hd}", t.dims()),
+        )?;
+    }
+    Ok(())
+}
+
+/// The row count of fused QKV rows `qkv`, checked to hold `(heads + 2 kv) * head_dim` values
+/// each for an even head size of at most 2048.
+fn check_qkv_rows(qkv: &Tensor, s: AttnShape) -> Result<usize> {
+    let hd = s.head_dim;
+    let (n, width) = qkv.dims2()?;
+    check(
+        width == (s.heads + 2 * s.kv) * hd && hd.is_multiple_of(2) && hd <= 2048,
+        || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
+    )?;
+    Ok(n)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn qkv_rope_cache(
     qkv: &Tensor,
@@ -321,12 +344,7 @@ pub(super) fn qkv_rope_cache(
             && hd <= 2048,
         || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
     )?;
-    for t in [cos, sin] {
-        check(
-            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
-            || format!("rotary table {:?} for head size {hd}", t.dims()),
-        )?;
-    }
+    check_rotary(cos, sin, hd)?;
     check_pos(pos)?;
     check_cache(k_cache, s)?;
     check_cache(v_cache, s)?;
@@ -360,11 +378,7 @@ pub(super) fn qkv_rope_rows(
     l: super::Launch,
 ) -> Result<Tensor> {
     let hd = s.head_dim;
-    let (n, width) = qkv.dims2()?;
-    check(
-        width == (s.heads + 2 * s.kv) * hd && hd.is_multiple_of(2) && hd <= 2048,
-        || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
-    )?;
+    let n = check_qkv_rows(qkv, s)?;
     check(
         positions.dims() == [n] && positions.dtype() == DType::U32,
         || format!("positions {:?} for {n} rows", positions.dims()),
@@ -385,12 +399,7 @@ pub(super) fn qkv_rope_rows(
         }
     };
     check(past < i64::from(i32::MAX), || format!("slot {past}"))?;
-    for t in [cos, sin] {
-        check(
-            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
-            || format!("rotary table {:?} for head size {hd}", t.dims()),
-        )?;
-    }
+    check_rotary(cos, sin, hd)?;
     check_cache(k_cache, s)?;
     check_cache(v_cache, s)?;
     let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
@@ -656,11 +665,7 @@ pub(super) fn qkv_rope_sessions(
     l: super::Launch,
 ) -> Result<Tensor> {
     let hd = s.head_dim;
-    let (n, width) = qkv.dims2()?;
-    check(
-        width == (s.heads + 2 * s.kv) * hd && hd.is_multiple_of(2) && hd <= 2048,
-        || format!("fused QKV rows {:?} do not match {s:?}", qkv.dims()),
-    )?;
+    let n = check_qkv_rows(qkv, s)?;
     check(
         n == table.rows() && positions.dims() == [n] && positions.dtype() == DType::U32,
         || {
@@ -672,12 +677,7 @@ pub(super) fn qkv_rope_sessions(
         },
     )?;
     check_table(table, layer, s)?;
-    for t in [cos, sin] {
-        check(
-            t.rank() == 2 && t.dim(1)? == hd / 2 && t.dtype() == DType::BF16,
-            || format!("rotary table {:?} for head size {hd}", t.dims()),
-        )?;
-    }
+    check_rotary(cos, sin, hd)?;
     let q = empty(&[1, s.heads, n, hd], DType::BF16, qkv)?;
     let mut args = pointers(&[
         qkv,

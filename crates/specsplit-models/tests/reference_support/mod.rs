@@ -2,7 +2,11 @@
 //! real models, masks, and comparisons.
 #![allow(dead_code)]
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
+use specsplit_models::config::ModelConfig;
+use specsplit_models::transformer::Transformer;
+use specsplit_models::weights::random_tensors;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -152,4 +156,27 @@ impl Lcg {
     pub fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
         (0..n).map(|_| self.below(vocab as u64) as u32).collect()
     }
+}
+
+/// A small Llama-shaped configuration whose widths are multiples of 256 (the k-quant block).
+pub fn small_config() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 512,
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        attention_bias: true,
+        tie_word_embeddings: false,
+        ..ModelConfig::preset("tiny").unwrap()
+    }
+}
+
+/// [`small_config`] with random weights (seed 11) quantized to `quant`, on the CPU.
+pub fn small_quantized(quant: GgmlDType) -> Transformer {
+    let cfg = small_config();
+    let tensors = random_tensors(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
+    Transformer::from_tensors_quantized(cfg, &tensors, quant, &Device::Cpu).unwrap()
 }

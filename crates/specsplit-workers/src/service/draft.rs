@@ -193,15 +193,12 @@ mod tests {
     use super::*;
     use crate::service::{Execution, WorkPlacement, WorkerInfo};
     use crate::session::SessionLimits;
-    use candle_core::DType;
-    use specsplit_models::transformer::Transformer;
     use std::time::Duration;
 
     fn engine() -> Arc<DraftEngine> {
-        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
-        cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 3, DType::F32, &candle_core::Device::Cpu).unwrap();
-        Arc::new(DraftEngine::new(Arc::new(m), vec![], 128).with_spare_sessions(0))
+        Arc::new(
+            DraftEngine::new(crate::test_models::tiny_model(3), vec![], 128).with_spare_sessions(0),
+        )
     }
 
     /// A draft worker over `engine`, its model work on the blocking pool, batching when

@@ -217,10 +217,8 @@ pub async fn serve_target_with(
 mod tests {
     use std::time::Duration;
 
-    use candle_core::DType;
     use specsplit_core::sampling::SamplingParams;
     use specsplit_core::tree::TokenTree;
-    use specsplit_models::transformer::Transformer;
     use specsplit_proto::EndSessionRequest;
 
     use super::*;
@@ -229,10 +227,7 @@ mod tests {
     use crate::session::SessionLimits;
 
     fn engine() -> Arc<TargetEngine> {
-        let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
-        cfg.max_position_embeddings = 256;
-        let m = Transformer::random(cfg, 11, DType::F32, &candle_core::Device::Cpu).unwrap();
-        Arc::new(TargetEngine::new(Arc::new(m), 128).with_spare_sessions(0))
+        Arc::new(TargetEngine::new(crate::test_models::tiny_model(11), 128).with_spare_sessions(0))
     }
 
     /// A batching target worker over `engine` holding at most `max_sessions` sessions, whose
