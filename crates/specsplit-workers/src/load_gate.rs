@@ -98,9 +98,9 @@ fn interpolate_gap(known: &[(f64, f64)], d: f64) -> f64 {
     // every further level the draft call's fixed cost too, and keep deeper drafts from ever
     // being tried; flat is optimistic, so they are tried, and then measured.
     let (b, gb) = known[known.len() - 1];
-    let drafted: Vec<&(f64, f64)> = known.iter().filter(|&&(k, _)| k > 0.0).collect();
-    let slope = match drafted.as_slice() {
-        [.., a, z] => ((z.1 - a.1) / (z.0 - a.0)).max(0.0),
+    let mut drafted = known.iter().rev().filter(|&&(k, _)| k > 0.0);
+    let slope = match (drafted.next(), drafted.next()) {
+        (Some(z), Some(a)) => ((z.1 - a.1) / (z.0 - a.0)).max(0.0),
         _ => 0.0,
     };
     gb + slope * (d - b)
