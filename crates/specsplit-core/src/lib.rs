@@ -7,10 +7,12 @@
 //! - [`device`]: binding a GPU context to the calling thread.
 //! - [`drafter`]: model-free drafters (n-gram prompt lookup, suffix decoding).
 //! - [`cache`]: pre-allocated per-session KV caches with O(1) rollback and path compaction.
+//! - [`load`]: load levels, batches of concurrent sessions grouped by doubling size.
 
 pub mod cache;
 pub mod device;
 pub mod drafter;
+pub mod load;
 pub mod mask;
 pub mod sampling;
 pub mod tree;

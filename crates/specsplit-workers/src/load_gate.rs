@@ -28,6 +28,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use specsplit_core::load::{load_level, LOAD_LEVELS};
+
 /// Row buckets of the pass-time table: bucket `k` holds passes of `2^k..2^(k+1)` rows.
 const BUCKETS: usize = 24;
 
@@ -64,16 +66,6 @@ const GAP_MEMORY: Duration = Duration::from_secs(30);
 /// A session answered within this window counts in the batch the advice is for.
 const ACTIVE_WINDOW: Duration = Duration::from_millis(500);
 
-/// Load levels the gaps and rounds are kept for: level `k` holds batches of `2^k..2^(k+1)`
-/// sessions, the last one every larger batch.
-const LOAD_LEVELS: usize = 8;
-
-/// The load level of a batch of `sessions` (see [`LOAD_LEVELS`]).
-fn load_level(sessions: usize) -> usize {
-    let k = (usize::BITS - 1 - sessions.max(1).leading_zeros()) as usize;
-    k.min(LOAD_LEVELS - 1)
-}
-
 /// Sessions whose last answer the advisor remembers (their gaps are measured); beyond this,
 /// the oldest answers are forgotten.
 const MAX_REMEMBERED_SESSIONS: usize = 4096;
@@ -104,6 +96,47 @@ fn interpolate_gap(known: &[(f64, f64)], d: f64) -> f64 {
         _ => 0.0,
     };
     gb + slope * (d - b)
+}
+
+/// The gaps the gate predicts at one load level (see [`LoadGate::round_gap`]): the points
+/// (depth, seconds) measured there, or another level's, whose drafting time is then added to
+/// `base` scaled by `scale`.
+struct GapCurve {
+    points: Vec<(f64, f64)>,
+    borrowed: Option<(f64, f64)>,
+}
+
+impl GapCurve {
+    /// The gap before a request drafted to `depth`, in seconds.
+    fn at(&self, depth: usize) -> f64 {
+        let d = depth as f64;
+        match self.borrowed {
+            None => interpolate_gap(&self.points, d),
+            Some((base, scale)) => {
+                let drafting =
+                    interpolate_gap(&self.points, d) - interpolate_gap(&self.points, 0.0);
+                base + drafting.max(0.0) * scale
+            }
+        }
+    }
+}
+
+/// The pass time the table points `pts` (at least two, by rows) predict for `rows` rows, in
+/// seconds: see [`LoadGate::pass_secs`].
+fn pass_at(pts: &[Point], rows: f64) -> f64 {
+    let first = pts[0];
+    if rows <= first.rows {
+        return first.secs;
+    }
+    for w in pts.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if rows <= b.rows {
+            return a.secs + (b.secs - a.secs) * (rows - a.rows) / (b.rows - a.rows);
+        }
+    }
+    let (a, b) = (pts[pts.len() - 2], pts[pts.len() - 1]);
+    let slope = ((b.secs - a.secs) / (b.rows - a.rows)).max(0.0);
+    b.secs + slope * (rows - b.rows)
 }
 
 /// Running means of the passes of one row bucket.
@@ -272,11 +305,20 @@ impl LoadGate {
     /// about four times over, until measured. 0 before any gap is measured (the pass time alone
     /// decides). Gaps measured more than [`GAP_MEMORY`] ago count as unmeasured.
     pub fn round_gap(&self, depth: usize, batch: usize) -> f64 {
+        self.gap_curve(batch).at(depth)
+    }
+
+    /// The gaps [`LoadGate::round_gap`] predicts for a batch of `batch` sessions, at every
+    /// depth.
+    fn gap_curve(&self, batch: usize) -> GapCurve {
         let level = load_level(batch);
         let own = self.known_gaps(level);
         let drafted = |k: &[(f64, f64)]| k.iter().any(|&(d, _)| d > 0.0);
         if drafted(&own) {
-            return interpolate_gap(&own, depth as f64);
+            return GapCurve {
+                points: own,
+                borrowed: None,
+            };
         }
         let nearest = (1..LOAD_LEVELS).find_map(|step| {
             [level.checked_sub(step), Some(level + step)]
@@ -287,15 +329,19 @@ impl LoadGate {
                 .find(|(_, g)| drafted(g))
         });
         let Some((k, other)) = nearest else {
-            return interpolate_gap(&own, depth as f64);
+            return GapCurve {
+                points: own,
+                borrowed: None,
+            };
         };
         let base = match own.first() {
             Some(&(0.0, g0)) => g0,
             _ => interpolate_gap(&other, 0.0),
         };
-        let drafting =
-            (interpolate_gap(&other, depth as f64) - interpolate_gap(&other, 0.0)).max(0.0);
-        base + drafting * 2f64.powi(level as i32 - k as i32)
+        GapCurve {
+            points: other,
+            borrowed: Some((base, 2f64.powi(level as i32 - k as i32))),
+        }
     }
 
     /// The gaps measured within [`GAP_MEMORY`] at load level `level`: (depth, seconds), by
@@ -365,23 +411,13 @@ impl LoadGate {
     /// the measured buckets, flat below the smallest, extended along the last two buckets'
     /// slope (never falling) above the largest. `None` with fewer than two buckets measured.
     pub fn pass_secs(&self, rows: f64) -> Option<f64> {
+        self.pass_points().map(|pts| pass_at(&pts, rows))
+    }
+
+    /// The measured buckets, by rows; `None` with fewer than two.
+    fn pass_points(&self) -> Option<Vec<Point>> {
         let pts: Vec<Point> = self.table.iter().flatten().copied().collect();
-        if pts.len() < 2 {
-            return None;
-        }
-        let first = pts[0];
-        if rows <= first.rows {
-            return Some(first.secs);
-        }
-        for w in pts.windows(2) {
-            let (a, b) = (w[0], w[1]);
-            if rows <= b.rows {
-                return Some(a.secs + (b.secs - a.secs) * (rows - a.rows) / (b.rows - a.rows));
-            }
-        }
-        let (a, b) = (pts[pts.len() - 2], pts[pts.len() - 1]);
-        let slope = ((b.secs - a.secs) / (b.rows - a.rows)).max(0.0);
-        Some(b.secs + slope * (rows - b.rows))
+        (pts.len() >= 2).then_some(pts)
     }
 
     /// The draft depth in `0..=max_depth` that maximises the aggregate expected tokens per
@@ -393,6 +429,9 @@ impl LoadGate {
             return None;
         }
         let alpha = self.acceptance()?;
+        // Pass times and gaps are derived once for every depth.
+        let pts = self.pass_points()?;
+        let gaps = self.gap_curve(batch_sessions);
         let b = batch_sessions.max(1) as f64;
         let level = load_level(batch_sessions);
         let now = Instant::now();
@@ -406,7 +445,7 @@ impl LoadGate {
         for d in 0..=top {
             expected += term;
             term *= alpha;
-            let modelled = self.pass_secs(b * (d + 1) as f64)? + self.round_gap(d, batch_sessions);
+            let modelled = pass_at(&pts, b * (d + 1) as f64) + gaps.at(d);
             let secs = self.measured_cycle(d, level, now).unwrap_or(modelled);
             let rate = b * expected / secs.max(f64::MIN_POSITIVE);
             if rate > best.1 {
@@ -916,15 +955,6 @@ mod tests {
         assert!(!r.fresh(later));
         Recent::record(&mut slot, 7.5, later);
         assert_eq!((slot.unwrap().len, slot.unwrap().median()), (1, 7.5));
-    }
-
-    #[test]
-    fn load_levels_double() {
-        let levels: Vec<usize> = [0, 1, 2, 3, 4, 7, 8, 127, 128, 10_000]
-            .iter()
-            .map(|&b| load_level(b))
-            .collect();
-        assert_eq!(levels, [0, 0, 1, 1, 2, 2, 3, 6, 7, 7]);
     }
 
     #[test]

@@ -229,8 +229,7 @@ impl<J: PassJob> PassQueue<J> {
 
     /// Prepares a job of `session` alone: notes that the session asked for work, locks it
     /// (its job holds the lock until answered) and runs `prepare` on it where the placement
-    /// says, with the number of sessions (this one included) that asked for work within
-    /// [`ACTIVE_WINDOW`]. A panic in `prepare` is answered INTERNAL.
+    /// says. A panic in `prepare` is answered INTERNAL.
     pub(crate) async fn prepare<S, R>(
         &self,
         session: SessionHandle<S>,

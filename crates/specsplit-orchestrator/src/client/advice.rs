@@ -9,17 +9,10 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// Levels of live generations: level `k` holds `2^k..2^(k+1)`, the last one every larger count.
-const LEVELS: usize = 8;
+use specsplit_core::load::{load_level as level, LOAD_LEVELS as LEVELS};
 
 /// No advice heard at a level.
 const UNHEARD: usize = usize::MAX;
-
-/// The level of `live` generations.
-fn level(live: usize) -> usize {
-    let k = (usize::BITS - 1 - live.max(1).leading_zeros()) as usize;
-    k.min(LEVELS - 1)
-}
 
 /// An orchestrator's live generations and the latest advice heard at each level of them.
 #[derive(Debug)]
@@ -103,14 +96,5 @@ mod tests {
         assert_eq!(m.for_first_round(), None);
         drop(alone);
         assert_eq!(m.live.load(Ordering::Relaxed), 0);
-    }
-
-    #[test]
-    fn levels_double() {
-        let levels: Vec<usize> = [0, 1, 2, 3, 4, 7, 8, 200]
-            .iter()
-            .map(|&n| level(n))
-            .collect();
-        assert_eq!(levels, [0, 0, 1, 1, 2, 2, 3, 7]);
     }
 }
