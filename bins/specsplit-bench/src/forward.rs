@@ -35,6 +35,8 @@ pub struct ForwardSettings {
     pub chains: Vec<usize>,
     /// Tree sizes verified.
     pub trees: Vec<usize>,
+    /// Chains grown at once below a forest's roots (pre-draft passes).
+    pub growth_rows: Vec<usize>,
     /// Timed iterations per measurement.
     pub iters: usize,
     /// Untimed iterations before them.
@@ -53,6 +55,9 @@ pub struct ForwardSettings {
 
 /// Steps per timed chain of the fixed-shape step.
 const STATIC_CHAIN: usize = 8;
+
+/// Levels of each timed chain growth.
+const GROWTH_DEPTH: usize = 4;
 
 /// Prefill chunk: long prefixes are written in pieces to bound the attention scratch.
 const PREFILL_CHUNK: usize = 512;
@@ -185,6 +190,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
         .iter()
         .chain(&s.trees)
         .copied()
+        .chain(s.growth_rows.iter().map(|&n| n * GROWTH_DEPTH))
         .max()
         .unwrap_or(1)
         .max(1);
@@ -379,6 +385,33 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "cuda_graph": stepper.uses_graph(), "chain_steps": STATIC_CHAIN,
             "cache_capacity": cache.capacity(),
         })));
+
+        // (a''') greedy chains grown below a forest's roots, every level one pass of all the
+        // chains (a pre-draft's passes), reported per level.
+        for &n in &s.growth_rows {
+            if n == 0 || l + n * GROWTH_DEPTH > cache.capacity() || !stepper.grow_chains_fit(m, n) {
+                continue;
+            }
+            let roots: Vec<u32> = (0..n).map(|_| rng.token(cfg.vocab_size, &[])).collect();
+            let leads = vec![l; n];
+            let ms = time_ms(s.iters, s.warmup.max(2), || {
+                stepper.grow_chains(m, &cache, &roots, &leads, l, GROWTH_DEPTH, &[])?;
+                dev.synchronize()?;
+                Ok(())
+            })?;
+            let per_level: Vec<f64> = ms.iter().map(|x| x / GROWTH_DEPTH as f64).collect();
+            let g = util::summarize(&per_level);
+            eprintln!(
+                "  chain growth {n:>2} rows: {:.3} ms a level ({:.2}x the static step)",
+                g.median,
+                g.median / st.median
+            );
+            rows.push(row(json!({
+                "context": l, "kind": "chain_growth", "tokens": n, "depth": GROWTH_DEPTH,
+                "median_ms": g.median, "p10_ms": g.p10, "p90_ms": g.p90, "mean_ms": g.mean,
+                "iters": ms.len(), "per": "level",
+            })));
+        }
 
         // (b) chains and (c) trees.
         let mut shapes: Vec<(&str, TokenTree)> = Vec::new();

@@ -432,6 +432,73 @@ fn greedy_head_picks_the_lowest_argmax_and_advances_the_position() {
     assert_eq!(pos.to_vec1::<u32>().unwrap(), [46]);
 }
 
+#[test]
+fn greedy_rows_pick_each_rows_lowest_argmax_or_its_forced_token() {
+    let Some(dev) = gpu() else { return };
+    for (rows, vocab) in [(1usize, 151_936usize), (3, 4097), (10, 151_936), (16, 100)] {
+        let mut data: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i as f32 * 0.618).fract() - 0.5) * 8.0)
+            .collect();
+        // Row r: a tie at its maximum (the lower index wins), placed differently per row.
+        for r in 0..rows {
+            let (a, b) = ((r * 37) % vocab, vocab - 1 - (r * 11) % (vocab / 2));
+            data[r * vocab + a] = 9.0;
+            data[r * vocab + b] = 9.0;
+        }
+        let l = Tensor::from_vec(data, (rows, vocab), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let lb = host(&l);
+        // Odd rows forced to token 7 (even rows' forced token is ignored); the last row's
+        // forced token lies outside the vocabulary and is ignored too.
+        let forced: Vec<u32> = (0..rows)
+            .map(|r| {
+                if r + 1 == rows && rows > 1 {
+                    vocab as u32
+                } else {
+                    7
+                }
+            })
+            .collect();
+        let on: Vec<u32> = (0..rows).map(|r| (r % 2) as u32).collect();
+        let forced = Tensor::new(forced.as_slice(), &dev).unwrap();
+        let on_t = Tensor::new(on.as_slice(), &dev).unwrap();
+        let out = Tensor::zeros((2, rows), DType::F32, &dev).unwrap();
+        let ids = fused::greedy_rows(
+            &l,
+            &forced,
+            &on_t,
+            &out.get(0).unwrap(),
+            &out.get(1).unwrap(),
+            L,
+        )
+        .unwrap();
+        let ids: Vec<u32> = ids.to_vec1().unwrap();
+        let got: Vec<Vec<f32>> = out.to_vec2().unwrap();
+        for r in 0..rows {
+            let row = &lb[r * vocab..(r + 1) * vocab];
+            let forced_here = on[r] == 1 && !(r + 1 == rows && rows > 1);
+            let want = if forced_here { 7 } else { argmax(row) };
+            assert_eq!(ids[r], want, "{rows} rows of {vocab}: row {r}");
+            assert_eq!(got[0][r], want as f32, "row {r}: the token as f32");
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln();
+            let lp = row[want as usize] as f64 - lse;
+            assert!(
+                (got[1][r] as f64 - lp).abs() < 1e-3,
+                "{rows} rows of {vocab}: row {r}: log-prob {} vs {lp}",
+                got[1][r]
+            );
+        }
+    }
+    // Buffers that do not hold one value a row are refused.
+    let l = randn(&dev, &[3, 64], 1.0);
+    let two = Tensor::zeros(2, DType::U32, &dev).unwrap();
+    let three = Tensor::zeros(3, DType::F32, &dev).unwrap();
+    assert!(fused::greedy_rows(&l, &two, &two, &three, &three, L).is_err());
+}
+
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in row.iter().enumerate() {

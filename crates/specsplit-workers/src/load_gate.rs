@@ -146,6 +146,8 @@ struct Point {
     rows: f64,
     /// Mean pass time, in seconds.
     secs: f64,
+    /// Passes recorded (counted up to 2: a bucket of one pass is provisional).
+    seen: u8,
 }
 
 /// The cost model behind load-gated speculation: a bounded table of measured pass times per
@@ -268,11 +270,11 @@ impl LoadGate {
     }
 
     /// The cycle (seconds) a session's rounds of `depth` measured within [`GAP_MEMORY`] at
-    /// load level `level`.
-    fn measured_cycle(&self, depth: usize, level: usize, now: Instant) -> Option<f64> {
+    /// load level `level`, and how many rounds stand for it.
+    fn measured_cycle(&self, depth: usize, level: usize, now: Instant) -> Option<(f64, usize)> {
         self.cycles[level][depth]
             .filter(|c| c.fresh(now))
-            .map(|c| c.median())
+            .map(|c| (c.median(), c.len))
     }
 
     /// Records the `gap` between an answer to a session and its next request, which drafted
@@ -381,10 +383,22 @@ impl LoadGate {
             return;
         }
         self.table[k] = Some(match self.table[k] {
-            None => Point { rows: r, secs: s },
+            None => Point {
+                rows: r,
+                secs: s,
+                seen: 1,
+            },
+            // The first pass of a size may have stalled (its graph captured): a faster second
+            // one replaces it.
+            Some(p) if p.seen == 1 && s < p.secs => Point {
+                rows: r,
+                secs: s,
+                seen: 2,
+            },
             Some(p) => Point {
                 rows: p.rows + PASS_WEIGHT * (r - p.rows),
                 secs: p.secs + PASS_WEIGHT * (s - p.secs),
+                seen: 2,
             },
         });
         self.passes += 1;
@@ -414,9 +428,20 @@ impl LoadGate {
         self.pass_points().map(|pts| pass_at(&pts, rows))
     }
 
-    /// The measured buckets, by rows; `None` with fewer than two.
+    /// The measured buckets, by rows; `None` with fewer than two. A bucket of one pass that
+    /// took longer than the buckets of several passes predict for its rows is left out: a
+    /// size's first pass may have stalled (kernels compiled or a graph captured at its first
+    /// use), and a size priced by a stall would never be run again to correct it.
     fn pass_points(&self) -> Option<Vec<Point>> {
-        let pts: Vec<Point> = self.table.iter().flatten().copied().collect();
+        let all = || self.table.iter().flatten().copied();
+        let settled: Vec<Point> = all().filter(|p| p.seen >= 2).collect();
+        let pts: Vec<Point> = if settled.len() >= 2 {
+            all()
+                .filter(|p| p.seen >= 2 || p.secs <= pass_at(&settled, p.rows))
+                .collect()
+        } else {
+            all().collect()
+        };
         (pts.len() >= 2).then_some(pts)
     }
 
@@ -446,7 +471,13 @@ impl LoadGate {
             expected += term;
             term *= alpha;
             let modelled = pass_at(&pts, b * (d + 1) as f64) + gaps.at(d);
-            let secs = self.measured_cycle(d, level, now).unwrap_or(modelled);
+            // One round measured alone may have stalled (a graph captured at its first use):
+            // it can only make its depth look better than the model does, never worse.
+            let secs = match self.measured_cycle(d, level, now) {
+                Some((c, 1)) => c.min(modelled),
+                Some((c, _)) => c,
+                None => modelled,
+            };
             let rate = b * expected / secs.max(f64::MIN_POSITIVE);
             if rate > best.1 {
                 best = (d, rate);
@@ -1021,8 +1052,47 @@ mod tests {
         // A real 5-row pass is recorded.
         g.observe_pass(5, Duration::from_micros(5_400));
         assert!((g.pass_secs(5.0).unwrap() - 0.0054).abs() < 1e-9);
-        // Large passes that are just slow (a long prompt's prefill) are within the bound.
+        // Large passes that are just slow (a long prompt's prefill) are within the bound; one
+        // alone, slower than the sizes measured more often predict, stands once seen twice.
+        g.observe_pass(512, Duration::from_millis(60));
+        assert!(g.pass_secs(512.0).unwrap() < 0.060);
         g.observe_pass(512, Duration::from_millis(60));
         assert!((g.pass_secs(512.0).unwrap() - 0.060).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_depths_first_round_alone_does_not_keep_it_from_being_tried() {
+        // One session: passes of 1 and 2 rows measured often (5.2, 5.25 ms), a prompt's 133
+        // rows twice (12 ms); drafting 0.3 ms a level. The first 5-row pass took 20 ms (its
+        // graph captured; within twice its rows as 2-row passes) and so did its round.
+        let mut g = LoadGate::new(4);
+        let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+        for _ in 0..4 {
+            g.observe_pass(1, ms(5.2));
+            g.observe_pass(2, ms(5.25));
+            g.observe_gap(1, ms(0.4), 1);
+            g.observe_cycle(1, ms(5.7), 1);
+        }
+        g.observe_pass(133, ms(12.0));
+        g.observe_pass(133, ms(12.0));
+        g.observe_pass(5, ms(20.0));
+        g.observe_cycle(4, ms(21.5), 1);
+        for i in 0..100 {
+            g.observe_verdict(1, usize::from(i % 5 != 0));
+        }
+        // Priced by that round, depth 4 would lose to depth 1 (3.36 / 21.5 against 1.8 / 5.7
+        // tokens a ms); the model prices it at about 5.4 + 1.3 ms.
+        assert!(g.pass_secs(5.0).unwrap() < 0.006);
+        assert_eq!(g.advise(1), Some(4));
+        // Measured again at its cost, the size and the depth stand by that.
+        g.observe_pass(5, ms(5.4));
+        g.observe_cycle(4, ms(6.0), 1);
+        assert!((g.pass_secs(5.0).unwrap() - 0.0054).abs() < 1e-9);
+        assert_eq!(g.advise(1), Some(4));
+        // Rounds that really cost that much keep the depth out (the model's depth 3 next).
+        for _ in 0..4 {
+            g.observe_cycle(4, ms(21.5), 1);
+        }
+        assert_eq!(g.advise(1), Some(3));
     }
 }

@@ -21,10 +21,13 @@ extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
 // so the next replay of a captured step decodes the following token. Split over blocks (one
 // block took ~52 us over a 150k vocabulary on an H100): block b takes logits
 // [b * chunk, (b + 1) * chunk) and writes part[3 b ..] = its maximum, the lowest index holding
-// it (as int bits) and the sum of exp(x - its maximum). Block of 256.
+// it (as int bits) and the sum of exp(x - its maximum). Block of 256. Several rows: grid
+// (blocks, rows), row y's logits at y * v and its parts at 3 * blocks * y.
 extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restrict__ logits, int v,
                                                            int chunk, float* __restrict__ part) {
     pdl_enter();
+    logits += (size_t)blockIdx.y * v;
+    part += (size_t)3 * gridDim.x * blockIdx.y;
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -99,5 +102,43 @@ extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict_
         *logprob = -logf(s);
         *token = (uint32_t)bi;
         *pos = *pos + 1;
+    }
+}
+
+// Combines the parts of specsplit_greedy_head_part_bf16 for each of the rows of a chain growth
+// level (one warp a row, grid rows): the row's token is forced[r] where forced_on[r], else the
+// lowest index holding its maximum; writes it to ids[r] (the next level's input) and, as f32,
+// to tok[r], and its log-probability (logit - logsumexp) to lp[r].
+extern "C" __global__ void specsplit_greedy_rows_finish(
+    const float* __restrict__ part, int blocks, const bf16* __restrict__ logits, int v,
+    const uint32_t* __restrict__ forced, const uint32_t* __restrict__ forced_on,
+    uint32_t* __restrict__ ids, float* __restrict__ tok, float* __restrict__ lp) {
+    pdl_enter();
+    const int r = blockIdx.x, lane = threadIdx.x;
+    part += (size_t)3 * blocks * r;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int b = lane; b < blocks; b += WARP) {
+        const float m = part[3 * b];
+        const int i = __float_as_int(part[3 * b + 1]);
+        if (m > bv || (m == bv && i < bi)) {
+            bv = m;
+            bi = i;
+        }
+    }
+    warp_argmax(bv, bi);
+    float s = 0.f;
+    for (int b = lane; b < blocks; b += WARP) {
+        const float m = part[3 * b];
+        if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
+    }
+    s = warp_sum(s);
+    if (lane == 0) {
+        const bool f = forced_on[r] != 0 && forced[r] < (uint32_t)v;
+        const uint32_t t = f ? forced[r] : (uint32_t)bi;
+        const float x = f ? __bfloat162float(logits[(size_t)r * v + t]) : bv;
+        ids[r] = t;
+        tok[r] = (float)t;
+        lp[r] = x - bv - logf(s);
     }
 }

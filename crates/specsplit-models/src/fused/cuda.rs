@@ -813,3 +813,69 @@ pub(super) fn greedy_head(
     args.extend(pointers(&[next, logprob, token, pos])?);
     launch(l.pdl, dev, "specsplit_greedy_head_finish", 1, 32, &args)
 }
+
+pub(super) fn greedy_rows(
+    logits: &Tensor,
+    forced: &Tensor,
+    forced_on: &Tensor,
+    tok: &Tensor,
+    lp: &Tensor,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    for (t, dt) in [
+        (forced, DType::U32),
+        (forced_on, DType::U32),
+        (tok, DType::F32),
+        (lp, DType::F32),
+    ] {
+        check(t.elem_count() == rows && t.dtype() == dt, || {
+            format!(
+                "greedy rows buffer {:?} {:?} for {rows} rows",
+                t.dims(),
+                t.dtype()
+            )
+        })?;
+    }
+    let dev = cuda(logits)?;
+    // As the one-row head: blocks of at least 2048 logits, a grid row per row.
+    let blocks = vocab.div_ceil(2048).clamp(1, 128);
+    let chunk = vocab.div_ceil(blocks);
+    let part = empty(&[rows * 3 * blocks], DType::F32, logits)?;
+    let ids = empty(&[rows], DType::U32, logits)?;
+    let args = [
+        P(ptr(logits)?),
+        I(vocab as i32),
+        I(chunk as i32),
+        P(ptr(&part)?),
+    ];
+    launch_2d(
+        l.pdl,
+        dev,
+        "specsplit_greedy_head_part_bf16",
+        (blocks as u32, rows as u32),
+        256,
+        0,
+        &args,
+    )?;
+    let args = [
+        P(ptr(&part)?),
+        I(blocks as i32),
+        P(ptr(logits)?),
+        I(vocab as i32),
+        P(ptr(forced)?),
+        P(ptr(forced_on)?),
+        P(ptr(&ids)?),
+        P(ptr(tok)?),
+        P(ptr(lp)?),
+    ];
+    launch(
+        l.pdl,
+        dev,
+        "specsplit_greedy_rows_finish",
+        rows as u32,
+        32,
+        &args,
+    )?;
+    Ok(ids)
+}

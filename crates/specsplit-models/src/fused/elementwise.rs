@@ -1,4 +1,4 @@
-//! The SwiGLU gate and the greedy head of the one-token step.
+//! The SwiGLU gate, the greedy head of the one-token step and that of a chain growth's rows.
 
 use super::{applies, imp, unfit, Launch};
 use candle_core::{Result, Tensor};
@@ -26,4 +26,24 @@ pub fn greedy_head(
         return Err(unfit("greedy_head", &[logits]));
     }
     imp::greedy_head(logits, next, logprob, token, pos, launch)
+}
+
+/// The greedy heads of the rows of a chain growth level, all on the device: row `r`'s token is
+/// `forced[r]` where `forced_on[r]` is nonzero (and `forced[r]` lies in the vocabulary), else
+/// `argmax(logits[r])` (lowest index among equal maxima); writes it as f32 to `tok[r]` and its
+/// log-probability (logit − logsumexp, f32) to `lp[r]`, and returns the tokens `(rows,)` u32.
+/// `logits` is `(rows, vocab)` bf16; `forced`, `forced_on` (u32) and `tok`, `lp` (f32) hold
+/// `rows` values each.
+pub fn greedy_rows(
+    logits: &Tensor,
+    forced: &Tensor,
+    forced_on: &Tensor,
+    tok: &Tensor,
+    lp: &Tensor,
+    launch: Launch,
+) -> Result<Tensor> {
+    if !applies(logits) {
+        return Err(unfit("greedy_rows", &[logits]));
+    }
+    imp::greedy_rows(logits, forced, forced_on, tok, lp, launch)
 }

@@ -165,7 +165,8 @@ impl Transformer {
 
     /// Grows `b.rows()` greedy chains of `b.depth()` tokens below the roots set by
     /// [`ChainGrowth::start`], one batch-invariant pass a level (each row's logits
-    /// bit-identical to a [`Transformer::forward_tree`] of the same forest), with every input
+    /// bit-identical to a [`Transformer::forward_tree`] of the same forest) and one greedy head
+    /// for all its rows ([`fused::greedy_rows`]), with every input
     /// read on the device, so a captured CUDA graph serves every round: writes each node's K/V
     /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
     /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.
@@ -181,18 +182,15 @@ impl Transformer {
             let slots = fused::RowSlots::Listed(&slots);
             let (h, head) =
                 self.rows_stack(&layers, &product, &ids, &positions, slots, keys, cache)?;
-            let logits = product(&h, head, None)?.to_dtype(DType::F32)?;
-            let lse = logits.log_sum_exp(1)?;
-            let greedy = logits.argmax(1)?;
-            let picked = b
-                .forced_on
-                .get(level)?
-                .where_cond(&b.forced.get(level)?, &greedy)?;
-            let lp = (logits.gather(&picked.unsqueeze(1)?, 1)?.squeeze(1)? - lse)?;
-            b.out
-                .slice_set(&picked.to_dtype(DType::F32)?.unsqueeze(0)?, 0, level)?;
-            b.out.slice_set(&lp.unsqueeze(0)?, 0, b.depth + level)?;
-            ids = picked;
+            let logits = product(&h, head, None)?;
+            ids = fused::greedy_rows(
+                &logits,
+                &b.forced.get(level)?,
+                &b.forced_on.get(level)?,
+                &b.out.get(level)?,
+                &b.out.get(b.depth + level)?,
+                launch,
+            )?;
         }
         Ok(())
     }
@@ -232,15 +230,8 @@ mod tests {
         ];
         assert_eq!(v(&b.io), want);
         assert_eq!(v(&b.slots), [9, 10, 11, 12, 13, 14]);
-        // The forced tokens replace the greedy ones where set.
-        let greedy = Tensor::new(&[7u32, 8], &Device::Cpu).unwrap();
-        let picked = b
-            .forced_on
-            .get(0)
-            .unwrap()
-            .where_cond(&b.forced.get(0).unwrap(), &greedy)
-            .unwrap();
-        assert_eq!(v(&picked), [7, 3]);
+        assert_eq!(v(&b.forced), [0, 3, 0, 0, 0, 4]);
+        assert_eq!(v(&b.forced_on), [0, 1, 0, 0, 0, 1]);
         // Wrong counts, a run past the base and levels past the capacity are refused.
         assert!(b.start(&[1], &[5, 7], 9, &[]).is_err());
         assert!(b.start(&[1, 2], &[5, 10], 9, &[]).is_err());
