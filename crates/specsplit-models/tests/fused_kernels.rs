@@ -499,6 +499,65 @@ fn greedy_rows_pick_each_rows_lowest_argmax_or_its_forced_token() {
     assert!(fused::greedy_rows(&l, &two, &two, &three, &three, L).is_err());
 }
 
+#[test]
+fn top_rows_give_each_rows_largest_logits_best_first_with_the_logsumexp() {
+    let Some(dev) = gpu() else { return };
+    for (rows, vocab, width) in [(1usize, 151_936usize, 3usize), (5, 151_936, 5), (3, 100, 4)] {
+        let mut data: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i as f32 * 0.618).fract() - 0.5) * 8.0)
+            .collect();
+        // Row r: a tie at its maximum (the lower index first), then a clear third.
+        for r in 0..rows {
+            data[r * vocab + (r * 37) % vocab] = 9.0;
+            data[r * vocab + vocab - 1 - r] = 9.0;
+            data[r * vocab + (r * 13 + 5) % vocab] = 8.5;
+        }
+        for dtype in [DType::F32, DType::BF16] {
+            let l = Tensor::from_vec(data.clone(), (rows, vocab), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let lh = host(&l);
+            let got: Vec<Vec<f32>> = fused::top_rows(&l, width, L).unwrap().to_vec2().unwrap();
+            for r in 0..rows {
+                let row = &lh[r * vocab..(r + 1) * vocab];
+                // Host reference: indices by logit, descending, the lower index first on ties.
+                let mut order: Vec<usize> = (0..vocab).collect();
+                order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+                let mx = row[order[0]] as f64;
+                let lse = mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln();
+                for j in 0..width {
+                    assert_eq!(got[r][j], order[j] as f32, "{dtype:?} row {r} pick {j}");
+                    assert_eq!(
+                        got[r][width + j],
+                        row[order[j]],
+                        "{dtype:?} row {r} value {j}"
+                    );
+                }
+                let g = got[r][2 * width] as f64;
+                assert!(
+                    (g - lse).abs() < 1e-3,
+                    "{dtype:?} row {r}: logsumexp {g} vs {lse}"
+                );
+            }
+            // The input is left alone.
+            assert_eq!(host(&l), lh);
+        }
+    }
+    // Fewer finite logits than the width: the rest come back as -1 / -inf.
+    let l = Tensor::from_vec(
+        vec![1f32, f32::NEG_INFINITY, 3.0, f32::NEG_INFINITY],
+        (1, 4),
+        &dev,
+    )
+    .unwrap();
+    let got: Vec<Vec<f32>> = fused::top_rows(&l, 3, L).unwrap().to_vec2().unwrap();
+    assert_eq!(&got[0][..3], &[2.0, 0.0, -1.0]);
+    assert_eq!(&got[0][3..6], &[3.0, 1.0, f32::NEG_INFINITY]);
+    // A width past the vocabulary is refused.
+    assert!(fused::top_rows(&l, 5, L).is_err());
+}
+
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in row.iter().enumerate() {

@@ -36,6 +36,29 @@ impl Ema {
     }
 }
 
+/// A pre-draft's time per pass at one row count: a running mean whose first sample is
+/// provisional. The first pre-draft of a shape captures its CUDA graphs; priced by that stall,
+/// the shape would never be tried again, so a faster second sample replaces the first, and a
+/// shape measured once is valued at no more than the optimistic estimate of a shape not
+/// measured yet. Later samples count at most twice the mean (a one-off stall), so that no
+/// single one moves it far. Each row count has its own (each is a shape of its own graphs).
+#[derive(Debug, Clone, Copy, Default)]
+struct PassTime {
+    mean: Ema,
+    samples: u32,
+}
+
+impl PassTime {
+    fn observe(&mut self, x: f64) {
+        match self.mean.0 {
+            Some(first) if self.samples == 1 && x < first => self.mean = Ema(Some(x)),
+            Some(mean) => self.mean.observe(x.min(2.0 * mean)),
+            None => self.mean.observe(x),
+        }
+        self.samples = self.samples.saturating_add(1);
+    }
+}
+
 /// Hits over tries, decayed, starting from a prior of `prior` in two tries.
 #[derive(Debug, Clone, Copy)]
 struct Rate {
@@ -95,8 +118,8 @@ pub struct PreDraftPlanner {
     bet_ms_per_level: Ema,
     verify_alone_ms: Ema,
     verify_beside_ms: Ema,
-    /// A pre-draft's wall time per pass, by the pass's rows rounded up to a power of two.
-    pass_ms: BTreeMap<usize, Ema>,
+    /// A pre-draft's wall time per pass, by the pass's rows.
+    pass_ms: BTreeMap<usize, PassTime>,
     /// Hit rates of outcomes that reject a path token and of the full-acceptance outcome, by m.
     reject_hits: Vec<Rate>,
     bonus_hits: Vec<Rate>,
@@ -154,7 +177,7 @@ impl PreDraftPlanner {
     /// `depth` levels that took `ms` of wall time.
     pub fn observe_predraft(&mut self, path: usize, candidates: usize, depth: usize, ms: f64) {
         if ms > 0.0 && candidates > 0 {
-            let rows = bucket((path + 1) * candidates);
+            let rows = (path + 1) * candidates;
             self.pass_ms
                 .entry(rows)
                 .or_default()
@@ -270,17 +293,21 @@ impl PreDraftPlanner {
     /// Estimated wall time of a pre-draft after a depth-`d` path with `m` candidates and trees
     /// of `d` levels: the measured time per pass of its row count; not measured yet, the least
     /// of an ordinary draft's time per level and the measured times of fewer rows (optimistic,
-    /// so that it gets tried and measured).
+    /// so that it gets tried and measured); measured once, no more than that (see
+    /// [`PassTime`]).
     fn predraft_ms(&self, d: usize, m: usize) -> f64 {
-        let rows = bucket((d + 1) * m);
-        let per_pass = match self.pass_ms.get(&rows).and_then(|e| e.0) {
-            Some(ms) => ms,
-            None => self
-                .pass_ms
+        let rows = (d + 1) * m;
+        let optimistic = || {
+            self.pass_ms
                 .range(..rows)
-                .filter_map(|(_, e)| e.0)
+                .filter_map(|(_, e)| e.mean.0)
                 .chain(self.draft_ms_per_level.0)
-                .fold(f64::INFINITY, f64::min),
+                .fold(f64::INFINITY, f64::min)
+        };
+        let per_pass = match self.pass_ms.get(&rows).map(|e| (e.mean.0, e.samples)) {
+            Some((Some(ms), n)) if n >= 2 => ms,
+            Some((Some(ms), _)) => ms.min(optimistic()),
+            _ => optimistic(),
         };
         if per_pass.is_finite() {
             per_pass * passes(d) as f64
@@ -300,11 +327,6 @@ impl Default for PreDraftPlanner {
 /// per further level.
 fn passes(depth: usize) -> usize {
     depth + 1
-}
-
-/// `rows` rounded up to a power of two.
-fn bucket(rows: usize) -> usize {
-    rows.max(1).next_power_of_two()
 }
 
 #[cfg(test)]
@@ -396,18 +418,67 @@ mod tests {
         // An ordinary draft: 1 ms a level.
         let mut p = measured(&[(4, 4)], 1.0, 5.0);
         p.observe_predraft(1, 1, 1, 4.0); // 2 rows, 2 passes: 2 ms a pass
+        p.observe_predraft(1, 1, 1, 4.0);
         assert!((p.predraft_ms(1, 1) - 2.0 * 2.0).abs() < 1e-9, "measured");
-        // 10 rows (bucket 16) not measured: the least of 2 ms (2 rows) and 1 ms (a draft level).
+        // 10 rows not measured: the least of 2 ms (2 rows) and 1 ms (a draft level).
         assert!((p.predraft_ms(4, 2) - 1.0 * 5.0).abs() < 1e-9);
-        p.observe_predraft(4, 2, 4, 20.0); // 10 rows -> 16, 5 passes: 4 ms a pass
+        p.observe_predraft(4, 2, 4, 20.0); // 10 rows, 5 passes: 4 ms a pass
+        p.observe_predraft(4, 2, 4, 20.0);
+        assert!((p.predraft_ms(4, 2) - 4.0 * 5.0).abs() < 1e-9, "measured");
         assert!(
-            (p.predraft_ms(4, 3) - 4.0 * 5.0).abs() < 1e-9,
-            "15 rows: bucket 16"
+            (p.predraft_ms(4, 3) - 1.0 * 5.0).abs() < 1e-9,
+            "15 rows: not measured"
         );
         assert!(
             (p.predraft_ms(6, 4) - 1.0 * 7.0).abs() < 1e-9,
             "28 rows: not measured"
         );
+    }
+
+    #[test]
+    fn a_shapes_first_pre_draft_alone_does_not_keep_it_from_being_chosen() {
+        // Draft 0.8 ms a level, verify 5.5 ms alone and beside; acceptance 0.8, the draft's
+        // bonus right 9 times in 10, two candidates hit 9 times in 10. One bet costs a draft of
+        // five levels (4 ms) beside the verify.
+        let rounds = [(4, 4), (4, 3), (4, 4), (4, 2), (4, 4)];
+        let mut p = measured(&rounds, 0.8, 5.5);
+        for _ in 0..40 {
+            p.observe_outcome(1, true, true);
+            p.observe_outcome(2, true, true);
+            p.observe_outcome(2, false, true);
+            p.observe_bet(4, 4.0);
+        }
+        p.observe_outcome(2, false, false);
+        p.observe_verify(4, 4, 5.5, true);
+        // Two candidates' first pre-draft stalled: 20 ms for 5 passes (its graphs captured).
+        p.observe_predraft(4, 2, 4, 20.0);
+        assert!(
+            (p.predraft_ms(4, 2) - 0.8 * 5.0).abs() < 1e-9,
+            "valued as untried"
+        );
+        let s = p.choose(4..=4, None);
+        assert!(!s.bet && s.candidates >= 2, "{s:?}");
+        // The second took 6.5 ms: it replaces the stall.
+        p.observe_predraft(4, 2, 4, 6.5);
+        assert!((p.predraft_ms(4, 2) - 6.5).abs() < 1e-9);
+        // Three candidates (15 rows, a shape of its own) stall at their first pre-draft too:
+        // valued as untried, and two candidates' estimate stays.
+        p.observe_predraft(4, 3, 4, 40.0);
+        assert!((p.predraft_ms(4, 3) - 0.8 * 5.0).abs() < 1e-9);
+        assert!((p.predraft_ms(4, 2) - 6.5).abs() < 1e-9);
+        // A later stall of two candidates counts as twice their mean.
+        p.observe_predraft(4, 2, 4, 40.0);
+        assert!((p.predraft_ms(4, 2) - 6.5 * 1.1).abs() < 1e-9);
+        let s = p.choose(4..=4, None);
+        assert!(!s.bet && s.candidates >= 2, "{s:?}");
+        // Pre-drafts of every shape that really take 20 ms make the bet the better choice.
+        for _ in 0..40 {
+            for m in 1..=MAX_CANDIDATES {
+                p.observe_predraft(4, m, 4, 20.0);
+            }
+        }
+        let s = p.choose(4..=4, None);
+        assert!(s.bet && s.candidates == 0, "{s:?}");
     }
 
     #[test]

@@ -976,14 +976,30 @@ impl DraftEngine {
 
 /// The `width` largest logits of each row of `logits` (rows, vocab), best first, with their
 /// log-probabilities under the row's softmax. Runs on the logits' device (`width` rounds of
-/// argmax, gather and masking) and copies back only `rows × width` ids and values, in one
-/// transfer. Siblings are always distinct; a row with fewer than `width` finite logits yields
+/// argmax, gather and masking; on CUDA [`specsplit_models::fused::top_rows`]) and copies back
+/// only `rows × width` ids and values, in one transfer. Siblings are always distinct; a row with fewer than `width` finite logits yields
 /// fewer.
 pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec<Vec<(u32, f32)>>> {
     let (rows, vocab) = logits.dims2()?;
     let width = width.min(vocab);
     if rows == 0 || width == 0 {
         return Ok(vec![Vec::new(); rows]);
+    }
+    if logits.device().is_cuda() {
+        // One blocked argmax over all rows a round (candle's reductions take a block a row).
+        let launch = specsplit_models::fused::Launch::DEFAULT;
+        let packed: Vec<Vec<f32>> =
+            specsplit_models::fused::top_rows(logits, width, launch)?.to_vec2()?;
+        return Ok(packed
+            .into_iter()
+            .map(|r| {
+                let lse = r[2 * width];
+                (0..width)
+                    .filter(|&j| r[width + j].is_finite() && r[j] >= 0.0)
+                    .map(|j| (r[j] as u32, r[width + j] - lse))
+                    .collect()
+            })
+            .collect());
     }
     // A private copy when the masking below will write into it.
     let x = logits.to_dtype(DType::F32)?;

@@ -21,10 +21,14 @@ extern "C" __global__ void specsplit_silu_mul_bf16(const bf16* __restrict__ gu,
 // so the next replay of a captured step decodes the following token. Split over blocks (one
 // block took ~52 us over a 150k vocabulary on an H100): block b takes logits
 // [b * chunk, (b + 1) * chunk) and writes part[3 b ..] = its maximum, the lowest index holding
-// it (as int bits) and the sum of exp(x - its maximum). Block of 256. Several rows: grid
-// (blocks, rows), row y's logits at y * v and its parts at 3 * blocks * y.
-extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restrict__ logits, int v,
-                                                           int chunk, float* __restrict__ part) {
+// it (as int bits) and the sum of exp(x - its maximum). Block of 256; bf16 or f32 logits.
+// Several rows: grid (blocks, rows), row y's logits at y * v and its parts at 3 * blocks * y.
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+template <typename T>
+__device__ __forceinline__ void greedy_head_part(const T* __restrict__ logits, int v, int chunk,
+                                                 float* __restrict__ part) {
     pdl_enter();
     logits += (size_t)blockIdx.y * v;
     part += (size_t)3 * gridDim.x * blockIdx.y;
@@ -35,7 +39,7 @@ extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restric
     float bv = -INFINITY;
     int bi = 0x7fffffff;
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const float x = __bfloat162float(logits[i]);
+        const float x = to_float(logits[i]);
         if (x > bv) {
             bv = x;
             bi = i;
@@ -62,13 +66,23 @@ extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restric
     float s = 0.f;
     if (m > -INFINITY)
         for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)
-            s += __expf(__bfloat162float(logits[i]) - m);
+            s += __expf(to_float(logits[i]) - m);
     s = block_sum(s);
     if (threadIdx.x == 0) {
         part[3 * blockIdx.x] = m;
         part[3 * blockIdx.x + 1] = __int_as_float(arg);
         part[3 * blockIdx.x + 2] = s;
     }
+}
+
+extern "C" __global__ void specsplit_greedy_head_part_bf16(const bf16* __restrict__ logits, int v,
+                                                           int chunk, float* __restrict__ part) {
+    greedy_head_part(logits, v, chunk, part);
+}
+
+extern "C" __global__ void specsplit_greedy_head_part_f32(const float* __restrict__ logits, int v,
+                                                          int chunk, float* __restrict__ part) {
+    greedy_head_part(logits, v, chunk, part);
 }
 
 // Combines the `blocks` parts of specsplit_greedy_head_part_bf16 (one warp): next = token = the
@@ -140,5 +154,44 @@ extern "C" __global__ void specsplit_greedy_rows_finish(
         ids[r] = t;
         tok[r] = (float)t;
         lp[r] = x - bv - logf(s);
+    }
+}
+
+// One round of the top-w of each row (one warp a row, grid rows), after a round of
+// specsplit_greedy_head_part_f32 over the same logits: writes the row's maximum's lowest index
+// (as f32) to out[r * (2 w + 1) + j] and the maximum to out[.. + w + j]; in round 0 also the
+// row's logsumexp to out[.. + 2 w]; then masks the picked logit to -inf, so that the next round
+// picks the next largest. A row whose logits are all -inf writes -inf and masks nothing.
+extern "C" __global__ void specsplit_top_rows_round_f32(const float* __restrict__ part, int blocks,
+                                                       float* __restrict__ logits, int v, int w,
+                                                       int j, float* __restrict__ out) {
+    pdl_enter();
+    const int r = blockIdx.x, lane = threadIdx.x;
+    part += (size_t)3 * blocks * r;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int b = lane; b < blocks; b += WARP) {
+        const float m = part[3 * b];
+        const int i = __float_as_int(part[3 * b + 1]);
+        if (m > bv || (m == bv && i < bi)) {
+            bv = m;
+            bi = i;
+        }
+    }
+    warp_argmax(bv, bi);
+    float s = 0.f;
+    if (j == 0)
+        for (int b = lane; b < blocks; b += WARP) {
+            const float m = part[3 * b];
+            if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
+        }
+    s = warp_sum(s);
+    if (lane == 0) {
+        float* o = out + (size_t)r * (2 * w + 1);
+        const bool found = bv > -INFINITY && bi < v;
+        o[j] = found ? (float)bi : -1.f;
+        o[w + j] = found ? bv : -INFINITY;
+        if (j == 0) o[2 * w] = found ? bv + logf(s) : -INFINITY;
+        if (found) logits[(size_t)r * v + bi] = -INFINITY;
     }
 }

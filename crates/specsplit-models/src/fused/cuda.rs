@@ -879,3 +879,52 @@ pub(super) fn greedy_rows(
     )?;
     Ok(ids)
 }
+
+pub(super) fn top_rows(logits: &Tensor, width: usize, l: super::Launch) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    check(rows > 0 && (1..=vocab).contains(&width), || {
+        format!("top {width} of {:?} logits", logits.dims())
+    })?;
+    let dev = cuda(logits)?;
+    // A private f32 copy: each round masks the logit it picked.
+    let x = logits.to_dtype(DType::F32)?.copy()?;
+    let blocks = vocab.div_ceil(2048).clamp(1, 128);
+    let chunk = vocab.div_ceil(blocks);
+    let part = empty(&[rows * 3 * blocks], DType::F32, logits)?;
+    let out = empty(&[rows, 2 * width + 1], DType::F32, logits)?;
+    for j in 0..width {
+        let args = [
+            P(ptr(&x)?),
+            I(vocab as i32),
+            I(chunk as i32),
+            P(ptr(&part)?),
+        ];
+        launch_2d(
+            l.pdl,
+            dev,
+            "specsplit_greedy_head_part_f32",
+            (blocks as u32, rows as u32),
+            256,
+            0,
+            &args,
+        )?;
+        let args = [
+            P(ptr(&part)?),
+            I(blocks as i32),
+            P(ptr(&x)?),
+            I(vocab as i32),
+            I(width as i32),
+            I(j as i32),
+            P(ptr(&out)?),
+        ];
+        launch(
+            l.pdl,
+            dev,
+            "specsplit_top_rows_round_f32",
+            rows as u32,
+            32,
+            &args,
+        )?;
+    }
+    Ok(out)
+}

@@ -1,7 +1,8 @@
-//! The SwiGLU gate, the greedy head of the one-token step and that of a chain growth's rows.
+//! The SwiGLU gate, the greedy head of the one-token step, that of a chain growth's rows, and
+//! the top logits of a few rows.
 
 use super::{applies, imp, unfit, Launch};
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 /// SwiGLU gate of `(rows, 2 n)` = `[gate | up]`: `silu(gate) * up`, `(rows, n)` bf16.
 pub fn silu_mul(gate_up: &Tensor, launch: Launch) -> Result<Tensor> {
@@ -46,4 +47,18 @@ pub fn greedy_rows(
         return Err(unfit("greedy_rows", &[logits]));
     }
     imp::greedy_rows(logits, forced, forced_on, tok, lp, launch)
+}
+
+/// The `width` largest logits of each row of `logits` `(rows, vocab)` (bf16 or f32 on CUDA),
+/// in `width` rounds of one blocked argmax over all rows: `(rows, 2 width + 1)` f32 where
+/// row `r` holds the picked ids in columns `0..width` (best first, the lowest index among equal
+/// logits; -1 once only -inf logits remain), their logits in `width..2 width` (-inf where none)
+/// and the row's logsumexp in column `2 width`. A logit minus the logsumexp is its
+/// log-probability. Needs `1 <= width <= vocab`.
+pub fn top_rows(logits: &Tensor, width: usize, launch: Launch) -> Result<Tensor> {
+    let on_cuda = cfg!(feature = "cuda") && logits.device().is_cuda();
+    if !on_cuda || !matches!(logits.dtype(), DType::BF16 | DType::F32) {
+        return Err(unfit("top_rows", &[logits]));
+    }
+    imp::top_rows(logits, width, launch)
 }

@@ -46,7 +46,7 @@ mod sessions;
 
 pub use attention::{decode_attention, rows_attention, AttnShape, PassKeys, RA_MAX_REP};
 pub use bi_matmul::{bi_matmul, bi_matmul_fits, cublas_product, BI_MAX_ROWS, WIDE_MAX_ROWS};
-pub use elementwise::{greedy_head, greedy_rows, silu_mul};
+pub use elementwise::{greedy_head, greedy_rows, silu_mul, top_rows};
 pub use gemv::{gemv, gemv_fits, gemv_rows, gemv_rows_fits, GEMV_MAX_ROWS};
 pub use launch::{decode_attention_splits, BiTuning, Launch, PDL_AVAILABLE, RA_STAGE};
 pub use norm::add_rmsnorm;

@@ -86,6 +86,9 @@ pub(super) fn rows_attention(
 pub(super) fn silu_mul(_: &Tensor, _: super::Launch) -> Result<Tensor> {
     Err(off())
 }
+pub(super) fn top_rows(_: &Tensor, _: usize, _: super::Launch) -> Result<Tensor> {
+    Err(off())
+}
 pub(super) fn greedy_rows(
     _: &Tensor,
     _: &Tensor,
