@@ -70,6 +70,9 @@ pub struct E2eSettings {
     pub coverage: Vec<f64>,
     /// Candidates per outcome of the predraft pipeline (0: its cost model chooses).
     pub candidates: usize,
+    /// Each round's depth chosen between 1 and the listed depth (the predraft pipeline's by
+    /// its cost model, the others' by the adaptive depth controller).
+    pub adaptive_depth: bool,
     /// With betas, also run the real draft model.
     pub real_too: bool,
     /// Drop the EOS ids so every generation runs `max_tokens` (default for random models).
@@ -817,6 +820,9 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 pipeline: r.pipeline,
                 widths: r.widths.clone(),
                 candidates: s.candidates,
+                adaptive_depth: s.adaptive_depth,
+                min_depth: 1,
+                max_depth: r.widths.len().max(1),
                 ..base_cfg.clone()
             };
             warm_up(&orch, &prompts, &cfg, s.warmup).await?;
@@ -1006,6 +1012,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "synthetic_coverage": (!s.betas.is_empty()).then(|| s.coverage.clone()),
             "candidates": s.candidates,
+            "adaptive_depth": s.adaptive_depth,
             "transport": "gRPC over loopback, workers in-process",
             "greedy": true,
             // The workers load their models with the default kernel options.

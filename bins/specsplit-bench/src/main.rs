@@ -312,6 +312,10 @@ struct E2eArgs {
     /// 4), 1–4 fixes the number.
     #[arg(long, default_value_t = 0)]
     candidates: usize,
+    /// Choose each round's depth between 1 and the listed depth: the predraft pipeline's by its
+    /// cost model (with the candidates), the other pipelines' by the adaptive depth controller.
+    #[arg(long)]
+    adaptive_depth: bool,
     /// With --synthetic-beta, also run the real draft model.
     #[arg(long)]
     real_too: bool,
@@ -464,6 +468,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
             .synthetic_coverage
             .unwrap_or_else(|| specsplit_workers::draft::MEASURED_COVERAGE.to_vec()),
         candidates: a.candidates,
+        adaptive_depth: a.adaptive_depth,
         betas: a.synthetic_beta,
         real_too: a.real_too,
         ignore_eos: a.ignore_eos || random,
