@@ -85,17 +85,14 @@ extern "C" __global__ void specsplit_greedy_head_part_f32(const float* __restric
     greedy_head_part(logits, v, chunk, part);
 }
 
-// Combines the `blocks` parts of specsplit_greedy_head_part_bf16 (one warp): next = token = the
-// lowest index holding the maximum, logprob = -log(sum of exp(x - maximum)), *pos += 1.
-extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict__ part, int blocks,
-                                                        uint32_t* __restrict__ next,
-                                                        float* __restrict__ logprob,
-                                                        uint32_t* __restrict__ token,
-                                                        uint32_t* __restrict__ pos) {
-    pdl_enter();
-    const int lane = threadIdx.x;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
+// Combines a row's `blocks` parts of greedy_head_part (one warp; every lane gets the results):
+// bv = the maximum, bi = the lowest index holding it, and where `with_sum` s = the sum of
+// exp(x - bv) over the row (else 0).
+__device__ __forceinline__ void head_combine(const float* __restrict__ part, int blocks,
+                                             bool with_sum, float& bv, int& bi, float& s) {
+    const int lane = threadIdx.x % WARP;
+    bv = -INFINITY;
+    bi = 0x7fffffff;
     for (int b = lane; b < blocks; b += WARP) {
         const float m = part[3 * b];
         const int i = __float_as_int(part[3 * b + 1]);
@@ -105,12 +102,27 @@ extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict_
         }
     }
     warp_argmax(bv, bi);
-    float s = 0.f;
-    for (int b = lane; b < blocks; b += WARP) {
-        const float m = part[3 * b];
-        if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
-    }
+    s = 0.f;
+    if (with_sum)
+        for (int b = lane; b < blocks; b += WARP) {
+            const float m = part[3 * b];
+            if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
+        }
     s = warp_sum(s);
+}
+
+// Combines the `blocks` parts of specsplit_greedy_head_part_bf16 (one warp): next = token = the
+// lowest index holding the maximum, logprob = -log(sum of exp(x - maximum)), *pos += 1.
+extern "C" __global__ void specsplit_greedy_head_finish(const float* __restrict__ part, int blocks,
+                                                        uint32_t* __restrict__ next,
+                                                        float* __restrict__ logprob,
+                                                        uint32_t* __restrict__ token,
+                                                        uint32_t* __restrict__ pos) {
+    pdl_enter();
+    const int lane = threadIdx.x;
+    float bv, s;
+    int bi;
+    head_combine(part, blocks, true, bv, bi, s);
     if (lane == 0) {
         *next = (uint32_t)bi;
         *logprob = -logf(s);
@@ -130,23 +142,9 @@ extern "C" __global__ void specsplit_greedy_rows_finish(
     pdl_enter();
     const int r = blockIdx.x, lane = threadIdx.x;
     part += (size_t)3 * blocks * r;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int b = lane; b < blocks; b += WARP) {
-        const float m = part[3 * b];
-        const int i = __float_as_int(part[3 * b + 1]);
-        if (m > bv || (m == bv && i < bi)) {
-            bv = m;
-            bi = i;
-        }
-    }
-    warp_argmax(bv, bi);
-    float s = 0.f;
-    for (int b = lane; b < blocks; b += WARP) {
-        const float m = part[3 * b];
-        if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
-    }
-    s = warp_sum(s);
+    float bv, s;
+    int bi;
+    head_combine(part, blocks, true, bv, bi, s);
     if (lane == 0) {
         const bool f = forced_on[r] != 0 && forced[r] < (uint32_t)v;
         const uint32_t t = f ? forced[r] : (uint32_t)bi;
@@ -168,24 +166,9 @@ extern "C" __global__ void specsplit_top_rows_round_f32(const float* __restrict_
     pdl_enter();
     const int r = blockIdx.x, lane = threadIdx.x;
     part += (size_t)3 * blocks * r;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int b = lane; b < blocks; b += WARP) {
-        const float m = part[3 * b];
-        const int i = __float_as_int(part[3 * b + 1]);
-        if (m > bv || (m == bv && i < bi)) {
-            bv = m;
-            bi = i;
-        }
-    }
-    warp_argmax(bv, bi);
-    float s = 0.f;
-    if (j == 0)
-        for (int b = lane; b < blocks; b += WARP) {
-            const float m = part[3 * b];
-            if (m > -INFINITY) s += part[3 * b + 2] * __expf(m - bv);
-        }
-    s = warp_sum(s);
+    float bv, s;
+    int bi;
+    head_combine(part, blocks, j == 0, bv, bi, s);
     if (lane == 0) {
         float* o = out + (size_t)r * (2 * w + 1);
         const bool found = bv > -INFINITY && bi < v;

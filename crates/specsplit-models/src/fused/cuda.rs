@@ -768,6 +768,38 @@ pub(super) fn silu_mul(gate_up: &Tensor, l: super::Launch) -> Result<Tensor> {
     Ok(out)
 }
 
+/// Blocks a row of `vocab` logits is spread over by [`head_parts`]: at least 2048 logits each
+/// (H100: 52 us in one block for a 150k vocabulary), at most 128.
+fn head_blocks(vocab: usize) -> usize {
+    vocab.div_ceil(2048).clamp(1, 128)
+}
+
+/// The greedy heads' first kernel over every row of `x` `(rows, vocab)` (bf16 or f32):
+/// [`head_blocks`] blocks a row, each writing its maximum, the lowest index holding it and its
+/// exp-sum to `part` (`3 * blocks` floats a row), for one warp a row to combine.
+fn head_parts(x: &Tensor, part: &Tensor, blocks: usize, l: super::Launch) -> Result<()> {
+    let (rows, vocab) = x.dims2()?;
+    let name = match x.dtype() {
+        DType::BF16 => "specsplit_greedy_head_part_bf16",
+        DType::F32 => "specsplit_greedy_head_part_f32",
+        d => return Err(Error::Msg(format!("greedy head over {d:?} logits"))),
+    };
+    check(part.elem_count() >= rows * 3 * blocks, || {
+        format!("greedy head parts {:?} for {rows} rows", part.dims())
+    })?;
+    let chunk = vocab.div_ceil(blocks);
+    let args = [P(ptr(x)?), I(vocab as i32), I(chunk as i32), P(ptr(part)?)];
+    launch_2d(
+        l.pdl,
+        cuda(x)?,
+        name,
+        (blocks as u32, rows as u32),
+        256,
+        0,
+        &args,
+    )
+}
+
 pub(super) fn greedy_head(
     logits: &Tensor,
     next: &Tensor,
@@ -789,25 +821,9 @@ pub(super) fn greedy_head(
         })?;
     }
     let dev = cuda(logits)?;
-    // Spread over blocks of at least 2048 logits each (H100: 52 us in one block for a
-    // 150k vocabulary), then combined by one warp.
-    let blocks = vocab.div_ceil(2048).clamp(1, 128);
-    let chunk = vocab.div_ceil(blocks);
+    let blocks = head_blocks(vocab);
     let part = empty(&[3 * blocks], DType::F32, logits)?;
-    let args = [
-        P(ptr(logits)?),
-        I(vocab as i32),
-        I(chunk as i32),
-        P(ptr(&part)?),
-    ];
-    launch(
-        l.pdl,
-        dev,
-        "specsplit_greedy_head_part_bf16",
-        blocks as u32,
-        256,
-        &args,
-    )?;
+    head_parts(logits, &part, blocks, l)?;
     let mut args = pointers(&[&part])?;
     args.push(I(blocks as i32));
     args.extend(pointers(&[next, logprob, token, pos])?);
@@ -838,26 +854,10 @@ pub(super) fn greedy_rows(
         })?;
     }
     let dev = cuda(logits)?;
-    // As the one-row head: blocks of at least 2048 logits, a grid row per row.
-    let blocks = vocab.div_ceil(2048).clamp(1, 128);
-    let chunk = vocab.div_ceil(blocks);
+    let blocks = head_blocks(vocab);
     let part = empty(&[rows * 3 * blocks], DType::F32, logits)?;
     let ids = empty(&[rows], DType::U32, logits)?;
-    let args = [
-        P(ptr(logits)?),
-        I(vocab as i32),
-        I(chunk as i32),
-        P(ptr(&part)?),
-    ];
-    launch_2d(
-        l.pdl,
-        dev,
-        "specsplit_greedy_head_part_bf16",
-        (blocks as u32, rows as u32),
-        256,
-        0,
-        &args,
-    )?;
+    head_parts(logits, &part, blocks, l)?;
     let args = [
         P(ptr(&part)?),
         I(blocks as i32),
@@ -888,26 +888,11 @@ pub(super) fn top_rows(logits: &Tensor, width: usize, l: super::Launch) -> Resul
     let dev = cuda(logits)?;
     // A private f32 copy: each round masks the logit it picked.
     let x = logits.to_dtype(DType::F32)?.copy()?;
-    let blocks = vocab.div_ceil(2048).clamp(1, 128);
-    let chunk = vocab.div_ceil(blocks);
+    let blocks = head_blocks(vocab);
     let part = empty(&[rows * 3 * blocks], DType::F32, logits)?;
     let out = empty(&[rows, 2 * width + 1], DType::F32, logits)?;
     for j in 0..width {
-        let args = [
-            P(ptr(&x)?),
-            I(vocab as i32),
-            I(chunk as i32),
-            P(ptr(&part)?),
-        ];
-        launch_2d(
-            l.pdl,
-            dev,
-            "specsplit_greedy_head_part_f32",
-            (blocks as u32, rows as u32),
-            256,
-            0,
-            &args,
-        )?;
+        head_parts(&x, &part, blocks, l)?;
         let args = [
             P(ptr(&part)?),
             I(blocks as i32),
