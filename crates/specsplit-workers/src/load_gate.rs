@@ -22,6 +22,12 @@
 //! few unlucky rounds would otherwise keep a depth from being tried again.) Gaps and
 //! rounds are kept per load level: what a depth cost one session alone says nothing of what it
 //! costs four sessions sharing a draft worker.
+//!
+//! A first measurement alone is provisional: the first pass of a row count and the first round
+//! of a depth may have stalled (kernels compiled, CUDA graphs captured), and a depth priced by
+//! such a stall would never be advised again to correct it. So a row bucket of one pass that is
+//! slower than the buckets of several passes predict is left out of the model, and a depth's
+//! cycle of one round can only make that depth look better than the model does.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
