@@ -377,6 +377,58 @@ mod tests {
     }
 
     #[test]
+    fn a_shallower_depth_whose_pre_draft_fits_beside_the_verify_beats_a_deeper_one() {
+        // Two H200s, 7B/0.5B shapes (2026-11-27): an ordinary draft 0.82 ms a level, a verify
+        // 5.43 ms alone and beside a pre-draft; acceptance about 0.79; a pre-draft pass 1.31 ms
+        // (5 passes at depth 4: 6.55 ms, longer than the verify; 4 at depth 3: 5.24 ms,
+        // shorter); two candidates hold a rejection outcome 87% and the bonus 95% of the time,
+        // the one bet's bonus 79%, which costs five draft levels beside the verify.
+        let mut p = PreDraftPlanner::new();
+        for i in 0..60 {
+            let accepted = [4, 0, 4, 1, 4, 2, 3, 0, 4, 1][i % 10];
+            p.observe_verify(4, accepted, 5.43, i % 2 == 0);
+            p.observe_draft(4, 0.82 * 4.0);
+            p.observe_bet(4, 0.8 * 5.0);
+            for m in 1..=MAX_CANDIDATES {
+                for d in 3..=4 {
+                    p.observe_predraft(d, m, d, 1.31 * (d + 1) as f64);
+                }
+            }
+        }
+        // Each rate's hits spread evenly over the outcomes (its decayed estimate then holds it).
+        let rates = [
+            (1, true, 0.79),
+            (1, false, 0.71),
+            (2, true, 0.95),
+            (2, false, 0.87),
+        ];
+        let more = [
+            (3, true, 0.96),
+            (3, false, 0.9),
+            (4, true, 0.97),
+            (4, false, 0.93),
+        ];
+        for (m, bonus, rate) in rates.into_iter().chain(more) {
+            let mut owed = 0.0;
+            for _ in 0..100 {
+                owed += rate;
+                p.observe_outcome(m, bonus, owed >= 1.0);
+                if owed >= 1.0 {
+                    owed -= 1.0;
+                }
+            }
+            assert!((p.hit_rate(m, bonus) - rate).abs() < 0.1, "{m} {bonus}");
+        }
+        // At depth 4 two candidates' pre-draft does not fit beside the verify.
+        assert!(p.predraft_ms(4, 2) > 5.43 && p.predraft_ms(3, 2) < 5.43);
+        let four = p.choose(4..=4, None);
+        // Free to choose the depth, it drafts 3 deep with a pre-draft beside every verify.
+        let free = p.choose(1..=4, None);
+        assert_eq!(free.depth, 3, "{free:?} (at depth 4: {four:?})");
+        assert!(free.candidates >= 2 && !free.bet, "{free:?}");
+    }
+
+    #[test]
     fn contention_turns_pre_drafting_off() {
         // The same costs, but a verify beside a pre-draft takes twice as long (one GPU).
         let mut p = measured(&[(4, 4), (4, 3), (4, 4), (4, 2), (4, 4)], 1.0, 5.0);
