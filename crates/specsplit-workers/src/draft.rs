@@ -385,6 +385,12 @@ impl DraftEngine {
         &self.model
     }
 
+    /// How the model launches its fused kernels, where it runs them (`None`: candle's ops).
+    pub(crate) fn fused_launch(&self) -> Option<specsplit_models::fused::Launch> {
+        let k = self.model.kernel_options();
+        k.fused.then(|| k.launch())
+    }
+
     /// Tokens a session holds at most.
     pub fn max_context(&self) -> usize {
         self.max_context
@@ -953,7 +959,7 @@ impl DraftEngine {
         rng: &mut ChaCha8Rng,
     ) -> Result<Vec<(Vec<(u32, f32)>, Option<Distribution>)>, EngineError> {
         if greedy {
-            return Ok(top_w_on_device(logits, width)?
+            return Ok(top_w_on_device(logits, width, self.fused_launch())?
                 .into_iter()
                 .map(|c| (c, None))
                 .collect());
@@ -976,18 +982,22 @@ impl DraftEngine {
 
 /// The `width` largest logits of each row of `logits` (rows, vocab), best first, with their
 /// log-probabilities under the row's softmax. Runs on the logits' device (`width` rounds of
-/// argmax, gather and masking; on CUDA [`specsplit_models::fused::top_rows`]) and copies back
-/// only `rows × width` ids and values, in one transfer. Siblings are always distinct; a row with fewer than `width` finite logits yields
+/// argmax, gather and masking; with `fused`, the launch of a model that runs the fused kernels,
+/// on CUDA [`specsplit_models::fused::top_rows`]) and copies back only `rows × width` ids and
+/// values, in one transfer. Siblings are always distinct; a row with fewer than `width` finite logits yields
 /// fewer.
-pub fn top_w_on_device(logits: &Tensor, width: usize) -> candle_core::Result<Vec<Vec<(u32, f32)>>> {
+pub fn top_w_on_device(
+    logits: &Tensor,
+    width: usize,
+    fused: Option<specsplit_models::fused::Launch>,
+) -> candle_core::Result<Vec<Vec<(u32, f32)>>> {
     let (rows, vocab) = logits.dims2()?;
     let width = width.min(vocab);
     if rows == 0 || width == 0 {
         return Ok(vec![Vec::new(); rows]);
     }
-    if logits.device().is_cuda() {
+    if let Some(launch) = fused.filter(|_| logits.device().is_cuda()) {
         // One blocked argmax over all rows a round (candle's reductions take a block a row).
-        let launch = specsplit_models::fused::Launch::DEFAULT;
         let packed: Vec<Vec<f32>> =
             specsplit_models::fused::top_rows(logits, width, launch)?.to_vec2()?;
         return Ok(packed
@@ -1071,7 +1081,7 @@ mod tests {
             .collect();
         let t = Tensor::from_vec(data.clone(), (rows, vocab), &candle_core::Device::Cpu).unwrap();
         for width in [1, 2, 4, 7] {
-            let got = top_w_on_device(&t, width).unwrap();
+            let got = top_w_on_device(&t, width, None).unwrap();
             assert_eq!(got.len(), rows);
             for (r, picks) in got.iter().enumerate() {
                 let row = &data[r * vocab..(r + 1) * vocab];
@@ -1097,10 +1107,10 @@ mod tests {
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        let got = top_w_on_device(&t, 4).unwrap();
+        let got = top_w_on_device(&t, 4, None).unwrap();
         let ids: Vec<u32> = got[0].iter().map(|p| p.0).collect();
         assert_eq!(ids, vec![3, 0]);
-        assert_eq!(top_w_on_device(&t, 0).unwrap(), vec![Vec::new()]);
+        assert_eq!(top_w_on_device(&t, 0, None).unwrap(), vec![Vec::new()]);
     }
 
     fn tiny_engine(eos: Vec<u32>, static_chains: bool) -> DraftEngine {

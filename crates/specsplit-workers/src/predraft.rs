@@ -149,7 +149,7 @@ impl DraftEngine {
         let at_lengths = self.causal_rows(s, feed, keep, first)?;
         stats.tokens_processed += feed.len();
         s.tokens.extend_from_slice(feed);
-        let picks = top_w_on_device(&at_lengths, m + 1)?;
+        let picks = top_w_on_device(&at_lengths, m + 1, self.fused_launch())?;
         stats.model_time += t0.elapsed();
 
         // The candidates of every outcome, then one branch per candidate.
