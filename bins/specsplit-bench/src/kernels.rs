@@ -49,6 +49,15 @@ pub struct KernelArgs {
     /// shape, per context, and their sum over a step.
     #[arg(long)]
     step: bool,
+    /// Also time each kernel of a batch-invariant rows pass (a verify pass, or a level of a
+    /// pre-draft's chain growth) at this shape, per row count of `--rows` and per context, in a
+    /// graph, and their sum over a pass.
+    #[arg(long)]
+    rows_pass: bool,
+    /// Query heads a block of the rows attention takes, to compare in `--rows-pass` (1, 2, 4,
+    /// 8; 0 = the built-in rule).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    rows_heads: Vec<usize>,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -124,6 +133,23 @@ fn tuning_label(t: fused::BiTuning) -> String {
     )
 }
 
+/// Every combination of the tunings `a` lists (0 in a list: the built-in choice).
+fn tunings(a: &KernelArgs) -> Vec<fused::BiTuning> {
+    let mut combos = Vec::new();
+    for &depth in &a.depths {
+        for &splits in &a.splits {
+            for &tiles in &a.col_tiles {
+                combos.push(fused::BiTuning {
+                    depth: (depth > 0).then_some(depth),
+                    splits: (splits > 0).then_some(splits),
+                    col_tiles: (tiles > 0).then_some(tiles),
+                });
+            }
+        }
+    }
+    combos
+}
+
 /// Runs the `kernels` subcommand.
 pub fn main(a: KernelArgs) -> Result<()> {
     let c = ModelConfig::preset(&a.shape)
@@ -160,18 +186,7 @@ pub fn main(a: KernelArgs) -> Result<()> {
                 x.matmul(&wt)?;
                 Ok(())
             })?;
-            let mut combos = Vec::new();
-            for &depth in &a.depths {
-                for &splits in &a.splits {
-                    for &tiles in &a.col_tiles {
-                        combos.push(fused::BiTuning {
-                            depth: (depth > 0).then_some(depth),
-                            splits: (splits > 0).then_some(splits),
-                            col_tiles: (tiles > 0).then_some(tiles),
-                        });
-                    }
-                }
-            }
+            let combos = tunings(&a);
             let mut best: Option<(f64, fused::BiTuning)> = None;
             let mut builtin = None;
             for t in combos.iter().copied() {
@@ -249,6 +264,9 @@ pub fn main(a: KernelArgs) -> Result<()> {
     }
     if a.step {
         step_kernels(&a, &c, &dev, &mut rows_out)?;
+    }
+    if a.rows_pass {
+        rows_pass_kernels(&a, &c, &dev, &mut rows_out)?;
     }
     let doc = json!({
         "meta": { "shape": a.shape, "device": a.device, "iters": a.iters, "batch": a.batch },
@@ -424,6 +442,195 @@ fn step_kernels(
             1,
         );
         row("total", ctx, (total.0, total.1), 1);
+    }
+    Ok(())
+}
+
+/// Times each kernel of a batch-invariant rows pass ([`specsplit_models::transformer::Transformer::grow_chains`]'s
+/// levels and the exact verify passes) at shape `c`, per row count and context of `a`, replayed
+/// from a graph, beside cuBLAS for each product and the step's GEMV for up to
+/// [`fused::GEMV_MAX_ROWS`] rows; and their sum over a pass.
+fn rows_pass_kernels(
+    a: &KernelArgs,
+    c: &ModelConfig,
+    dev: &Device,
+    rows_out: &mut Vec<Map<String, Value>>,
+) -> Result<()> {
+    let bf = |shape: &[usize], scale: f64| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1f32, shape, dev)?
+            .affine(scale, 0.0)?
+            .to_dtype(DType::BF16)?)
+    };
+    let (h, hd, kvh, qh) = (
+        c.hidden_size,
+        c.head_dim,
+        c.num_key_value_heads,
+        c.num_attention_heads,
+    );
+    let layers = c.num_hidden_layers;
+    let eps = c.rms_norm_eps as f32;
+    let launch = fused::Launch::DEFAULT;
+    let graph = |f: &mut dyn FnMut() -> Result<()>| in_graph_ms(dev, a.iters, a.batch, f);
+    println!(
+        "{} rows-pass kernels (per launch, replayed in a graph; x per pass):",
+        a.shape
+    );
+    let weights: Vec<(&str, Tensor, Option<Tensor>, usize)> = vec![
+        (
+            "qkv",
+            bf(&[(qh + 2 * kvh) * hd, h], 0.02)?,
+            Some(bf(&[(qh + 2 * kvh) * hd], 0.1)?),
+            layers,
+        ),
+        ("o", bf(&[h, qh * hd], 0.02)?, None, layers),
+        (
+            "gate_up",
+            bf(&[2 * c.intermediate_size, h], 0.02)?,
+            None,
+            layers,
+        ),
+        ("down", bf(&[h, c.intermediate_size], 0.02)?, None, layers),
+        ("lm_head", bf(&[c.vocab_size, h], 0.02)?, None, 1),
+    ];
+    let norm = bf(&[h], 1.0)?;
+    for &m in &a.rows {
+        for &ctx in &a.contexts {
+            let mut record = |op: &str, ms: f64, per: usize| -> f64 {
+                println!("  rows {m:3} ctx {ctx:5} {op:18} {ms:.4} ms x {per}");
+                let mut r = Map::new();
+                r.insert("op".into(), json!(format!("rows_{op}")));
+                r.insert("rows".into(), json!(m));
+                r.insert("context".into(), json!(ctx));
+                r.insert("graph_ms".into(), json!(ms));
+                r.insert("per_pass".into(), json!(per));
+                rows_out.push(r);
+                ms * per as f64
+            };
+            let (mut total, mut total_cublas, mut total_gemv) = (0.0, 0.0, 0.0);
+            let x = bf(&[m, h], 1.0)?;
+            let t = graph(&mut || {
+                fused::add_rmsnorm(&x, Some(&x), &norm, eps, launch)?;
+                Ok(())
+            })?;
+            let norms = record("add_rmsnorm", t, 2 * layers + 1);
+            total += norms;
+            total_cublas += norms;
+            total_gemv += norms;
+            for (name, w, b, per) in &weights {
+                let xi = bf(&[m, w.dim(1)?], 1.0)?;
+                let t = graph(&mut || {
+                    fused::bi_matmul(&xi, w, b.as_ref(), launch)?;
+                    Ok(())
+                })?;
+                total += record(&format!("bi_{name}"), t, *per);
+                for tuning in tunings(a)
+                    .into_iter()
+                    .filter(|t| *t != fused::BiTuning::default())
+                {
+                    let tuned = fused::Launch {
+                        bi_tuning: tuning,
+                        ..launch
+                    };
+                    let t = graph(&mut || {
+                        fused::bi_matmul(&xi, w, b.as_ref(), tuned)?;
+                        Ok(())
+                    })?;
+                    record(&format!("bi_{name} {}", tuning_label(tuning)), t, *per);
+                }
+                let wt = w.t()?;
+                let t = graph(&mut || {
+                    let y = xi.matmul(&wt)?;
+                    if let Some(b) = b {
+                        y.broadcast_add(b)?;
+                    }
+                    Ok(())
+                })?;
+                total_cublas += record(&format!("cublas_{name}"), t, *per);
+                if m <= fused::GEMV_MAX_ROWS {
+                    let t = graph(&mut || {
+                        fused::gemv_rows(&xi, w, b.as_ref(), launch)?;
+                        Ok(())
+                    })?;
+                    total_gemv += record(&format!("gemv_{name}"), t, *per);
+                }
+            }
+            let cap = ctx + m + 1;
+            let shape = AttnShape {
+                heads: qh,
+                kv: kvh,
+                head_dim: hd,
+                capacity: cap,
+            };
+            let kc = bf(&[1, kvh, cap, hd], 1.0)?;
+            let vc = bf(&[1, kvh, cap, hd], 1.0)?;
+            let cos = bf(&[cap, hd / 2], 1.0)?;
+            let sin = bf(&[cap, hd / 2], 1.0)?;
+            let positions: Vec<u32> = (0..m as u32).map(|i| ctx as u32 + i).collect();
+            let positions = Tensor::new(positions.as_slice(), dev)?;
+            let qkv = bf(&[m, (qh + 2 * kvh) * hd], 1.0)?;
+            let t = graph(&mut || {
+                fused::qkv_rope_rows(
+                    &qkv,
+                    &cos,
+                    &sin,
+                    &positions,
+                    &kc,
+                    &vc,
+                    fused::RowSlots::After(ctx),
+                    shape,
+                    false,
+                    launch,
+                )?;
+                Ok(())
+            })?;
+            let rope = record("qkv_rope_rows", t, layers);
+            let q = bf(&[1, qh, m, hd], 1.0)?;
+            let leads: Vec<(usize, &[u32])> = (0..m).map(|i| (ctx + i + 1, &[][..])).collect();
+            let keys = PassKeys::new(&leads, dev)?;
+            let scale = 1.0 / (hd as f32).sqrt();
+            let t = graph(&mut || {
+                fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, launch)?;
+                Ok(())
+            })?;
+            let attention = record("rows_attention", t, layers);
+            for &hb in a.rows_heads.iter().filter(|&&hb| hb > 0) {
+                let tuned = fused::Launch {
+                    rows_heads: Some(hb),
+                    ..launch
+                };
+                let t = graph(&mut || {
+                    fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, tuned)?;
+                    Ok(())
+                })?;
+                record(&format!("rows_attention heads {hb}"), t, layers);
+            }
+            let gu = bf(&[m, 2 * c.intermediate_size], 1.0)?;
+            let t = graph(&mut || {
+                fused::silu_mul(&gu, launch)?;
+                Ok(())
+            })?;
+            let silu = record("silu_mul", t, layers);
+            let logits = Tensor::zeros((m, c.vocab_size), DType::BF16, dev)?;
+            let forced = Tensor::zeros(m, DType::U32, dev)?;
+            let (tok, lp) = (
+                Tensor::zeros(m, DType::F32, dev)?,
+                Tensor::zeros(m, DType::F32, dev)?,
+            );
+            let t = graph(&mut || {
+                fused::greedy_rows(&logits, &forced, &forced, &tok, &lp, launch)?;
+                Ok(())
+            })?;
+            let head = record("greedy_rows", t, 1);
+            let rest = rope + attention + silu + head;
+            total += rest;
+            total_cublas += rest;
+            total_gemv += rest;
+            record("total_bi", total, 1);
+            record("total_cublas", total_cublas, 1);
+            if m <= fused::GEMV_MAX_ROWS {
+                record("total_gemv", total_gemv, 1);
+            }
+        }
     }
     Ok(())
 }

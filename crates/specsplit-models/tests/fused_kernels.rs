@@ -935,6 +935,25 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
         let q = randn(&dev, &[1, h, n, hd], 1.0);
         let qs = host(&q);
         let got = host(&fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, L).unwrap());
+        // However many query heads a block takes, every head gets the same bits, in the staged
+        // kernel (the whole pass) and the one-row kernel (its first row).
+        let q0 = q.narrow(2, 0, 1).unwrap().contiguous().unwrap();
+        let keys0 = fused::PassKeys::new(&rows[..1], &dev).unwrap();
+        let first = host(&fused::rows_attention(&q0, &kc, &vc, &keys0, shape, scale, L).unwrap());
+        for hb in [1, 2, 4, 8] {
+            let tuned = fused::Launch {
+                rows_heads: Some(hb),
+                ..L
+            };
+            let y = fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, tuned).unwrap();
+            assert_eq!(host(&y), got, "hd {hd}: {hb} heads a block change the pass");
+            let y = fused::rows_attention(&q0, &kc, &vc, &keys0, shape, scale, tuned).unwrap();
+            assert_eq!(
+                host(&y),
+                first,
+                "hd {hd}: {hb} heads a block change one row"
+            );
+        }
         for (r, (lead, ex)) in rows.iter().enumerate() {
             let slots: Vec<usize> = (0..*lead).chain(ex.iter().map(|&e| e as usize)).collect();
             // The same keys laid out contiguously from slot 0, as when the row's token is
@@ -992,6 +1011,37 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
     assert!(fused::PassKeys::new(&[(0, &[][..])], &dev).is_err());
     assert!(fused::PassKeys::new(&[(5, &[3u32][..])], &dev).is_err());
     assert!(fused::PassKeys::new(&[(0, &[7u32, 7][..])], &dev).is_err());
+}
+
+#[test]
+fn rows_attention_gives_every_head_its_bits_however_many_heads_a_block_takes() {
+    let Some(dev) = gpu() else { return };
+    // Seven query heads a KV head (Qwen2.5's 0.5B and 7B), so blocks of 2, 4 and 8 heads
+    // leave a partial group.
+    let shape = AttnShape {
+        heads: 14,
+        kv: 2,
+        head_dim: 64,
+        capacity: 700,
+    };
+    let (h, kv, cap, hd) = (shape.heads, shape.kv, shape.capacity, shape.head_dim);
+    let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
+    let vc = randn(&dev, &[1, kv, cap, hd], 1.0);
+    let scale = 1.0 / (hd as f32).sqrt();
+    for n in [1usize, 6] {
+        let rows: Vec<(usize, &[u32])> = (0..n).map(|r| (300 + 70 * r, &[][..])).collect();
+        let keys = fused::PassKeys::new(&rows, &dev).unwrap();
+        let q = randn(&dev, &[1, h, n, hd], 1.0);
+        let base = host(&fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, L).unwrap());
+        for hb in [1, 2, 4, 8] {
+            let tuned = fused::Launch {
+                rows_heads: Some(hb),
+                ..L
+            };
+            let y = fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, tuned).unwrap();
+            assert_eq!(host(&y), base, "{n} rows, {hb} heads a block");
+        }
+    }
 }
 
 /// Logits rows as f32 on the host.
@@ -1494,7 +1544,7 @@ fn a_wide_pass_computes_what_the_batched_pass_computes() {
 }
 
 #[test]
-fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
+fn grown_chains_replay_each_chain_decoded_alone_up_to_rounding() {
     let Some(dev) = gpu() else { return };
     let m = small_model("qwen2.5-0.5b", 29, &dev);
     let cap = 512;
@@ -1505,8 +1555,12 @@ fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
     // Three roots: after 118, 120 and 120 of the cached tokens; chains of 4 from slot 120.
     let (roots, leads, depth) = ([5u32, 6, 7], [118usize, 120, 120], 4);
     // Each chain decoded alone, one token a forward pass on a cache of its own run.
+    // A growth pass runs some products through cuBLAS: its picks are the chain's where the
+    // pick alone is clear (a margin of 0.05 over the runner-up), and a chain is compared up to
+    // its first near-tie.
     let mut want_tokens = vec![vec![0u32; roots.len()]; depth];
     let mut want_lps = vec![vec![0f32; roots.len()]; depth];
+    let mut clear = vec![depth; roots.len()];
     for (b, (&root, &lead)) in roots.iter().zip(&leads).enumerate() {
         let mut alone = m.new_cache(cap).unwrap();
         forward_last(&m, &mut alone, &prompt[..lead]);
@@ -1514,12 +1568,21 @@ fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
         for l in 0..depth {
             let row = forward_last(&m, &mut alone, &[token]);
             token = argmax(&row);
+            let mut sorted = row.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] < 0.05 {
+                clear[b] = clear[b].min(l);
+            }
             let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
             let lse = mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln();
             want_tokens[l][b] = token;
             want_lps[l][b] = (row[token as usize] as f64 - lse) as f32;
         }
     }
+    assert!(
+        clear.iter().any(|&c| c >= 2),
+        "every chain meets a near-tie early: {clear:?}"
+    );
     // Eager, captured, replayed; then again with the middle chain's second token forced.
     for run in 0..4 {
         let forced: Vec<Option<u32>> = if run == 3 {
@@ -1540,13 +1603,16 @@ fn grown_chains_replay_each_chain_decoded_alone_bit_for_bit() {
                     assert_eq!(tok, 4321, "the forced token replaces the greedy one");
                     continue;
                 }
-                if run == 3 && b == 1 && l > 1 {
-                    continue; // that chain went on from the forced token
+                if (run == 3 && b == 1 && l > 1) || l > clear[b] {
+                    continue; // that chain went on from the forced token or a near-tie
+                }
+                let lp = got[depth + l][b];
+                if l == clear[b] {
+                    continue;
                 }
                 assert_eq!(tok, want_tokens[l][b], "run {run}: chain {b}, level {l}");
-                let lp = got[depth + l][b];
                 assert!(
-                    (lp - want_lps[l][b]).abs() < 1e-3,
+                    (lp - want_lps[l][b]).abs() < 3e-2,
                     "run {run}: chain {b}, level {l}: log-prob {lp} vs {}",
                     want_lps[l][b]
                 );

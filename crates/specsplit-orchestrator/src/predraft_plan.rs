@@ -36,12 +36,17 @@ impl Ema {
     }
 }
 
-/// A pre-draft's time per pass at one row count: a running mean whose first sample is
-/// provisional. The first pre-draft of a shape captures its CUDA graphs; priced by that stall,
-/// the shape would never be tried again, so a faster second sample replaces the first, and a
-/// shape measured once is valued at no more than the optimistic estimate of a shape not
-/// measured yet. Later samples count at most twice the mean (a one-off stall), so that no
-/// single one moves it far. Each row count has its own (each is a shape of its own graphs).
+/// The first pre-drafts of a shape that may pay for its CUDA graphs: the draft worker runs a
+/// new shape once eagerly, then captures its graphs on the next run, and replays from the third.
+const WARM_UP: u32 = 2;
+
+/// A pre-draft's time per pass at one row count: a running mean whose first [`WARM_UP`]
+/// samples are provisional. The first pre-drafts of a shape warm up and capture its CUDA graphs;
+/// priced by those stalls, the shape would never be tried again, so until a replayed run has
+/// been measured the estimate is the least sample seen, valued at no more than the optimistic
+/// estimate of a shape not measured yet. Later samples count at most twice the mean (a one-off
+/// stall), so that no single one moves it far. Each row count has its own (each is a shape of
+/// its own graphs).
 #[derive(Debug, Clone, Copy, Default)]
 struct PassTime {
     mean: Ema,
@@ -51,11 +56,16 @@ struct PassTime {
 impl PassTime {
     fn observe(&mut self, x: f64) {
         match self.mean.0 {
-            Some(first) if self.samples == 1 && x < first => self.mean = Ema(Some(x)),
+            Some(least) if self.samples <= WARM_UP => self.mean = Ema(Some(x.min(least))),
             Some(mean) => self.mean.observe(x.min(2.0 * mean)),
             None => self.mean.observe(x),
         }
         self.samples = self.samples.saturating_add(1);
+    }
+
+    /// Whether a replayed run has been measured.
+    fn settled(&self) -> bool {
+        self.samples > WARM_UP
     }
 }
 
@@ -293,8 +303,8 @@ impl PreDraftPlanner {
     /// Estimated wall time of a pre-draft after a depth-`d` path with `m` candidates and trees
     /// of `d` levels: the measured time per pass of its row count; not measured yet, the least
     /// of an ordinary draft's time per level and the measured times of fewer rows (optimistic,
-    /// so that it gets tried and measured); measured once, no more than that (see
-    /// [`PassTime`]).
+    /// so that it gets tried and measured); measured only while warming up, no more than that
+    /// (see [`PassTime`]).
     fn predraft_ms(&self, d: usize, m: usize) -> f64 {
         let rows = (d + 1) * m;
         let optimistic = || {
@@ -304,9 +314,9 @@ impl PreDraftPlanner {
                 .chain(self.draft_ms_per_level.0)
                 .fold(f64::INFINITY, f64::min)
         };
-        let per_pass = match self.pass_ms.get(&rows).map(|e| (e.mean.0, e.samples)) {
-            Some((Some(ms), n)) if n >= 2 => ms,
-            Some((Some(ms), _)) => ms.min(optimistic()),
+        let per_pass = match self.pass_ms.get(&rows).map(|e| (e.mean.0, e.settled())) {
+            Some((Some(ms), true)) => ms,
+            Some((Some(ms), false)) => ms.min(optimistic()),
             _ => optimistic(),
         };
         if per_pass.is_finite() {
@@ -469,13 +479,15 @@ mod tests {
     fn unmeasured_row_counts_are_estimated_optimistically() {
         // An ordinary draft: 1 ms a level.
         let mut p = measured(&[(4, 4)], 1.0, 5.0);
-        p.observe_predraft(1, 1, 1, 4.0); // 2 rows, 2 passes: 2 ms a pass
-        p.observe_predraft(1, 1, 1, 4.0);
+        for _ in 0..=WARM_UP {
+            p.observe_predraft(1, 1, 1, 4.0); // 2 rows, 2 passes: 2 ms a pass
+        }
         assert!((p.predraft_ms(1, 1) - 2.0 * 2.0).abs() < 1e-9, "measured");
         // 10 rows not measured: the least of 2 ms (2 rows) and 1 ms (a draft level).
         assert!((p.predraft_ms(4, 2) - 1.0 * 5.0).abs() < 1e-9);
-        p.observe_predraft(4, 2, 4, 20.0); // 10 rows, 5 passes: 4 ms a pass
-        p.observe_predraft(4, 2, 4, 20.0);
+        for _ in 0..=WARM_UP {
+            p.observe_predraft(4, 2, 4, 20.0); // 10 rows, 5 passes: 4 ms a pass
+        }
         assert!((p.predraft_ms(4, 2) - 4.0 * 5.0).abs() < 1e-9, "measured");
         assert!(
             (p.predraft_ms(4, 3) - 1.0 * 5.0).abs() < 1e-9,
@@ -502,19 +514,23 @@ mod tests {
         }
         p.observe_outcome(2, false, false);
         p.observe_verify(4, 4, 5.5, true);
-        // Two candidates' first pre-draft stalled: 20 ms for 5 passes (its graphs captured).
-        p.observe_predraft(4, 2, 4, 20.0);
-        assert!(
-            (p.predraft_ms(4, 2) - 0.8 * 5.0).abs() < 1e-9,
-            "valued as untried"
-        );
-        let s = p.choose(4..=4, None);
-        assert!(!s.bet && s.candidates >= 2, "{s:?}");
-        // The second took 6.5 ms: it replaces the stall.
+        // Two candidates' first two pre-drafts stalled: 20 and 18 ms for 5 passes (run
+        // eagerly, then their graphs captured).
+        for stall in [20.0, 18.0] {
+            p.observe_predraft(4, 2, 4, stall);
+            assert!(
+                (p.predraft_ms(4, 2) - 0.8 * 5.0).abs() < 1e-9,
+                "valued as untried"
+            );
+            let s = p.choose(4..=4, None);
+            assert!(!s.bet && s.candidates >= 2, "{s:?}");
+        }
+        // The first replay took 6.5 ms: it replaces the stalls.
         p.observe_predraft(4, 2, 4, 6.5);
         assert!((p.predraft_ms(4, 2) - 6.5).abs() < 1e-9);
-        // Three candidates (15 rows, a shape of its own) stall at their first pre-draft too:
+        // Three candidates (15 rows, a shape of its own) stall at their first pre-drafts too:
         // valued as untried, and two candidates' estimate stays.
+        p.observe_predraft(4, 3, 4, 40.0);
         p.observe_predraft(4, 3, 4, 40.0);
         assert!((p.predraft_ms(4, 3) - 0.8 * 5.0).abs() < 1e-9);
         assert!((p.predraft_ms(4, 2) - 6.5).abs() < 1e-9);

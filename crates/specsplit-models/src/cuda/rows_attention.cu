@@ -24,13 +24,15 @@ __device__ __forceinline__ void ra_sync(int id) {
 // consecutive rows then fall in different banks).
 #define RA_KPAD 8
 
-// One row's chunk c of the rows attention, computed by the RA_CHUNK threads t = 0.. of barrier
+// One row's chunk c of the rows attention for HB of the query heads of a KV head (block x
+// = KV head j times ceil(rep / HB) plus the head group), computed by the RA_CHUNK threads t = 0.. of barrier
 // `bar` (block-uniform early return past the row's keys). The block staged the K and V rows of
 // slots c * RA_CHUNK + k, k < staged, in shared memory (ksh, vsh; staged = 0: none): a key of
 // the chunk that lies in the row's leading run (list index = slot) and was staged is read
 // there, every other key from the caches. The values and the order of every operation are the
 // same either way, so the row gets the same bits. STAGING false: no block stages (staged is 0).
-template <int HD, bool STAGING>
+// Each head's arithmetic is the same whichever heads share its block, so HB changes no bits.
+template <int HD, int HB, bool STAGING>
 __device__ __forceinline__ void rows_attention_row(
     const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
     const uint32_t* __restrict__ meta, const uint32_t* __restrict__ extra,
@@ -39,24 +41,26 @@ __device__ __forceinline__ void rows_attention_row(
     int* slot, float (*red)[RA_MAX_REP], float (*vsum)[HD], const bf16* ksh, const bf16* vsh,
     int staged) {
     constexpr int PER = HD / WARP;  // values of a V row per lane
-    const int j = blockIdx.x;
     const int rep = heads / kv;
+    const int groups = (rep + HB - 1) / HB;
+    const int j = blockIdx.x / groups, h0 = blockIdx.x % groups * HB;
+    const int nh = min(HB, rep - h0);
     const int lane = t % WARP, warp = t / WARP;
     const int lead = (int)meta[2 * r];
     const ListedKeys keys{lead, lead + (int)meta[2 * r + 1], extra + (size_t)r * max_extra};
     if (c * RA_CHUNK >= keys.len) return;  // past this row's keys: the merge never reads it
-    // The rep query heads' values, 8 a load, all loads issued before any is used; heads past
-    // rep are zero (their scores are computed and dropped).
-    constexpr int QW = RA_MAX_REP * HD / 8;  // 16-byte words of RA_MAX_REP heads
+    // The block's query heads' values, 8 a load, all loads issued before any is used; heads
+    // past nh are zero (their scores are computed and dropped).
+    constexpr int QW = HB * HD / 8;  // 16-byte words of HB heads
 #pragma unroll
     for (int e0 = 0; e0 < QW; e0 += RA_CHUNK) {
         const int e = e0 + t;
         if (e < QW) {
             const int hh = e / (HD / 8), d0 = e % (HD / 8) * 8;
             uint4 word = make_uint4(0, 0, 0, 0);
-            if (hh < rep)
+            if (hh < nh)
                 word = *reinterpret_cast<const uint4*>(
-                    q + ((size_t)(j * rep + hh) * n + r) * HD + d0);
+                    q + ((size_t)(j * rep + h0 + hh) * n + r) * HD + d0);
             const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&word);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -75,9 +79,9 @@ __device__ __forceinline__ void rows_attention_row(
     ra_sync(bar);
     const bf16* kh = kc + (size_t)j * cap * HD;
     const bf16* vh = vc + (size_t)j * cap * HD;
-    float s[RA_MAX_REP];
+    float s[HB];
 #pragma unroll
-    for (int h = 0; h < RA_MAX_REP; ++h) s[h] = -INFINITY;
+    for (int h = 0; h < HB; ++h) s[h] = -INFINITY;
     if (valid) {
         uint4 words[HD / 8];
         if (STAGING && t < shared) {
@@ -91,9 +95,9 @@ __device__ __forceinline__ void rows_attention_row(
         }
         // Every head's dot product is the same sequence of fmaf over the values in order; the
         // heads' sequences are interleaved so that they run side by side.
-        float d[RA_MAX_REP];
+        float d[HB];
 #pragma unroll
-        for (int h = 0; h < RA_MAX_REP; ++h) d[h] = 0.f;
+        for (int h = 0; h < HB; ++h) d[h] = 0.f;
 #pragma unroll
         for (int w = 0; w < HD / 8; ++w) {
             const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&words[w]);
@@ -101,7 +105,7 @@ __device__ __forceinline__ void rows_attention_row(
 #pragma unroll
             for (int e = 0; e < 4; ++e) f[e] = __bfloat1622float2(k2[e]);
 #pragma unroll
-            for (int h = 0; h < RA_MAX_REP; ++h) {
+            for (int h = 0; h < HB; ++h) {
                 const float4 qa = *reinterpret_cast<const float4*>(&qs[h][8 * w]);
                 const float4 qb = *reinterpret_cast<const float4*>(&qs[h][8 * w + 4]);
                 d[h] = fmaf(qa.x, f[0].x, d[h]);
@@ -115,33 +119,33 @@ __device__ __forceinline__ void rows_attention_row(
             }
         }
 #pragma unroll
-        for (int h = 0; h < RA_MAX_REP; ++h)
-            if (h < rep) s[h] = d[h] * scale;
+        for (int h = 0; h < HB; ++h)
+            if (h < nh) s[h] = d[h] * scale;
     }
     // Chunk maximum per head: each warp's, then warp 0's and warp 1's.
-    float mx[RA_MAX_REP];
+    float mx[HB];
 #pragma unroll
-    for (int h = 0; h < RA_MAX_REP; ++h) {
+    for (int h = 0; h < HB; ++h) {
         mx[h] = warp_max(s[h]);
         if (lane == 0) red[warp][h] = mx[h];
     }
     ra_sync(bar);
 #pragma unroll
-    for (int h = 0; h < RA_MAX_REP; ++h) mx[h] = fmaxf(red[0][h], red[1][h]);
+    for (int h = 0; h < HB; ++h) mx[h] = fmaxf(red[0][h], red[1][h]);
     ra_sync(bar);
-    float sum[RA_MAX_REP];
+    float sum[HB];
 #pragma unroll
-    for (int h = 0; h < RA_MAX_REP; ++h) {
-        const float p = valid && h < rep ? __expf(s[h] - mx[h]) : 0.f;
+    for (int h = 0; h < HB; ++h) {
+        const float p = valid && h < nh ? __expf(s[h] - mx[h]) : 0.f;
         prob[h][t] = p;
         sum[h] = warp_sum(p);
         if (lane == 0) red[warp][h] = sum[h];
     }
     ra_sync(bar);
     // V: warp w takes keys w, w + 2, ...; lane owns values lane * PER .. + PER of every head.
-    float acc[RA_MAX_REP][PER];
+    float acc[HB][PER];
 #pragma unroll
-    for (int h = 0; h < RA_MAX_REP; ++h)
+    for (int h = 0; h < HB; ++h)
 #pragma unroll
         for (int e = 0; e < PER; ++e) acc[h][e] = 0.f;
     const int last = min(RA_CHUNK, keys.len - c * RA_CHUNK);
@@ -167,8 +171,8 @@ __device__ __forceinline__ void rows_attention_row(
             const int k = k0 + 2 * u;
             if (k >= last) break;
 #pragma unroll
-            for (int h = 0; h < RA_MAX_REP; ++h) {
-                if (h >= rep) break;
+            for (int h = 0; h < HB; ++h) {
+                if (h >= nh) break;
                 const float p = prob[h][k];
 #pragma unroll
                 for (int e = 0; e < PER; ++e) acc[h][e] = fmaf(p, v[u][e], acc[h][e]);
@@ -177,16 +181,16 @@ __device__ __forceinline__ void rows_attention_row(
     }
     if (warp == 1) {
 #pragma unroll
-        for (int h = 0; h < RA_MAX_REP; ++h)
+        for (int h = 0; h < HB; ++h)
 #pragma unroll
             for (int e = 0; e < PER; ++e) vsum[h][lane * PER + e] = acc[h][e];
     }
     ra_sync(bar);
     if (warp == 0) {
 #pragma unroll
-        for (int h = 0; h < RA_MAX_REP; ++h) {
-            if (h >= rep) break;
-            float* out = part + (((size_t)r * heads + j * rep + h) * chunks + c) * (HD + 2);
+        for (int h = 0; h < HB; ++h) {
+            if (h >= nh) break;
+            float* out = part + (((size_t)r * heads + j * rep + h0 + h) * chunks + c) * (HD + 2);
 #pragma unroll
             for (int e = 0; e < PER; ++e) out[lane * PER + e] = acc[h][e] + vsum[h][lane * PER + e];
             if (lane == 0) {
@@ -199,7 +203,7 @@ __device__ __forceinline__ void rows_attention_row(
 
 // part is (n, heads, chunks, HD + 2) f32: the exp-weighted V sum, then the max and the exp-sum.
 // Grid (kv, n, chunks), RA_CHUNK threads: one row's chunk a block, keys read from the caches.
-template <int HD>
+template <int HD, int HB>
 __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                     const bf16* __restrict__ vc, const uint32_t* __restrict__ meta,
                                     const uint32_t* __restrict__ extra, float* __restrict__ part,
@@ -210,9 +214,10 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
     __shared__ int slot[RA_CHUNK];
     __shared__ float red[2][RA_MAX_REP];
     __shared__ float vsum[RA_MAX_REP][HD];
-    rows_attention_row<HD, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
-                                  chunks, scale, blockIdx.y, blockIdx.z, threadIdx.x, 0, qs, prob,
-                                  slot, red, vsum, nullptr, nullptr, 0);
+    rows_attention_row<HD, HB, false>(q, kc, vc, meta, extra, part, heads, kv, n, cap,
+                                      max_extra, chunks, scale, blockIdx.y, blockIdx.z,
+                                      threadIdx.x, 0, qs, prob, slot, red, vsum, nullptr, nullptr,
+                                      0);
 }
 
 // rows_attention_part for the stacked rows of several sessions: row r reads the K/V caches
@@ -220,7 +225,7 @@ __device__ void rows_attention_part(const bf16* __restrict__ q, const bf16* __re
 // session_caches in rope.cu); meta / extra are the stacked rows' PassKeys, q (heads, n, HD)
 // and part (n, heads, chunks, HD + 2) as there. Each row runs rows_attention_row exactly as
 // rows_attention_part does for its session alone. Grid (kv, n, chunks), RA_CHUNK threads.
-template <int HD>
+template <int HD, int HB>
 __device__ void sessions_attention_part(const bf16* __restrict__ q,
                                         const uint32_t* __restrict__ rows,
                                         const unsigned long long* __restrict__ caches,
@@ -237,9 +242,9 @@ __device__ void sessions_attention_part(const bf16* __restrict__ q,
     __shared__ float vsum[RA_MAX_REP][HD];
     const int r = blockIdx.y;
     const SessionCaches sc = session_caches(caches, caps, layer, sessions, (int)rows[2 * r]);
-    rows_attention_row<HD, false>(q, sc.k, sc.v, meta, extra, part, heads, kv, n, sc.cap,
-                                  max_extra, chunks, scale, r, blockIdx.z, threadIdx.x, 0, qs,
-                                  prob, slot, red, vsum, nullptr, nullptr, 0);
+    rows_attention_row<HD, HB, false>(q, sc.k, sc.v, meta, extra, part, heads, kv, n, sc.cap,
+                                      max_extra, chunks, scale, r, blockIdx.z, threadIdx.x, 0,
+                                      qs, prob, slot, red, vsum, nullptr, nullptr, 0);
 }
 
 #define SA_PART_ARGS                                                                            \
@@ -247,18 +252,32 @@ __device__ void sessions_attention_part(const bf16* __restrict__ q,
         const unsigned long long *__restrict__ caches, const uint32_t *__restrict__ caps,       \
         const uint32_t *__restrict__ meta, const uint32_t *__restrict__ extra,                  \
         float *__restrict__ part, int heads, int kv, int n, int max_extra, int chunks,          \
-        float scale, int layer, int sessions
+        float scale, int layer, int sessions, int hb
+
+// Calls F<HB> for the heads a block hb (1, 2, 4 or 8; block-uniform).
+#define RA_HEADS(F, ...)                  \
+    switch (hb) {                         \
+        case 1: F<1>(__VA_ARGS__); break; \
+        case 2: F<2>(__VA_ARGS__); break; \
+        case 4: F<4>(__VA_ARGS__); break; \
+        default: F<8>(__VA_ARGS__); break; \
+    }
+
+#define SA_PART_CALL q, rows, caches, caps, meta, extra, part, heads, kv, n, max_extra, chunks, \
+                     scale, layer, sessions
+template <int HB>
+__device__ void sa_part64(SA_PART_ARGS) { sessions_attention_part<64, HB>(SA_PART_CALL); }
+template <int HB>
+__device__ void sa_part128(SA_PART_ARGS) { sessions_attention_part<128, HB>(SA_PART_CALL); }
 
 extern "C" __global__ void specsplit_sessions_attention_part_bf16_hd64(SA_PART_ARGS) {
     pdl_enter();
-    sessions_attention_part<64>(q, rows, caches, caps, meta, extra, part, heads, kv, n,
-                                max_extra, chunks, scale, layer, sessions);
+    RA_HEADS(sa_part64, SA_PART_CALL, hb)
 }
 
 extern "C" __global__ void specsplit_sessions_attention_part_bf16_hd128(SA_PART_ARGS) {
     pdl_enter();
-    sessions_attention_part<128>(q, rows, caches, caps, meta, extra, part, heads, kv, n,
-                                 max_extra, chunks, scale, layer, sessions);
+    RA_HEADS(sa_part128, SA_PART_CALL, hb)
 }
 
 // Shared memory of one row group of rows_attention_staged: its heads' query values (reused
@@ -280,7 +299,7 @@ struct RowScratch {
 // also in the chunk where the prefix ends. Each row's arithmetic is that of
 // rows_attention_row, so the bits are those of the row alone. Dynamic shared memory: the staged
 // K (RA_CHUNK x (HD + RA_KPAD)) and V (RA_CHUNK x HD) bf16, then one RowScratch per row group.
-template <int HD>
+template <int HD, int HB>
 __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                       const bf16* __restrict__ vc,
                                       const uint32_t* __restrict__ meta,
@@ -291,7 +310,7 @@ __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __
     bf16* ksh = reinterpret_cast<bf16*>(ra_smem);
     bf16* vsh = ksh + RA_CHUNK * (HD + RA_KPAD);
     RowScratch<HD>* scratch = reinterpret_cast<RowScratch<HD>*>(vsh + RA_CHUNK * HD);
-    const int j = blockIdx.x, c = blockIdx.z;
+    const int j = blockIdx.x / ((heads / kv + HB - 1) / HB), c = blockIdx.z;
     const int g = threadIdx.x / RA_CHUNK, t = threadIdx.x % RA_CHUNK;
     const int r0 = blockIdx.y * group, rows = min(group, n - r0);
     // Block-uniform: every thread reads the same leads. Slots below a lead are below the
@@ -313,9 +332,9 @@ __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __
     if (g >= rows) return;
     RowScratch<HD>& sc = scratch[g];
     float(*vsum)[HD] = sc.qs;  // written only after every score is computed
-    rows_attention_row<HD, true>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
-                                 chunks, scale, r0 + g, c, t, 1 + g, sc.qs, sc.prob, sc.slot,
-                                 sc.red, vsum, ksh, vsh, staged);
+    rows_attention_row<HD, HB, true>(q, kc, vc, meta, extra, part, heads, kv, n, cap,
+                                     max_extra, chunks, scale, r0 + g, c, t, 1 + g, sc.qs,
+                                     sc.prob, sc.slot, sc.red, vsum, ksh, vsh, staged);
 }
 
 #define RA_PART_ARGS                                                                             \
@@ -324,28 +343,40 @@ __device__ void rows_attention_staged(const bf16* __restrict__ q, const bf16* __
         float *__restrict__ part, int heads, int kv, int n, int cap, int max_extra, int chunks, \
         float scale
 
-extern "C" __global__ void specsplit_rows_attention_part_bf16_hd64(RA_PART_ARGS) {
-    pdl_enter();
-    rows_attention_part<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                            scale);
+#define RA_PART_CALL q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks, scale
+template <int HB>
+__device__ void ra_part64(RA_PART_ARGS, int) { rows_attention_part<64, HB>(RA_PART_CALL); }
+template <int HB>
+__device__ void ra_part128(RA_PART_ARGS, int) { rows_attention_part<128, HB>(RA_PART_CALL); }
+template <int HB>
+__device__ void ra_staged64(RA_PART_ARGS, int group) {
+    rows_attention_staged<64, HB>(RA_PART_CALL, group);
+}
+template <int HB>
+__device__ void ra_staged128(RA_PART_ARGS, int group) {
+    rows_attention_staged<128, HB>(RA_PART_CALL, group);
 }
 
-extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(RA_PART_ARGS) {
+extern "C" __global__ void specsplit_rows_attention_part_bf16_hd64(RA_PART_ARGS, int hb) {
     pdl_enter();
-    rows_attention_part<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                             scale);
+    RA_HEADS(ra_part64, RA_PART_CALL, 1)
 }
 
-extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd64(RA_PART_ARGS, int group) {
+extern "C" __global__ void specsplit_rows_attention_part_bf16_hd128(RA_PART_ARGS, int hb) {
     pdl_enter();
-    rows_attention_staged<64>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra, chunks,
-                              scale, group);
+    RA_HEADS(ra_part128, RA_PART_CALL, 1)
 }
 
-extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd128(RA_PART_ARGS, int group) {
+extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd64(RA_PART_ARGS, int group,
+                                                                     int hb) {
     pdl_enter();
-    rows_attention_staged<128>(q, kc, vc, meta, extra, part, heads, kv, n, cap, max_extra,
-                               chunks, scale, group);
+    RA_HEADS(ra_staged64, RA_PART_CALL, group)
+}
+
+extern "C" __global__ void specsplit_rows_attention_staged_bf16_hd128(RA_PART_ARGS, int group,
+                                                                      int hb) {
+    pdl_enter();
+    RA_HEADS(ra_staged128, RA_PART_CALL, group)
 }
 
 // Merges row r's chunks of head h in chunk order into out (n, heads * hd) bf16. Grid

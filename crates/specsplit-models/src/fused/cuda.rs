@@ -600,6 +600,9 @@ pub(super) fn rows_attention(
     args.push(F(scale));
     let dev = cuda(q)?;
     let group = super::RA_STAGE.min(n);
+    let row_blocks = if group >= 2 { n.div_ceil(group) } else { n };
+    let hb = super::launch::ra_heads(s.kv, s.heads / s.kv, row_blocks, chunks, l.rows_heads);
+    let blocks_x = (s.kv * (s.heads / s.kv).div_ceil(hb)) as u32;
     if group >= 2 {
         // Staged K and V rows of a chunk (K padded by RA_KPAD), then per row group its
         // RowScratch: RA_MAX_REP x hd query floats, RA_MAX_REP x CHUNK probabilities,
@@ -614,8 +617,8 @@ pub(super) fn rows_attention(
             "specsplit_rows_attention_staged_bf16_hd128"
         };
         allow_smem(dev, name, smem)?;
-        args.push(I(group as i32));
-        let grid = (s.kv as u32, n.div_ceil(group) as u32, chunks as u32);
+        args.extend([group, hb].map(|v| I(v as i32)));
+        let grid = (blocks_x, n.div_ceil(group) as u32, chunks as u32);
         launch_cfg(l.pdl, dev, name, grid, (group * CHUNK) as u32, smem, &args)?;
     } else {
         let name = if hd == 64 {
@@ -623,11 +626,12 @@ pub(super) fn rows_attention(
         } else {
             "specsplit_rows_attention_part_bf16_hd128"
         };
+        args.push(I(hb as i32));
         launch_3d(
             l.pdl,
             dev,
             name,
-            (s.kv as u32, n as u32, chunks as u32),
+            (blocks_x, n as u32, chunks as u32),
             CHUNK as u32,
             &args,
         )?;
@@ -730,7 +734,8 @@ pub(super) fn sessions_attention(
     ])?;
     args.extend([s.heads, s.kv, n, keys.max_extra, chunks].map(|v| I(v as i32)));
     args.push(F(scale));
-    args.extend([layer, table.sessions].map(|v| I(v as i32)));
+    let hb = super::launch::ra_heads(s.kv, s.heads / s.kv, n, chunks, l.rows_heads);
+    args.extend([layer, table.sessions, hb].map(|v| I(v as i32)));
     let dev = cuda(q)?;
     let name = if hd == 64 {
         "specsplit_sessions_attention_part_bf16_hd64"
@@ -741,7 +746,11 @@ pub(super) fn sessions_attention(
         l.pdl,
         dev,
         name,
-        (s.kv as u32, n as u32, chunks as u32),
+        (
+            (s.kv * (s.heads / s.kv).div_ceil(hb)) as u32,
+            n as u32,
+            chunks as u32,
+        ),
         CHUNK as u32,
         &args,
     )?;

@@ -16,6 +16,10 @@ pub struct Launch {
     pub pdl: bool,
     /// Overrides of [`bi_matmul`](super::bi_matmul)'s launch shape (all `None`: the built-in choice).
     pub bi_tuning: BiTuning,
+    /// Override of the query heads a block of [`rows_attention`](super::rows_attention) takes
+    /// (1, 2, 4 or 8; `None`: the built-in rule, the fewest that keep the launch within 320
+    /// blocks). Changes the speed only, never the bits.
+    pub rows_heads: Option<usize>,
 }
 
 impl Launch {
@@ -27,6 +31,7 @@ impl Launch {
             splits: None,
             col_tiles: None,
         },
+        rows_heads: None,
     };
 }
 
@@ -55,6 +60,38 @@ pub struct BiTuning {
 /// 64 slots, at most 16.
 pub fn decode_attention_splits(capacity: usize) -> usize {
     capacity.div_ceil(64).clamp(1, 16)
+}
+
+/// Blocks a rows attention launch may have before it takes more query heads a block.
+const RA_BLOCKS: usize = 320;
+
+/// Query heads a block of [`rows_attention`](super::rows_attention) takes (the speed only,
+/// never the bits) for `kv` KV heads of `rep` query heads each, `row_blocks` blocks of rows
+/// and `chunks` chunks of 64 keys: the fewest (a power of two) that keep the launch within
+/// [`RA_BLOCKS`] blocks, so that small passes spread over the GPU and large ones read each
+/// key once for as many heads as they can; never more than `rep` needs. Measured
+/// (`specsplit-bench kernels --rows-pass --rows-heads 1,2,4,8`, H200, in a graph): at the
+/// Qwen2.5 0.5B shape, 10 rows over 256 cached tokens, 14.9 µs with all 7 heads a block, 9.3
+/// with 1; at 7B, 5 rows, 18.3 → 11.3 µs over 256 tokens with 1, 19.8 → 17.0 over 1024 with
+/// 4; one row over 1024 tokens 18.3 → 9.5 with 2.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn ra_heads(
+    kv: usize,
+    rep: usize,
+    row_blocks: usize,
+    chunks: usize,
+    rows_override: Option<usize>,
+) -> usize {
+    let most = rep.max(1).next_power_of_two().min(8);
+    if let Some(hb) = rows_override {
+        return hb.clamp(1, 8).next_power_of_two().min(most);
+    }
+    let blocks = |hb: usize| kv * rep.div_ceil(hb) * row_blocks * chunks;
+    let mut hb = 1;
+    while hb < most && blocks(hb) > RA_BLOCKS {
+        hb *= 2;
+    }
+    hb
 }
 
 /// Warps sharing each output's k in `bi_matmul` for a `(n, k)` weight: a function of the
@@ -121,6 +158,17 @@ mod tests {
         ];
         let got: Vec<usize> = one_5b.iter().map(|&(n, k)| bi_splits(n, k)).collect();
         assert_eq!(got, [8, 8, 1, 8, 1]);
+        // Heads a block of the rows attention: the fewest within RA_BLOCKS blocks (7B: 4 KV
+        // heads of 7), an override, never more than a KV head's query heads need.
+        assert_eq!(ra_heads(4, 7, 1, 5, None), 1);
+        assert_eq!(ra_heads(4, 7, 1, 17, None), 2);
+        assert_eq!(ra_heads(4, 7, 2, 17, None), 4);
+        assert_eq!(ra_heads(4, 7, 16, 5, None), 8);
+        assert_eq!(ra_heads(4, 7, 64, 64, None), 8);
+        assert_eq!(ra_heads(4, 7, 1, 64, Some(2)), 2);
+        assert_eq!(ra_heads(4, 7, 1, 5, Some(3)), 4);
+        assert_eq!(ra_heads(2, 1, 64, 64, None), 1);
+        assert_eq!(ra_heads(2, 2, 1, 1, Some(8)), 2);
         // Column tiles as measured (H100, `kernels --rows 1,8,32 --col-tiles 2,4`): the 7B
         // gate|up and head take 2 past one row tile, everything else keeps its one-row choice.
         let tiles = |shapes: &[(usize, usize)], m: usize| -> Vec<usize> {

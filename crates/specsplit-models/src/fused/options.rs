@@ -54,6 +54,7 @@ impl KernelOptions {
         Launch {
             pdl: self.pdl,
             bi_tuning: BiTuning::default(),
+            rows_heads: None,
         }
     }
 }
