@@ -133,6 +133,23 @@ fn tuning_label(t: fused::BiTuning) -> String {
     )
 }
 
+/// A random bf16 tensor of `shape` on `dev`, normal with standard deviation `scale`.
+fn random_bf16(dev: &Device, shape: &[usize], scale: f64) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, 1f32, shape, dev)?
+        .affine(scale, 0.0)?
+        .to_dtype(DType::BF16)?)
+}
+
+/// The hidden size, head size, KV heads and query heads of `c`.
+fn attention_dims(c: &ModelConfig) -> (usize, usize, usize, usize) {
+    (
+        c.hidden_size,
+        c.head_dim,
+        c.num_key_value_heads,
+        c.num_attention_heads,
+    )
+}
+
 /// Every combination of the tunings `a` lists (0 in a list: the built-in choice).
 fn tunings(a: &KernelArgs) -> Vec<fused::BiTuning> {
     let mut combos = Vec::new();
@@ -158,13 +175,8 @@ pub fn main(a: KernelArgs) -> Result<()> {
     if !dev.is_cuda() || !cfg!(feature = "cuda") {
         bail!("kernels needs a CUDA device and a build with the `cuda` feature");
     }
-    let bf = |shape: &[usize], scale: f64| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1f32, shape, &dev)?
-            .affine(scale, 0.0)?
-            .to_dtype(DType::BF16)?)
-    };
-    let (h, hd, kvh) = (c.hidden_size, c.head_dim, c.num_key_value_heads);
-    let qh = c.num_attention_heads;
+    let bf = |shape: &[usize], scale: f64| random_bf16(&dev, shape, scale);
+    let (h, hd, kvh, qh) = attention_dims(&c);
     let projections = [
         ("qkv", (qh + 2 * kvh) * hd, h),
         ("o", h, qh * hd),
@@ -299,17 +311,8 @@ fn step_kernels(
     dev: &Device,
     rows_out: &mut Vec<Map<String, Value>>,
 ) -> Result<()> {
-    let bf = |shape: &[usize], scale: f64| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1f32, shape, dev)?
-            .affine(scale, 0.0)?
-            .to_dtype(DType::BF16)?)
-    };
-    let (h, hd, kvh, qh) = (
-        c.hidden_size,
-        c.head_dim,
-        c.num_key_value_heads,
-        c.num_attention_heads,
-    );
+    let bf = |shape: &[usize], scale: f64| random_bf16(dev, shape, scale);
+    let (h, hd, kvh, qh) = attention_dims(c);
     let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<(f64, f64)> {
         Ok((
             per_launch_ms(dev, a.iters, a.batch, &mut *f)?,
@@ -456,17 +459,8 @@ fn rows_pass_kernels(
     dev: &Device,
     rows_out: &mut Vec<Map<String, Value>>,
 ) -> Result<()> {
-    let bf = |shape: &[usize], scale: f64| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1f32, shape, dev)?
-            .affine(scale, 0.0)?
-            .to_dtype(DType::BF16)?)
-    };
-    let (h, hd, kvh, qh) = (
-        c.hidden_size,
-        c.head_dim,
-        c.num_key_value_heads,
-        c.num_attention_heads,
-    );
+    let bf = |shape: &[usize], scale: f64| random_bf16(dev, shape, scale);
+    let (h, hd, kvh, qh) = attention_dims(c);
     let layers = c.num_hidden_layers;
     let eps = c.rms_norm_eps as f32;
     let launch = fused::Launch::DEFAULT;
