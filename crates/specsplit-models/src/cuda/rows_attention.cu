@@ -24,13 +24,14 @@ __device__ __forceinline__ void ra_sync(int id) {
 // consecutive rows then fall in different banks).
 #define RA_KPAD 8
 
-// One row's chunk c of the rows attention for HB of the query heads of a KV head (block x
-// = KV head j times ceil(rep / HB) plus the head group), computed by the RA_CHUNK threads t = 0.. of barrier
-// `bar` (block-uniform early return past the row's keys). The block staged the K and V rows of
-// slots c * RA_CHUNK + k, k < staged, in shared memory (ksh, vsh; staged = 0: none): a key of
-// the chunk that lies in the row's leading run (list index = slot) and was staged is read
-// there, every other key from the caches. The values and the order of every operation are the
-// same either way, so the row gets the same bits. STAGING false: no block stages (staged is 0).
+// One row's chunk c of the rows attention for HB of the query heads of a KV head (block x =
+// KV head j times ceil(rep / HB) plus the head group), computed by the RA_CHUNK threads t = 0..
+// of barrier `bar` (block-uniform early return past the row's keys). The block staged the K
+// and V rows of slots c * RA_CHUNK + k, k < staged, in shared memory (ksh, vsh; staged = 0:
+// none): a key of the chunk that lies in the row's leading run (list index = slot) and was
+// staged is read there, every other key from the caches. The values and the order of every
+// operation are the same either way, so the row gets the same bits. STAGING false: no block
+// stages (staged is 0).
 // Each head's arithmetic is the same whichever heads share its block, so HB changes no bits.
 template <int HD, int HB, bool STAGING>
 __device__ __forceinline__ void rows_attention_row(
