@@ -150,6 +150,33 @@ fn attention_dims(c: &ModelConfig) -> (usize, usize, usize, usize) {
     )
 }
 
+/// Random K/V caches and rotary tables of `capacity` slots at shape `c`, and their attention shape.
+struct AttentionInputs {
+    shape: AttnShape,
+    kc: Tensor,
+    vc: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// [`AttentionInputs`] on `dev`.
+fn attention_inputs(dev: &Device, c: &ModelConfig, capacity: usize) -> Result<AttentionInputs> {
+    let (_, hd, kvh, qh) = attention_dims(c);
+    let shape = AttnShape {
+        heads: qh,
+        kv: kvh,
+        head_dim: hd,
+        capacity,
+    };
+    Ok(AttentionInputs {
+        shape,
+        kc: random_bf16(dev, &[1, kvh, capacity, hd], 1.0)?,
+        vc: random_bf16(dev, &[1, kvh, capacity, hd], 1.0)?,
+        cos: random_bf16(dev, &[capacity, hd / 2], 1.0)?,
+        sin: random_bf16(dev, &[capacity, hd / 2], 1.0)?,
+    })
+}
+
 /// Every combination of the tunings `a` lists (0 in a list: the built-in choice).
 fn tunings(a: &KernelArgs) -> Vec<fused::BiTuning> {
     let mut combos = Vec::new();
@@ -368,17 +395,13 @@ fn step_kernels(
             })?;
             total += row(name, ctx, ms, per);
         }
-        let cap = ctx + 1;
-        let shape = AttnShape {
-            heads: qh,
-            kv: kvh,
-            head_dim: hd,
-            capacity: cap,
-        };
-        let kc = bf(&[1, kvh, cap, hd], 1.0)?;
-        let vc = bf(&[1, kvh, cap, hd], 1.0)?;
-        let cos = bf(&[cap, hd / 2], 1.0)?;
-        let sin = bf(&[cap, hd / 2], 1.0)?;
+        let AttentionInputs {
+            shape,
+            kc,
+            vc,
+            cos,
+            sin,
+        } = attention_inputs(dev, c, ctx + 1)?;
         let pos = Tensor::new(&[ctx as u32], dev)?;
         let qkv = bf(&[1, (qh + 2 * kvh) * hd], 1.0)?;
         total += row(
@@ -548,17 +571,13 @@ fn rows_pass_kernels(
                     total_gemv += record(&format!("gemv_{name}"), t, *per);
                 }
             }
-            let cap = ctx + m + 1;
-            let shape = AttnShape {
-                heads: qh,
-                kv: kvh,
-                head_dim: hd,
-                capacity: cap,
-            };
-            let kc = bf(&[1, kvh, cap, hd], 1.0)?;
-            let vc = bf(&[1, kvh, cap, hd], 1.0)?;
-            let cos = bf(&[cap, hd / 2], 1.0)?;
-            let sin = bf(&[cap, hd / 2], 1.0)?;
+            let AttentionInputs {
+                shape,
+                kc,
+                vc,
+                cos,
+                sin,
+            } = attention_inputs(dev, c, ctx + m + 1)?;
             let positions: Vec<u32> = (0..m as u32).map(|i| ctx as u32 + i).collect();
             let positions = Tensor::new(positions.as_slice(), dev)?;
             let qkv = bf(&[m, (qh + 2 * kvh) * hd], 1.0)?;
