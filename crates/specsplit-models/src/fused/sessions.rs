@@ -178,7 +178,8 @@ impl SessionTable {
 
     /// A table whose contents the caller writes on the device before each launch (what a
     /// captured graph replays): `rows` `(n, 2)` u32 (per row its session and slot), `caches`
-    /// `(layers · sessions · 4,)` u32 (the words [`cache_words`] gives), `capacities`
+    /// `(layers · sessions · 4,)` u32 (the words [`cache_words`] gives, starting at an even word
+    /// of their buffer: the kernels read them as u64), `capacities`
     /// `(sessions,)` u32 and device-written `keys` ([`PassKeys::device_rows`]).
     #[allow(clippy::too_many_arguments)]
     pub fn on_device(
@@ -201,6 +202,8 @@ impl SessionTable {
             || capacities.dims() != [sessions]
             || layers == 0
             || sessions == 0
+            // The kernels read the addresses as u64: 8-byte aligned in their buffer.
+            || !caches.layout().start_offset().is_multiple_of(2)
         {
             return Err(Error::Msg(format!(
                 "a device session table of {n} rows, {layers} layers and {sessions} sessions \
@@ -314,6 +317,33 @@ mod tests {
     fn addresses_split_into_low_then_high_words() {
         let w = address_words(&[0x1234_5678_9abc_def0, 7]);
         assert_eq!(w, [0x9abc_def0, 0x1234_5678, 7, 0]);
+    }
+
+    #[test]
+    fn a_device_table_refuses_cache_addresses_at_an_odd_word() {
+        let dev = Device::Cpu;
+        let io = Tensor::zeros(64, DType::U32, &dev).unwrap();
+        let meta = io.narrow(0, 40, 4).unwrap().reshape((2, 2)).unwrap();
+        let keys = PassKeys::device_rows(meta, 16).unwrap();
+        let rows = io.narrow(0, 44, 4).unwrap().reshape((2, 2)).unwrap();
+        let caps = io.narrow(0, 48, 2).unwrap();
+        let table = |at: usize| {
+            let caches = io.narrow(0, at, 8).unwrap();
+            SessionTable::on_device(
+                rows.clone(),
+                caches,
+                caps.clone(),
+                keys.clone(),
+                1,
+                2,
+                2,
+                64,
+            )
+        };
+        assert!(table(0).is_ok());
+        assert!(table(2).is_ok());
+        assert!(table(1).is_err());
+        assert!(table(3).is_err());
     }
 
     #[test]

@@ -129,6 +129,7 @@ impl SessionChains {
         let shaped: Vec<_> = caches.iter().map(|(c, l)| (*c, l.as_slice())).collect();
         let words = fused::cache_words(&shaped, self.kv, self.head_dim)?;
         let mut io = Vec::with_capacity(self.io.elem_count());
+        io.extend(words);
         // The first level: each session's feed after its pads.
         let pads = |c: &SessionChain<'_>| f - c.feed.len();
         for c in chains {
@@ -136,7 +137,6 @@ impl SessionChains {
             io.extend_from_slice(c.feed);
         }
         io.extend((0..n).map(|i| (f * i + f - 1) as u32));
-        io.extend(words);
         io.extend(caches.iter().map(|(c, _)| *c as u32));
         // The slot (= position) of session i's row at level l (0: its last fed token).
         let slot = |c: &SessionChain<'_>, l: usize| c.cache.len() + c.feed.len() - 1 + l;
@@ -205,9 +205,9 @@ impl Transformer {
         let c = &self.config;
         let layers = self.layers.len();
         let level_rows = |l: usize| if l == 0 { f * n } else { n };
-        let len = f * n
+        let len = layers * n * 4
+            + f * n
             + n
-            + layers * n * 4
             + n
             + (0..d).map(|l| 5 * level_rows(l)).sum::<usize>()
             + 2 * d * n;
@@ -218,9 +218,11 @@ impl Transformer {
             at += size;
             t
         };
+        // First: the kernels read the cache addresses as u64, so they sit at the buffer's
+        // (aligned) start.
+        let caches = part(layers * n * 4)?;
         let roots = part(f * n)?;
         let last = part(n)?;
-        let caches = part(layers * n * 4)?;
         let capacities = part(n)?;
         let (mut positions, mut tables) = (Vec::with_capacity(d), Vec::with_capacity(d));
         for l in 0..d {
