@@ -666,7 +666,7 @@ impl SessionChainsStepper {
 
     /// Grows each of `chains`' greedy chain of `depth` tokens together (see
     /// [`SessionChains::start`]) over buffers (and a graph) for caches of `capacity` slots,
-    /// at least every chain's cache's; returns the `(2·depth, sessions)` f32 tokens and
+    /// at least every chain's cache's, and feeds of the longest of theirs; returns the `(2·depth, sessions)` f32 tokens and
     /// log-probabilities (the stepper's own buffer, overwritten by the next growth of that
     /// shape). The caches' lengths are left alone.
     pub fn grow(
@@ -683,15 +683,17 @@ impl SessionChainsStepper {
             )));
         }
         specsplit_core::device::bind_to_thread(model.device())?;
-        let fits =
-            |b: &SessionChains| b.sessions() == n && b.depth() == depth && b.capacity() == capacity;
+        let feed = chains.iter().map(|c| c.feed.len()).max().unwrap_or(1);
+        let fits = |b: &SessionChains| {
+            b.sessions() == n && b.depth() == depth && b.feed() == feed && b.capacity() == capacity
+        };
         let at = match self.shapes.iter().position(|(b, _)| fits(b)) {
             Some(at) => at,
             None => {
                 if self.shapes.len() == MAX_SESSION_CHAIN_SHAPES {
                     self.shapes.remove(0);
                 }
-                let bufs = model.session_chain_buffers(n, depth, capacity)?;
+                let bufs = model.session_chain_buffers(n, depth, feed, capacity)?;
                 self.shapes.push((bufs, Replay::default()));
                 self.shapes.len() - 1
             }
@@ -702,12 +704,13 @@ impl SessionChainsStepper {
         Ok(bufs.out.clone())
     }
 
-    /// Whether the growth of `sessions` chains of `depth` over caches of `capacity` slots
-    /// replays a captured graph.
-    pub fn uses_graph(&self, sessions: usize, depth: usize, capacity: usize) -> bool {
+    /// Whether the growth of `sessions` chains of `depth` after feeds of up to `feed` tokens
+    /// over caches of `capacity` slots replays a captured graph.
+    pub fn uses_graph(&self, sessions: usize, depth: usize, feed: usize, capacity: usize) -> bool {
         self.shapes.iter().any(|(b, r)| {
             b.sessions() == sessions
                 && b.depth() == depth
+                && b.feed() == feed
                 && b.capacity() == capacity
                 && r.uses_graph()
         })

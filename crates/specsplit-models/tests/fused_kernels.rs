@@ -1677,12 +1677,13 @@ fn session_chains_grow_each_sessions_chain_as_alone_up_to_rounding() {
         .collect();
     let mut stepper = SessionChainsStepper::new();
     // Eager, captured, replayed; then the sessions in another order (the same graph over
-    // other caches); then with session 1's second token forced.
-    for run in 0..5 {
-        let order: Vec<usize> = if run == 3 {
-            vec![2, 0, 1]
-        } else {
-            vec![0, 1, 2]
+    // other caches); then with session 1's second token forced; then the two sessions that
+    // feed one token each (one first-level row a session), eager, captured and replayed.
+    for run in 0..8 {
+        let order: Vec<usize> = match run {
+            3 => vec![2, 0, 1],
+            5.. => vec![0, 2],
+            _ => vec![0, 1, 2],
         };
         let forced: Vec<Option<u32>> = (0..depth).map(|l| (l == 1).then_some(4321)).collect();
         let chains: Vec<SessionChain<'_>> = order
@@ -1716,9 +1717,15 @@ fn session_chains_grow_each_sessions_chain_as_alone_up_to_rounding() {
                 );
             }
         }
-        if run >= 2 {
+        if run == 7 {
             assert!(
-                stepper.uses_graph(3, depth, 512),
+                stepper.uses_graph(2, depth, 1, 512),
+                "run 7 replays a graph"
+            );
+        }
+        if (2..5).contains(&run) {
+            assert!(
+                stepper.uses_graph(3, depth, 2, 512),
                 "run {run} replays a graph"
             );
         }

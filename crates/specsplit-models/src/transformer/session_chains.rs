@@ -5,8 +5,9 @@
 //!
 //! Session `i` feeds its uncached tail (1 to [`CHAIN_FEED_MAX`] tokens) at slots `len_i..` of
 //! its cache, then each level's token at the next slot; every row sees its session's slots up
-//! to its own. The first level's rows are [`CHAIN_FEED_MAX`] a session: a shorter feed fills
-//! the rows before it with a pad row that writes the slot past the session's chain (left out of
+//! to its own. The first level has the same rows for every session (the buffers' feed width:
+//! one row each where every session feeds one token, the rounds whose chains were not accepted
+//! whole): a shorter feed fills the rows before it with a pad row that writes the slot past the session's chain (left out of
 //! the cache's length, never read) and reads slot 0. Every input, cache addresses included, is
 //! written in one upload ([`SessionChains::start`]); the chains' tokens and log-probabilities
 //! come back in one `(2·depth, sessions)` buffer.
@@ -36,7 +37,7 @@ pub struct SessionChain<'a> {
 pub struct SessionChains {
     /// u32: everything [`SessionChains::start`] writes, in one upload.
     io: Tensor,
-    /// `(CHAIN_FEED_MAX · sessions,)`: the first level's tokens.
+    /// `(feed · sessions,)`: the first level's tokens.
     roots: Tensor,
     /// `(sessions,)`: each session's last first-level row.
     last: Tensor,
@@ -53,6 +54,8 @@ pub struct SessionChains {
     pub out: Tensor,
     sessions: usize,
     depth: usize,
+    /// First-level rows a session.
+    feed: usize,
     capacity: usize,
     layers: usize,
     vocab: usize,
@@ -71,6 +74,11 @@ impl SessionChains {
         self.depth
     }
 
+    /// The most tokens a session feeds (the first level's rows a session).
+    pub fn feed(&self) -> usize {
+        self.feed
+    }
+
     /// The largest cache these buffers serve.
     pub fn capacity(&self) -> usize {
         self.capacity
@@ -78,11 +86,11 @@ impl SessionChains {
 
     /// Sets the next growth's input (one upload): every session's cache addresses, feed,
     /// slots and forced tokens. Fails (nothing written) unless there is one chain a session,
-    /// each feed holds 1 to [`CHAIN_FEED_MAX`] tokens of the vocabulary, each cache fits the
+    /// each feed holds 1 to [`SessionChains::feed`] tokens of the vocabulary, each cache fits the
     /// model and these buffers and has room for its feed, its chain and the pad slot past it
     /// (`len + feed + depth` slots), and `forced` is empty or one entry a level.
     pub fn start(&self, chains: &[SessionChain<'_>]) -> Result<(), ModelError> {
-        let (n, d, f) = (self.sessions, self.depth, CHAIN_FEED_MAX);
+        let (n, d, f) = (self.sessions, self.depth, self.feed);
         if chains.len() != n {
             return Err(ModelError::Input(format!(
                 "{n} sessions' chains were given {} sessions",
@@ -179,27 +187,31 @@ impl SessionChains {
 
 impl Transformer {
     /// Whether [`Transformer::grow_session_chains`] runs for this model with `sessions`
-    /// sessions whose caches hold at most `capacity` slots: the fused batch-invariant kernels
-    /// ([`Transformer::exact_rows_fit`]) for the first level's rows.
+    /// sessions whose caches hold at most `capacity` slots, feeding up to [`CHAIN_FEED_MAX`]
+    /// tokens each: the fused batch-invariant kernels ([`Transformer::exact_rows_fit`]) for the
+    /// first level's rows.
     pub fn session_chains_fit(&self, capacity: usize, sessions: usize) -> bool {
         sessions > 0 && self.exact_rows_fit(capacity, CHAIN_FEED_MAX * sessions)
     }
 
     /// Device buffers for [`Transformer::grow_session_chains`]: `sessions` sessions' chains
-    /// of `depth` tokens over caches of at most `capacity` slots.
+    /// of `depth` tokens, after feeds of up to `feed` tokens (1 to [`CHAIN_FEED_MAX`]), over
+    /// caches of at most `capacity` slots.
     pub fn session_chain_buffers(
         &self,
         sessions: usize,
         depth: usize,
+        feed: usize,
         capacity: usize,
     ) -> Result<SessionChains, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;
-        let (n, d, f) = (sessions, depth, CHAIN_FEED_MAX);
-        let most = fused::BI_MAX_ROWS / f;
-        if n == 0 || n > most || d == 0 || capacity == 0 {
+        let (n, d, f) = (sessions, depth, feed);
+        let most = fused::BI_MAX_ROWS / CHAIN_FEED_MAX;
+        if n == 0 || n > most || d == 0 || capacity == 0 || !(1..=CHAIN_FEED_MAX).contains(&f) {
             return Err(ModelError::Input(format!(
-                "session chains take 1 to {most} sessions of at least one token over caches of \
-                 at least one slot, not {n} of {d} over {capacity}"
+                "session chains take 1 to {most} sessions of at least one token after feeds of \
+                 1 to {CHAIN_FEED_MAX} over caches of at least one slot, not {n} of {d} after \
+                 {f} over {capacity}"
             )));
         }
         let c = &self.config;
@@ -254,6 +266,7 @@ impl Transformer {
             out: Tensor::zeros((2 * d, n), DType::F32, &self.device)?,
             sessions: n,
             depth: d,
+            feed: f,
             capacity,
             layers,
             vocab: c.vocab_size,
@@ -311,8 +324,8 @@ impl Transformer {
                     &q, table, i, shape, scale, launch,
                 )?)
             })?;
-            let h = match level {
-                0 => h.index_select(&b.last, 0)?,
+            let h = match (level, b.feed) {
+                (0, 2..) => h.index_select(&b.last, 0)?,
                 _ => h,
             };
             let logits = product(&h, head, None)?;
@@ -339,11 +352,17 @@ mod tests {
     fn session_chain_buffers_are_bounded_and_off_cuda_there_is_no_growth() {
         let cfg = ModelConfig::preset("tiny").unwrap();
         let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
-        assert!(m.session_chain_buffers(0, 3, 64).is_err());
-        assert!(m.session_chain_buffers(33, 3, 64).is_err());
-        assert!(m.session_chain_buffers(2, 0, 64).is_err());
-        let b = m.session_chain_buffers(2, 3, 64).unwrap();
-        assert_eq!((b.sessions(), b.depth(), b.capacity()), (2, 3, 64));
+        assert!(m.session_chain_buffers(0, 3, 2, 64).is_err());
+        assert!(m.session_chain_buffers(33, 3, 2, 64).is_err());
+        assert!(m.session_chain_buffers(2, 0, 2, 64).is_err());
+        assert!(m.session_chain_buffers(2, 3, 0, 64).is_err());
+        assert!(m.session_chain_buffers(2, 3, 3, 64).is_err());
+        let one = m.session_chain_buffers(2, 3, 1, 64).unwrap();
+        let b = m.session_chain_buffers(2, 3, 2, 64).unwrap();
+        assert_eq!(
+            (b.sessions(), b.depth(), b.feed(), b.capacity()),
+            (2, 3, 2, 64)
+        );
         assert!(!m.session_chains_fit(64, 2));
         assert!(m.grow_session_chains(&b).is_err());
         // Wrong counts and feeds are refused before any address is read.
@@ -363,6 +382,10 @@ mod tests {
             .start(&[chain(&caches[0], &[1, 2, 3]), chain(&caches[1], &[1])])
             .unwrap_err();
         assert!(e.to_string().contains("chain 0 feeds 3"), "{e}");
+        let e = one
+            .start(&[chain(&caches[0], &[1]), chain(&caches[1], &[1, 2])])
+            .unwrap_err();
+        assert!(e.to_string().contains("chain 1 feeds 2"), "{e}");
         let e = b
             .start(&[chain(&caches[0], &[1]), chain(&caches[1], &[99_999])])
             .unwrap_err();
