@@ -647,7 +647,7 @@ impl ExactStepper {
 }
 
 /// The most shapes a [`SessionChainsStepper`] keeps graphs of (the oldest goes first).
-const MAX_SESSION_CHAIN_SHAPES: usize = 12;
+const MAX_SESSION_CHAIN_SHAPES: usize = 32;
 
 /// Greedy chains of several sessions grown together ([`Transformer::grow_session_chains`]),
 /// replayed from a graph captured per shape (sessions, depth, largest capacity). The graph

@@ -233,30 +233,32 @@ impl Drop for Sweep<'_> {
     }
 }
 
-/// Grows the members' greedy chains and answers each: those of one depth with at most
-/// [`CHAIN_FEED_MAX`] tokens to feed together, where there are two or more and the engine grows
-/// chains together (one pass counted), every other one alone.
+/// The most sessions whose chains grow together: their first level's rows within the
+/// batch-invariant kernels' limit.
+const MAX_CHAIN_SESSIONS: usize = specsplit_models::fused::BI_MAX_ROWS / CHAIN_FEED_MAX;
+
+/// Grows the members' greedy chains and answers each: those that can grow together
+/// ([`DraftEngine::joins_chains`] at the deepest of their depths) in one shared growth (one
+/// pass counted) where there are two or more and the engine grows chains together, every
+/// other one alone.
 fn run_chains(engine: &DraftEngine, counters: &PassCounters, members: Vec<Job>) {
-    // Each chain with its session and answer, in groups of one depth and short feeds.
     type Chain = (OwnedMutexGuard<DraftSession>, ChainRound, Answer);
-    let mut groups: Vec<Vec<Chain>> = Vec::new();
-    for m in members {
-        let Work::Chain(round) = m.work else {
-            continue;
-        };
-        let short = round.feed_rows() <= CHAIN_FEED_MAX;
-        let depth = round.depth();
-        let joins = |g: &&mut Vec<Chain>| {
-            short
-                && g.first()
-                    .is_some_and(|(_, r, _)| r.depth() == depth && r.feed_rows() <= CHAIN_FEED_MAX)
-        };
-        let chain = (m.session, round, m.answer);
-        match groups.iter_mut().find(joins) {
-            Some(g) => g.push(chain),
-            None => groups.push(vec![chain]),
-        }
-    }
+    let chains: Vec<Chain> = members
+        .into_iter()
+        .filter_map(|m| match m.work {
+            Work::Chain(round) => Some((m.session, round, m.answer)),
+            Work::Levels(_) => None,
+        })
+        .collect();
+    let depth = chains.iter().map(|(_, r, _)| r.depth()).max().unwrap_or(0);
+    let (mut together, alone): (Vec<Chain>, Vec<Chain>) = chains
+        .into_iter()
+        .partition(|(s, r, _)| engine.joins_chains(s, r, depth));
+    // At most as many as one growth takes, the others alone.
+    let mut alone = alone;
+    alone.extend(together.drain(together.len().min(MAX_CHAIN_SESSIONS)..));
+    let capacity = together.iter().map(|(s, _, _)| s.cache.capacity()).max();
+    let shared = engine.chains_together_fit(together.len(), capacity.unwrap_or(0));
     let answer = |a: Answer, r: Result<(TokenTree, DraftStats), EngineError>, n: usize| {
         let _ = a.send(r.map(|(tree, stats)| BatchedDraft {
             tree,
@@ -264,28 +266,24 @@ fn run_chains(engine: &DraftEngine, counters: &PassCounters, members: Vec<Job>) 
             pass_sessions: n,
         }));
     };
-    for group in groups {
-        let n = group.len();
-        let capacity = group.iter().map(|(s, _, _)| s.cache.capacity()).max();
-        if engine.chains_together_fit(n, capacity.unwrap_or(0)) {
-            counters.pass(n);
-            let (mut sessions, mut rounds, mut answers) = (Vec::new(), Vec::new(), Vec::new());
-            for (s, r, a) in group {
-                sessions.push(s);
-                rounds.push(r);
-                answers.push(a);
-            }
-            let members = sessions.iter_mut().map(|s| &mut **s).zip(rounds).collect();
-            let results = engine.chains_together(members);
-            for (a, r) in answers.into_iter().zip(results) {
-                answer(a, r, n);
-            }
-        } else {
-            for (mut s, round, a) in group {
-                counters.pass(1);
-                answer(a, engine.chain_alone(&mut s, round), 1);
-            }
+    if shared {
+        let n = together.len();
+        counters.pass(n);
+        let (mut sessions, mut rounds, mut answers) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, r, a) in together.drain(..) {
+            sessions.push(s);
+            rounds.push(r);
+            answers.push(a);
         }
+        let members = sessions.iter_mut().map(|s| &mut **s).zip(rounds).collect();
+        let results = engine.chains_together(members);
+        for (a, r) in answers.into_iter().zip(results) {
+            answer(a, r, n);
+        }
+    }
+    for (mut s, round, a) in together.into_iter().chain(alone) {
+        counters.pass(1);
+        answer(a, engine.chain_alone(&mut s, round), 1);
     }
 }
 

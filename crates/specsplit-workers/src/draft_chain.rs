@@ -135,10 +135,22 @@ impl DraftEngine {
         sessions >= 2 && self.static_chains() && self.model().session_chains_fit(capacity, sessions)
     }
 
-    /// Grows the chains of several sessions (each of at most [`CHAIN_FEED_MAX`] tokens to
-    /// feed, all of one depth) in one graph-replayed pass a level; returns each member's tree
-    /// and what it cost (the shared passes count in full for each member). If the shared
-    /// growth fails, nothing was kept: each chain then grows alone, so only a bad one fails.
+    /// Whether `round`'s chain can grow with others' to `depth` (at least its own) tokens:
+    /// at most [`CHAIN_FEED_MAX`] tokens to feed, and room in the session's cache for them, the
+    /// chain and the slot past it.
+    pub(crate) fn joins_chains(&self, s: &DraftSession, round: &ChainRound, depth: usize) -> bool {
+        let fed = round.feed.len();
+        (1..=CHAIN_FEED_MAX).contains(&fed)
+            && round.depth() <= depth
+            && s.cache.len() + fed + depth <= s.cache.capacity()
+    }
+
+    /// Grows the chains of several sessions (each one that [`DraftEngine::joins_chains`] at
+    /// the deepest of their depths) in one graph-replayed pass a level, all to that depth
+    /// (one graph for every depth the sessions ask for; a shallower chain keeps its own
+    /// levels); returns each member's tree and what it cost (the shared passes count in full
+    /// for each member). If the shared growth fails, nothing was kept: each chain then grows
+    /// alone, so only a bad one fails.
     pub(crate) fn chains_together(
         &self,
         members: Vec<(&mut DraftSession, ChainRound)>,
@@ -170,25 +182,33 @@ impl DraftEngine {
         &self,
         members: &[(&mut DraftSession, ChainRound)],
     ) -> Result<Vec<Levels>, EngineError> {
-        let depth = members.first().map_or(0, |(_, r)| r.depth());
+        let depth = members.iter().map(|(_, r)| r.depth()).max().unwrap_or(0);
         let capacity = members.iter().map(|(s, _)| s.cache.capacity()).max();
         let capacity = capacity.unwrap_or(0);
-        if members
-            .iter()
-            .any(|(_, r)| r.depth() != depth || r.feed.len() > CHAIN_FEED_MAX || r.feed.is_empty())
+        if !members.iter().all(|(s, r)| self.joins_chains(s, r, depth))
             || !self.chains_together_fit(members.len(), capacity)
         {
             return Err(EngineError::InvalidArgument(
-                "chains of different depths, long feeds or a model without shared chains".into(),
+                "chains with long feeds, without room or on a model without shared chains".into(),
             ));
         }
         specsplit_core::device::bind_to_thread(self.model().device())?;
+        // Every chain grows to the deepest: the proposer decides no level past a chain's own.
+        let forced: Vec<Vec<Option<u32>>> = members
+            .iter()
+            .map(|(_, r)| {
+                let mut f = r.forced.clone();
+                f.resize(depth, None);
+                f
+            })
+            .collect();
         let chains: Vec<SessionChain<'_>> = members
             .iter()
-            .map(|(s, r)| SessionChain {
+            .zip(&forced)
+            .map(|((s, r), forced)| SessionChain {
                 cache: &s.cache,
                 feed: &r.feed,
-                forced: &r.forced,
+                forced,
             })
             .collect();
         let out = {
@@ -197,9 +217,11 @@ impl DraftEngine {
         };
         // Rows: each level's tokens, then their log-probabilities; one copy for all.
         let packed: Vec<Vec<f32>> = out.to_vec2()?;
-        Ok((0..members.len())
-            .map(|i| {
-                (0..depth)
+        Ok(members
+            .iter()
+            .enumerate()
+            .map(|(i, (_, r))| {
+                (0..r.depth())
                     .map(|l| (packed[l][i] as u32, packed[depth + l][i]))
                     .collect()
             })
