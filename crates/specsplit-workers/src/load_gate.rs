@@ -308,11 +308,10 @@ impl LoadGate {
     /// drafted depth was measured (optimistic, so that a deeper draft is tried and measured
     /// rather than charged the draft call's fixed cost once a level). Where no drafted depth was
     /// measured at this level, the nearest level's drafting time (its gap beyond its depth-0
-    /// gap) stands in: as it is from a smaller level (a draft worker grows the chains of the
-    /// sessions that are ready together in shared passes, so four sessions' drafts may cost
-    /// about what one's does; optimistic, so that the depth is tried and measured here), scaled
-    /// down by the ratio of the levels' batches from a larger one. 0 before any gap is measured
-    /// (the pass time alone decides). Gaps measured more than [`GAP_MEMORY`] ago count as unmeasured.
+    /// gap) stands in, scaled by the ratio of the levels' batches, as if the draft worker
+    /// served the sessions one after another: what one session's draft cost alone, four cost
+    /// about four times over, until measured. 0 before any gap is measured (the pass time alone
+    /// decides). Gaps measured more than [`GAP_MEMORY`] ago count as unmeasured.
     pub fn round_gap(&self, depth: usize, batch: usize) -> f64 {
         self.gap_curve(batch).at(depth)
     }
@@ -349,9 +348,7 @@ impl LoadGate {
         };
         GapCurve {
             points: other,
-            // Flat from a smaller level (a draft worker grows ready sessions' chains
-            // together), scaled down from a larger one.
-            borrowed: Some((base, 2f64.powi(level as i32 - k as i32).min(1.0))),
+            borrowed: Some((base, 2f64.powi(level as i32 - k as i32))),
         }
     }
 
@@ -863,6 +860,28 @@ mod tests {
     }
 
     #[test]
+    fn the_advisor_remembers_its_advice_so_capped_rounds_do_not_cap_it() {
+        let a = LoadAdvisor::with_gate(gate(8, 1..=600, |_| 0.02));
+        let round = |depth| GateRound {
+            session: "s",
+            rows: depth + 1,
+            time: Duration::from_millis(20),
+            depth,
+            accepted: depth,
+            continued: true,
+        };
+        // Free drafts and 20 ms passes: the deepest depth.
+        let advice = a.observe_and_advise(round(0));
+        assert_eq!(advice, Some(8));
+        assert_eq!(a.gate.lock().unwrap().last_advice, advice);
+        // Rounds drafted as deep as advised do not cap the next advice.
+        for _ in 0..4 {
+            assert_eq!(a.observe_and_advise(round(8)), Some(8));
+        }
+        assert_eq!(a.gate.lock().unwrap().deepest, None);
+    }
+
+    #[test]
     fn rounds_capped_by_the_advice_do_not_cap_later_advice() {
         let mut g = gate(8, 1..=600, |_| 0.02);
         // Sessions draft 4 deep by themselves: the advice goes no deeper.
@@ -927,10 +946,9 @@ mod tests {
         assert_eq!(g.advise(1), Some(8));
         // Four sessions: that was measured at another load; the model decides again there.
         assert_eq!(g.advise(4), Some(0));
-        // The drafting time measured alone stands in for four sessions' as it is (a draft
-        // worker grows ready sessions' chains together); the passes keep depth 8 out.
+        // The drafting time measured alone stands in for four sessions' four times over.
         assert!(
-            (g.round_gap(8, 4) - 0.001).abs() < 1e-9,
+            (g.round_gap(8, 4) - 0.004).abs() < 1e-9,
             "{}",
             g.round_gap(8, 4)
         );
@@ -1002,7 +1020,7 @@ mod tests {
     }
 
     #[test]
-    fn an_unmeasured_load_level_borrows_a_smaller_levels_drafting_as_it_is() {
+    fn an_unmeasured_load_level_borrows_the_nearest_levels_drafting_time_scaled() {
         // Passes cost 20 ms whatever their rows: free drafts would go deepest at any batch.
         let mut g = gate(8, 1..=600, |_| 0.02);
         assert_eq!(g.advise(64), Some(8));
@@ -1010,17 +1028,17 @@ mod tests {
         g.observe_gap(0, Duration::from_millis(1), 1);
         g.observe_gap(8, Duration::from_millis(9), 1);
         assert_eq!(g.advise(1), Some(8));
-        // At 64 sessions those 8 ms of drafting stand as they are (shared draft passes), so
-        // the depth is tried there.
-        assert!((g.round_gap(8, 64) - (0.001 + 0.008)).abs() < 1e-9);
-        assert_eq!(g.advise(64), Some(8));
+        // At 64 sessions those 8 ms of drafting stand for 64 times as much: no draft pays.
+        assert!((g.round_gap(8, 64) - (0.001 + 0.008 * 64.0)).abs() < 1e-9);
+        assert_eq!(g.advise(64), Some(0));
         // Its own depth-0 gap measured, a level still borrows the drafting time.
         g.observe_gap(0, Duration::from_millis(2), 64);
-        assert!((g.round_gap(8, 64) - (0.002 + 0.008)).abs() < 1e-9);
-        // Drafting measured at 64 sessions is its own: 600 ms there keeps drafts out.
-        g.observe_gap(8, Duration::from_millis(600), 64);
-        assert!((g.round_gap(8, 64) - 0.6).abs() < 1e-9);
+        assert!((g.round_gap(8, 64) - (0.002 + 0.008 * 64.0)).abs() < 1e-9);
         assert_eq!(g.advise(64), Some(0));
+        // Measured drafting at 64 sessions (the draft worker shares its passes) is its own.
+        g.observe_gap(8, Duration::from_millis(4), 64);
+        assert!((g.round_gap(8, 64) - 0.004).abs() < 1e-9);
+        assert_eq!(g.advise(64), Some(8));
         // A larger level measured only borrows downwards too, scaled down.
         let mut g = gate(8, 1..=600, |_| 0.02);
         g.observe_gap(0, Duration::from_millis(1), 16);
