@@ -940,20 +940,11 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
         let q0 = q.narrow(2, 0, 1).unwrap().contiguous().unwrap();
         let keys0 = fused::PassKeys::new(&rows[..1], &dev).unwrap();
         let first = host(&fused::rows_attention(&q0, &kc, &vc, &keys0, shape, scale, L).unwrap());
-        for hb in [1, 2, 4, 8] {
-            let tuned = fused::Launch {
-                rows_heads: Some(hb),
-                ..L
-            };
-            let y = fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, tuned).unwrap();
-            assert_eq!(host(&y), got, "hd {hd}: {hb} heads a block change the pass");
-            let y = fused::rows_attention(&q0, &kc, &vc, &keys0, shape, scale, tuned).unwrap();
-            assert_eq!(
-                host(&y),
-                first,
-                "hd {hd}: {hb} heads a block change one row"
-            );
-        }
+        let caches = (&kc, &vc);
+        let what = format!("hd {hd}, the pass");
+        assert_every_heads_grouping(&q, caches, &keys, shape, scale, &got, &what);
+        let what = format!("hd {hd}, one row");
+        assert_every_heads_grouping(&q0, caches, &keys0, shape, scale, &first, &what);
         for (r, (lead, ex)) in rows.iter().enumerate() {
             let slots: Vec<usize> = (0..*lead).chain(ex.iter().map(|&e| e as usize)).collect();
             // The same keys laid out contiguously from slot 0, as when the row's token is
@@ -1013,6 +1004,27 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
     assert!(fused::PassKeys::new(&[(0, &[7u32, 7][..])], &dev).is_err());
 }
 
+/// Asserts that [`fused::rows_attention`] of `q` over the caches `kv` gives `want` however many
+/// query heads a block takes (1, 2, 4 or 8); `what` names the case in failures.
+fn assert_every_heads_grouping(
+    q: &Tensor,
+    (kc, vc): (&Tensor, &Tensor),
+    keys: &fused::PassKeys,
+    shape: AttnShape,
+    scale: f32,
+    want: &[f32],
+    what: &str,
+) {
+    for hb in [1, 2, 4, 8] {
+        let tuned = fused::Launch {
+            rows_heads: Some(hb),
+            ..L
+        };
+        let y = fused::rows_attention(q, kc, vc, keys, shape, scale, tuned).unwrap();
+        assert_eq!(host(&y), want, "{what}: {hb} heads a block change the bits");
+    }
+}
+
 #[test]
 fn rows_attention_gives_every_head_its_bits_however_many_heads_a_block_takes() {
     let Some(dev) = gpu() else { return };
@@ -1033,14 +1045,8 @@ fn rows_attention_gives_every_head_its_bits_however_many_heads_a_block_takes() {
         let keys = fused::PassKeys::new(&rows, &dev).unwrap();
         let q = randn(&dev, &[1, h, n, hd], 1.0);
         let base = host(&fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, L).unwrap());
-        for hb in [1, 2, 4, 8] {
-            let tuned = fused::Launch {
-                rows_heads: Some(hb),
-                ..L
-            };
-            let y = fused::rows_attention(&q, &kc, &vc, &keys, shape, scale, tuned).unwrap();
-            assert_eq!(host(&y), base, "{n} rows, {hb} heads a block");
-        }
+        let what = format!("{n} rows");
+        assert_every_heads_grouping(&q, (&kc, &vc), &keys, shape, scale, &base, &what);
     }
 }
 
