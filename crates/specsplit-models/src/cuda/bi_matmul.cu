@@ -34,25 +34,27 @@ __device__ __forceinline__ void bi_chunk(const uint4* const (&xa)[4][2], int c,
 }
 
 // Chunks [c0, c1) into acc, U weight chunks in flight per lane (U changes only how far the
-// loads run ahead, never the order of the mma steps).
+// loads run ahead, never the order of the mma steps). The first group's weights are loaded
+// before waiting for the kernel that writes x (weights are constant), and a last, partial
+// group's loads are issued together.
 template <int MT, int NT, int U>
 __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const (&wb)[NT],
                               int c0, int c1, float (&acc)[4][NT][4]) {
-    int c = c0;
-    for (; c + U - 1 < c1; c += U) {
-        uint4 b[U][NT];
+    uint4 b[U][NT];
+    auto load = [&](int c) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int s = 0; s < NT; ++s) b[u][s] = load_stream(wb[s] + (c + u) * 4);
+            for (int s = 0; s < NT; ++s)
+                if (c + u < c1) b[u][s] = load_stream(wb[s] + (c + u) * 4);
+    };
+    load(c0);
+    pdl_enter();
+    for (int c = c0; c < c1; c += U) {
+        if (c != c0) load(c);
 #pragma unroll
-        for (int u = 0; u < U; ++u) bi_chunk<MT, NT>(xa, c + u, b[u], acc);
-    }
-    for (; c < c1; ++c) {
-        uint4 b[NT];
-#pragma unroll
-        for (int s = 0; s < NT; ++s) b[s] = load_stream(wb[s] + c * 4);
-        bi_chunk<MT, NT>(xa, c, b, acc);
+        for (int u = 0; u < U; ++u)
+            if (c + u < c1) bi_chunk<MT, NT>(xa, c + u, b[u], acc);
     }
 }
 
@@ -129,7 +131,6 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
                                                     const bf16* __restrict__ bias,
                                                     bf16* __restrict__ y, int m, int n, int k,
                                                     int splits, int nt, int deep) {
-    pdl_enter();
     extern __shared__ float red[];
     const int n0 = blockIdx.x * 8 * nt, m0 = blockIdx.y * BI_ROWS;
     const int rows = min(BI_ROWS, m - m0);
