@@ -3,7 +3,9 @@
 //! hundred kernel launches) and eagerly elsewhere.
 //!
 //! [`ExactStepper`] does the same for [`Transformer::exact_rows`], the target's pass of one
-//! token (or of a chain) with the batch-invariant kernels, one graph per row count.
+//! token (or of a chain) with the batch-invariant kernels, one graph per row count and span of
+//! keys: a pass's attention is launched over the least power of two from 256 slots that holds
+//! its keys ([`fused::replay_span`]), not over the whole cache.
 //!
 //! The graph bakes in the addresses of the weights, of the cache's buffers and of the step's
 //! own buffers, so a stepper belongs to one cache for that cache's whole life at one capacity:
@@ -14,6 +16,7 @@
 use candle_core::Tensor;
 use specsplit_core::cache::SessionCache;
 
+use crate::fused;
 use crate::transformer::{ChainGrowth, ExactRows, StaticStep, Transformer};
 use crate::ModelError;
 
@@ -312,29 +315,40 @@ fn check_capacity(stepper: usize, cache: &SessionCache) -> Result<(), ModelError
     Ok(())
 }
 
-/// A multi-row pass's buffers and its graph, one per row count a stepper has run.
+/// A multi-row pass's buffers and its graph, one per row count and span a stepper has run.
 struct RowsReplay {
     bufs: ExactRows,
     replay: Replay,
 }
 
-/// The [`RowsReplay`] for `rows` rows in `table` (indexed by the row count), made at first use.
+/// The [`RowsReplay`] in `table` for `rows` rows whose chain ends at slot `end` (exclusive)
+/// of a cache of `capacity` slots, made at first use: its attention spans
+/// [`fused::replay_span`] keys, and the replays of one row count share their inputs and
+/// logits.
 fn rows_replay<'t>(
-    table: &'t mut Vec<Option<RowsReplay>>,
+    table: &'t mut Vec<RowsReplay>,
     model: &Transformer,
     capacity: usize,
     rows: usize,
+    end: usize,
 ) -> Result<&'t mut RowsReplay, ModelError> {
-    if table.len() <= rows {
-        table.resize_with(rows + 1, || None);
-    }
-    match &mut table[rows] {
-        Some(r) => Ok(r),
-        none => Ok(none.insert(RowsReplay {
-            bufs: model.exact_rows_buffers(capacity, rows)?,
-            replay: Replay::default(),
-        })),
-    }
+    let span = fused::replay_span(capacity, end);
+    let same = |r: &RowsReplay| r.bufs.rows() == rows;
+    let at = match table.iter().position(|r| same(r) && r.bufs.span() == span) {
+        Some(at) => at,
+        None => {
+            let bufs = match table.iter().find(|r| same(r)) {
+                Some(r) => r.bufs.with_span(span)?,
+                None => model.exact_rows_buffers(capacity, rows, span)?,
+            };
+            table.push(RowsReplay {
+                bufs,
+                replay: Replay::default(),
+            });
+            table.len() - 1
+        }
+    };
+    Ok(&mut table[at])
 }
 
 /// A chain growth's buffers and its graph.
@@ -344,14 +358,14 @@ struct ChainsReplay {
 }
 
 /// The most chain growth shapes a stepper keeps graphs of (the oldest goes first).
-const MAX_CHAIN_SHAPES: usize = 6;
+const MAX_CHAIN_SHAPES: usize = 8;
 
 /// Fixed-shape greedy decode steps over one session cache (see the module docs).
 pub struct DecodeStepper {
     bufs: StaticStep,
     replay: Replay,
     /// Multi-token feeds ([`DecodeStepper::feed`]), by row count.
-    rows: Vec<Option<RowsReplay>>,
+    rows: Vec<RowsReplay>,
     /// Passes with every row's logits ([`DecodeStepper::exact`]), made at first use.
     exact: Option<ExactStepper>,
     /// Chain growths ([`DecodeStepper::grow_chains`]), by shape.
@@ -422,18 +436,25 @@ impl DecodeStepper {
             )));
         }
         specsplit_core::device::bind_to_thread(model.device())?;
+        let cap = self.bufs.capacity();
+        let span = fused::replay_span(cap, leads.iter().max().copied().unwrap_or(0) + depth);
+        let shape = |c: &ChainsReplay| c.bufs.rows() == rows && c.bufs.depth() == depth;
         let at = match self
             .chains
             .iter()
-            .position(|c| c.bufs.rows() == rows && c.bufs.depth() == depth)
+            .position(|c| shape(c) && c.bufs.span() == span)
         {
             Some(at) => at,
             None => {
+                let bufs = match self.chains.iter().find(|c| shape(c)) {
+                    Some(c) => c.bufs.with_span(span)?,
+                    None => model.chain_growth_buffers(cap, rows, depth, span)?,
+                };
                 if self.chains.len() == MAX_CHAIN_SHAPES {
                     self.chains.remove(0);
                 }
                 self.chains.push(ChainsReplay {
-                    bufs: model.chain_growth_buffers(self.bufs.capacity(), rows, depth)?,
+                    bufs,
                     replay: Replay::default(),
                 });
                 self.chains.len() - 1
@@ -466,7 +487,8 @@ impl DecodeStepper {
         let cap = self.bufs.capacity();
         check_capacity(cap, cache)?;
         if n >= 2 && model.exact_rows_fit(cap, n) {
-            let RowsReplay { bufs, replay } = rows_replay(&mut self.rows, model, cap, n)?;
+            let RowsReplay { bufs, replay } =
+                rows_replay(&mut self.rows, model, cap, n, position + n)?;
             bufs.start(tokens, position)?;
             // The head adds one to the position: it ends past the last token.
             crate::fused::write_u32(&self.bufs.position, &[(position + n - 1) as u32])?;
@@ -540,7 +562,7 @@ impl DecodeStepper {
 pub struct ExactStepper {
     capacity: usize,
     /// The passes run so far, by row count.
-    rows: Vec<Option<RowsReplay>>,
+    rows: Vec<RowsReplay>,
 }
 
 impl std::fmt::Debug for ExactStepper {
@@ -579,16 +601,23 @@ impl ExactStepper {
         rows == 1 || model.exact_rows_fit(self.capacity, rows)
     }
 
-    /// Row counts whose passes replay a captured graph.
+    /// Row counts whose passes replay a captured graph (over any span).
     pub fn chain_graphs(&self) -> Vec<usize> {
-        (0..self.rows.len())
-            .filter(|&n| self.rows[n].as_ref().is_some_and(|r| r.replay.uses_graph()))
-            .collect()
+        let mut n: Vec<usize> = self
+            .rows
+            .iter()
+            .filter(|r| r.replay.uses_graph())
+            .map(|r| r.bufs.rows())
+            .collect();
+        n.sort_unstable();
+        n.dedup();
+        n
     }
 
     /// [`ExactStepper::step`] for a chain: `tokens` (each the next one's parent) at the end of
     /// `cache`, with the logits bit-identical to a batch-invariant [`Transformer::forward`]
-    /// of those rows ([`Transformer::exact_rows`]), replayed from a graph per chain length;
+    /// of those rows ([`Transformer::exact_rows`]), replayed from a graph per chain length and
+    /// span of keys ([`crate::fused::replay_span`] of the cache's length after the chain);
     /// advances the cache by the chain's length and returns the `(rows, vocab)` f32 logits
     /// (the stepper's own buffer, overwritten by its next chain of that length). Fails unless
     /// [`ExactStepper::chain_fits`] holds.
@@ -606,7 +635,9 @@ impl ExactStepper {
             )));
         }
         specsplit_core::device::bind_to_thread(model.device())?;
-        let RowsReplay { bufs, replay } = rows_replay(&mut self.rows, model, self.capacity, n)?;
+        let end = cache.len() + n;
+        let RowsReplay { bufs, replay } =
+            rows_replay(&mut self.rows, model, self.capacity, n, end)?;
         bufs.start(tokens, cache.len())?;
         let store = &*cache;
         replay.run(model, || model.exact_rows(bufs, store))?;
@@ -614,17 +645,19 @@ impl ExactStepper {
         Ok(bufs.logits.clone())
     }
 
-    /// The captured graph of `rows`-row passes, by kind of node, once captured.
+    /// The captured graph of `rows`-row passes (the first span captured), by kind of node.
     pub fn graph_nodes(&self, rows: usize) -> Option<GraphNodes> {
-        self.rows.get(rows)?.as_ref()?.replay.nodes()
+        self.rows
+            .iter()
+            .filter(|r| r.bufs.rows() == rows)
+            .find_map(|r| r.replay.nodes())
     }
 
     /// Whether one-token steps are replayed from a captured CUDA graph.
     pub fn uses_graph(&self) -> bool {
         self.rows
-            .get(1)
-            .and_then(Option::as_ref)
-            .is_some_and(|r| r.replay.uses_graph())
+            .iter()
+            .any(|r| r.bufs.rows() == 1 && r.replay.uses_graph())
     }
 
     /// Decodes `token` at the end of `cache` (the cache this stepper is used with, every

@@ -102,22 +102,28 @@ impl PassKeys {
 
     /// `n` rows whose key counts are read from the device at each use: `meta` is an `(n, 2)`
     /// u32 buffer holding `[lead_r, 0]` per row (row `r` sees slots `0..lead_r`, at most
-    /// `capacity`), written by the caller before each launch (a captured CUDA graph reads
+    /// `span`), written by the caller before each launch (a captured CUDA graph reads
     /// whatever it holds at replay); a chain after `past` cached tokens has `lead_r = past + r
-    /// + 1`. The attention is launched over the whole capacity and the chunks past a row's
-    /// lead return at once, so each row gets the same bits as with [`PassKeys::new`].
-    pub fn device_rows(meta: Tensor, capacity: usize) -> Result<Self> {
+    /// + 1`. The attention is launched over `span` keys and the chunks past a row's lead return
+    /// at once, so each row gets the same bits as with [`PassKeys::new`].
+    pub fn device_rows(meta: Tensor, span: usize) -> Result<Self> {
         let rows = meta.dims().first().copied().unwrap_or(0);
         let extra = Tensor::zeros((rows.max(1), 1), candle_core::DType::U32, meta.device())?;
-        Self::device_listed(meta, extra, capacity)
+        Self::device_listed(meta, extra, span, span)
     }
 
     /// [`PassKeys::device_rows`] with listed slots: `meta` `(n, 2)` u32 holds `[lead_r,
     /// listed_r]` per row and `extra` `(n, max_extra)` u32 row `r`'s `listed_r` slots after its
     /// lead (ascending, at or past it, below `capacity`), both written by the caller before
     /// each launch: the rows of a tree or a forest whose nodes sit at slots apart from the
-    /// sequence. A row's bits are those [`PassKeys::new`] gives it.
-    pub fn device_listed(meta: Tensor, extra: Tensor, capacity: usize) -> Result<Self> {
+    /// sequence. No row may see more than `span` keys (its lead and its listed slots), the keys
+    /// the attention is launched over. A row's bits are those [`PassKeys::new`] gives it.
+    pub fn device_listed(
+        meta: Tensor,
+        extra: Tensor,
+        capacity: usize,
+        span: usize,
+    ) -> Result<Self> {
         let rows = meta.dims().first().copied().unwrap_or(0);
         let max_extra = extra.dims().get(1).copied().unwrap_or(0);
         if meta.dims() != [rows, 2]
@@ -127,10 +133,12 @@ impl PassKeys {
             || max_extra == 0
             || extra.dtype() != candle_core::DType::U32
             || capacity == 0
+            || span == 0
+            || span > capacity
         {
             return Err(candle_core::Error::Msg(format!(
-                "device rows need (n, 2) and (n, listed) u32 buffers and a capacity, got {:?} \
-                 {:?}, {:?} {:?} and {capacity}",
+                "device rows need (n, 2) and (n, listed) u32 buffers, a capacity and a span of \
+                 keys within it, got {:?} {:?}, {:?} {:?}, {capacity} and {span}",
                 meta.dims(),
                 meta.dtype(),
                 extra.dims(),
@@ -143,7 +151,7 @@ impl PassKeys {
             max_extra,
             rows,
             end: capacity,
-            max_len: capacity,
+            max_len: span,
         })
     }
 }

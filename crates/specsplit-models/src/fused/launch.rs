@@ -62,6 +62,23 @@ pub fn decode_attention_splits(capacity: usize) -> usize {
     capacity.div_ceil(64).clamp(1, 16)
 }
 
+/// The fewest keys a replayed pass's attention is launched over ([`replay_span`]).
+const SPAN_MIN: usize = 256;
+
+/// Keys a pass replayed from a CUDA graph launches its attention over when its rows see up to
+/// `needed` keys of a cache of `capacity` slots: the least of 256, 512, 1024, … that holds
+/// `needed`, at most `capacity`. The speed only, never the bits (the chunks past a row's keys
+/// return at once): a graph is captured per span, so a short sequence in a large cache does
+/// not launch over every slot of it, and a sequence crosses at most log2(capacity / 256) + 1
+/// spans.
+pub fn replay_span(capacity: usize, needed: usize) -> usize {
+    let mut span = SPAN_MIN;
+    while span < needed {
+        span *= 2;
+    }
+    span.min(capacity)
+}
+
 /// Blocks a rows attention launch may have before it takes more query heads a block.
 const RA_BLOCKS: usize = 320;
 
@@ -136,6 +153,19 @@ pub const RA_STAGE: usize = 4;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replayed_pass_spans_the_least_power_of_two_from_256_that_holds_its_keys() {
+        assert_eq!(replay_span(4096, 1), 256);
+        assert_eq!(replay_span(4096, 256), 256);
+        assert_eq!(replay_span(4096, 257), 512);
+        assert_eq!(replay_span(4096, 3000), 4096);
+        // Never past the capacity, whatever is asked.
+        assert_eq!(replay_span(4004, 3000), 4004);
+        assert_eq!(replay_span(300, 100), 256);
+        assert_eq!(replay_span(200, 100), 200);
+        assert_eq!(replay_span(200, 500), 200);
+    }
 
     #[test]
     fn bi_splits_keep_long_warps_and_enough_of_them() {

@@ -48,7 +48,7 @@ pub use attention::{decode_attention, rows_attention, AttnShape, PassKeys, RA_MA
 pub use bi_matmul::{bi_matmul, bi_matmul_fits, cublas_product, BI_MAX_ROWS, WIDE_MAX_ROWS};
 pub use elementwise::{greedy_head, greedy_rows, silu_mul, top_rows};
 pub use gemv::{gemv, gemv_fits, gemv_rows, gemv_rows_fits, GEMV_MAX_ROWS};
-pub use launch::{decode_attention_splits, BiTuning, Launch, PDL_AVAILABLE, RA_STAGE};
+pub use launch::{decode_attention_splits, replay_span, BiTuning, Launch, PDL_AVAILABLE, RA_STAGE};
 pub use norm::add_rmsnorm;
 pub use options::KernelOptions;
 pub use rope::{qkv_rope_cache, qkv_rope_rows, RowSlots};

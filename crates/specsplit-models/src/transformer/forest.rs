@@ -22,7 +22,8 @@ use specsplit_core::cache::SessionCache;
 /// (cuBLAS loses on the smaller Q|K|V and output products).
 const GROWTH_CUBLAS_MIN: usize = 4 << 20;
 
-/// Device buffers of [`Transformer::grow_chains`] for `rows` chains of `depth` tokens.
+/// Device buffers of [`Transformer::grow_chains`] for `rows` chains of `depth` tokens whose
+/// nodes see at most `span` keys each (the keys the attention is launched over).
 pub struct ChainGrowth {
     /// u32: everything [`ChainGrowth::start`] writes, in one upload.
     io: Tensor,
@@ -44,6 +45,7 @@ pub struct ChainGrowth {
     rows: usize,
     depth: usize,
     capacity: usize,
+    span: usize,
 }
 
 impl ChainGrowth {
@@ -70,6 +72,14 @@ impl ChainGrowth {
         }
         let end = base + depth * n;
         let longest = leads.iter().max().copied().unwrap_or(0) + depth;
+        if longest > self.span && longest <= self.capacity {
+            return Err(ModelError::Input(format!(
+                "chains of {depth} after runs of up to {} tokens see more than the {} keys \
+                 their buffers were made for",
+                longest - depth,
+                self.span
+            )));
+        }
         if end > self.capacity || longest > self.capacity || leads.iter().any(|&l| l > base) {
             return Err(ModelError::Input(format!(
                 "{n} chains of {depth} at slot {base} after runs of up to {} tokens do not fit \
@@ -112,6 +122,46 @@ impl ChainGrowth {
     pub fn depth(&self) -> usize {
         self.depth
     }
+
+    /// The keys a node may see at most (the attention's launch).
+    pub fn span(&self) -> usize {
+        self.span
+    }
+
+    /// These buffers with the attention launched over `span` keys instead (at most the
+    /// capacity): the same inputs and outputs (one upload serves both), other key bounds.
+    pub fn with_span(&self, span: usize) -> Result<ChainGrowth, ModelError> {
+        let (n, d) = (self.rows, self.depth);
+        if span == 0 || span > self.capacity {
+            return Err(ModelError::Input(format!(
+                "a chain growth spans 1 to {} keys, not {span}",
+                self.capacity
+            )));
+        }
+        let at = n + 2 * d * n;
+        let metas = self.io.narrow(0, at, 2 * d * n)?.reshape((d, n, 2))?;
+        let extras = self
+            .io
+            .narrow(0, at + 2 * d * n, d * n * d)?
+            .reshape((d, n, d))?;
+        let keys = (0..d)
+            .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, self.capacity, span))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(ChainGrowth {
+            io: self.io.clone(),
+            roots: self.roots.clone(),
+            positions: self.positions.clone(),
+            slots: self.slots.clone(),
+            keys,
+            forced: self.forced.clone(),
+            forced_on: self.forced_on.clone(),
+            out: self.out.clone(),
+            rows: n,
+            depth: d,
+            capacity: self.capacity,
+            span,
+        })
+    }
 }
 
 impl Transformer {
@@ -122,15 +172,22 @@ impl Transformer {
     }
 
     /// Device buffers for [`Transformer::grow_chains`]: `rows` chains of `depth` tokens over
-    /// caches of `capacity` slots.
+    /// caches of `capacity` slots, each node seeing at most `span` keys (see
+    /// [`crate::fused::replay_span`]; at most `capacity`).
     pub fn chain_growth_buffers(
         &self,
         capacity: usize,
         rows: usize,
         depth: usize,
+        span: usize,
     ) -> Result<ChainGrowth, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;
         let (n, d) = (rows, depth);
+        if span == 0 || span > capacity {
+            return Err(ModelError::Input(format!(
+                "a chain growth spans 1 to {capacity} keys, not {span}"
+            )));
+        }
         if n == 0 || n > fused::BI_MAX_ROWS || d == 0 || d * n > capacity {
             return Err(ModelError::Input(format!(
                 "chain growth takes 1 to {} chains of at least one token within {capacity} \
@@ -154,7 +211,7 @@ impl Transformer {
         let forced = part(d * n)?.reshape((d, n))?;
         let forced_on = part(d * n)?.reshape((d, n))?;
         let keys = (0..d)
-            .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity))
+            .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity, span))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(ChainGrowth {
             roots,
@@ -168,6 +225,7 @@ impl Transformer {
             rows: n,
             depth: d,
             capacity,
+            span,
         })
     }
 
@@ -220,7 +278,7 @@ mod tests {
     fn chain_inputs_place_each_level_after_the_last_and_list_each_nodes_ancestors() {
         let cfg = ModelConfig::preset("tiny").unwrap();
         let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
-        let b = m.chain_growth_buffers(32, 2, 3).unwrap();
+        let b = m.chain_growth_buffers(32, 2, 3, 32).unwrap();
         // Two roots after runs of 5 and 7 cached tokens; levels from slot 9.
         b.start(
             &[40, 41],
@@ -251,8 +309,20 @@ mod tests {
         assert!(b.start(&[1, 2], &[5, 10], 9, &[]).is_err());
         assert!(b.start(&[1, 2], &[5, 7], 27, &[]).is_err());
         b.start(&[1, 2], &[5, 7], 26, &[]).unwrap();
-        assert!(m.chain_growth_buffers(32, 0, 3).is_err());
-        assert!(m.chain_growth_buffers(8, 3, 3).is_err());
+        assert!(m.chain_growth_buffers(32, 0, 3, 32).is_err());
+        assert!(m.chain_growth_buffers(8, 3, 3, 8).is_err());
+        assert!(m.chain_growth_buffers(32, 2, 3, 33).is_err());
+        // Another span shares the inputs; chains whose nodes see more keys are refused.
+        let short = b.with_span(9).unwrap();
+        assert_eq!((short.span(), short.rows(), short.depth()), (9, 2, 3));
+        short.start(&[40, 41], &[5, 6], 9, &[]).unwrap();
+        assert_eq!(v(&b.roots), [40, 41]);
+        let e = short
+            .start(&[40, 41], &[5, 7], 9, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("9 keys"), "{e}");
+        assert!(b.with_span(33).is_err());
         // Off CUDA there is no chain growth.
         let cache = m.new_cache(32).unwrap();
         assert!(!m.grow_chains_fit(32, 2));

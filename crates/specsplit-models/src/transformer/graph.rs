@@ -36,7 +36,8 @@ impl StaticStep {
 
 /// Device buffers of [`Transformer::exact_rows`] and [`Transformer::static_rows_step`]: a
 /// chain of `rows` tokens after the cached sequence, their positions (= cache slots), each
-/// row's key count, and the logits the exact pass writes.
+/// row's key count, and the logits the exact pass writes. Its attention is launched over the
+/// first `span` slots of the cache, so a chain must end within them.
 pub struct ExactRows {
     /// `(4 rows,)` u32: the tokens, their positions, then per row `[position + 1, 0]`; written
     /// together before each pass.
@@ -48,6 +49,7 @@ pub struct ExactRows {
     pub logits: Tensor,
     rows: usize,
     capacity: usize,
+    span: usize,
 }
 
 impl ExactRows {
@@ -68,6 +70,13 @@ impl ExactRows {
             }
             .into());
         }
+        if past + n > self.span {
+            return Err(ModelError::Input(format!(
+                "a {n}-row pass after {past} tokens sees more than the {} keys its buffers \
+                 were made for",
+                self.span
+            )));
+        }
         // On the stack: a pass has at most BI_MAX_ROWS rows (no allocation per step).
         let mut io = [0u32; 4 * crate::fused::BI_MAX_ROWS];
         let io = &mut io[..4 * n];
@@ -87,6 +96,34 @@ impl ExactRows {
     /// The cache capacity these buffers serve.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The slots the attention is launched over (a chain ends within them).
+    pub fn span(&self) -> usize {
+        self.span
+    }
+
+    /// These buffers with the attention launched over `span` slots instead (at most the
+    /// capacity): the same inputs and logits (one upload serves both), other key bounds.
+    pub fn with_span(&self, span: usize) -> Result<ExactRows, ModelError> {
+        let n = self.rows;
+        if span == 0 || span > self.capacity {
+            return Err(ModelError::Input(format!(
+                "a rows pass spans 1 to {} slots of its cache, not {span}",
+                self.capacity
+            )));
+        }
+        let meta = self.io.narrow(0, 2 * n, 2 * n)?.reshape((n, 2))?;
+        Ok(ExactRows {
+            io: self.io.clone(),
+            tokens: self.tokens.clone(),
+            positions: self.positions.clone(),
+            keys: crate::fused::PassKeys::device_rows(meta, span)?,
+            logits: self.logits.clone(),
+            rows: n,
+            capacity: self.capacity,
+            span,
+        })
     }
 }
 
@@ -215,11 +252,13 @@ impl Transformer {
     }
 
     /// Device buffers for [`Transformer::exact_rows`] over caches of `capacity` slots and
-    /// chains of `rows` tokens.
+    /// chains of `rows` tokens ending within the first `span` slots (see
+    /// [`crate::fused::replay_span`]; at most `capacity`).
     pub fn exact_rows_buffers(
         &self,
         capacity: usize,
         rows: usize,
+        span: usize,
     ) -> Result<ExactRows, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;
         let dev = &self.device;
@@ -231,9 +270,14 @@ impl Transformer {
             )));
         }
         let io = Tensor::zeros(4 * n, DType::U32, dev)?;
+        if span == 0 || span > capacity {
+            return Err(ModelError::Input(format!(
+                "a rows pass spans 1 to {capacity} slots of its cache, not {span}"
+            )));
+        }
         let keys = crate::fused::PassKeys::device_rows(
             io.narrow(0, 2 * n, 2 * n)?.reshape((n, 2))?,
-            capacity,
+            span,
         )?;
         Ok(ExactRows {
             tokens: io.narrow(0, 0, n)?,
@@ -243,6 +287,7 @@ impl Transformer {
             logits: Tensor::zeros((n, self.config.vocab_size), DType::F32, dev)?,
             rows: n,
             capacity,
+            span,
         })
     }
 
@@ -401,7 +446,7 @@ mod tests {
     fn exact_rows_inputs_are_tokens_then_positions_then_key_counts() {
         let cfg = ModelConfig::preset("tiny").unwrap();
         let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
-        let b = m.exact_rows_buffers(16, 3).unwrap();
+        let b = m.exact_rows_buffers(16, 3, 16).unwrap();
         b.start(&[7, 8, 9], 5).unwrap();
         let io: Vec<u32> = b.io.to_vec1().unwrap();
         assert_eq!(io, [7, 8, 9, 5, 6, 7, 6, 0, 7, 0, 8, 0]);
@@ -411,10 +456,36 @@ mod tests {
         assert!(b.start(&[1, 2], 0).is_err());
         assert!(b.start(&[1, 2, 3], 14).is_err());
         b.start(&[1, 2, 3], 13).unwrap();
-        assert!(m.exact_rows_buffers(16, 0).is_err());
+        assert!(m.exact_rows_buffers(16, 0, 16).is_err());
         assert!(m
-            .exact_rows_buffers(16, crate::fused::BI_MAX_ROWS + 1)
+            .exact_rows_buffers(16, crate::fused::BI_MAX_ROWS + 1, 16)
             .is_err());
-        m.exact_rows_buffers(16, crate::fused::BI_MAX_ROWS).unwrap();
+        m.exact_rows_buffers(16, crate::fused::BI_MAX_ROWS, 16)
+            .unwrap();
+        // A span past the capacity, or none, is refused.
+        assert!(m.exact_rows_buffers(16, 3, 17).is_err());
+        assert!(m.exact_rows_buffers(16, 3, 0).is_err());
+    }
+
+    #[test]
+    fn rows_buffers_of_another_span_share_the_inputs_and_refuse_chains_past_it() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let wide = m.exact_rows_buffers(64, 3, 64).unwrap();
+        let short = wide.with_span(8).unwrap();
+        assert_eq!((short.span(), short.capacity(), short.rows()), (8, 64, 3));
+        // One upload serves both: the inputs are the same buffer.
+        short.start(&[7, 8, 9], 5).unwrap();
+        assert_eq!(
+            wide.io.to_vec1::<u32>().unwrap(),
+            [7, 8, 9, 5, 6, 7, 6, 0, 7, 0, 8, 0]
+        );
+        // A chain that ends past the span is refused with a message, within the cache or not.
+        let e = short.start(&[1, 2, 3], 6).unwrap_err().to_string();
+        assert!(e.contains("8 keys"), "{e}");
+        assert!(short.start(&[1, 2, 3], 62).is_err());
+        wide.start(&[1, 2, 3], 6).unwrap();
+        assert!(wide.with_span(65).is_err());
+        assert!(wide.with_span(0).is_err());
     }
 }
