@@ -33,7 +33,11 @@ pub struct ChainGrowth {
     positions: Tensor,
     /// `(depth, rows)`: each level's cache slots.
     slots: Tensor,
-    /// Each level's visible slots.
+    /// `(depth, rows, 2)`: each level's runs and listed counts.
+    metas: Tensor,
+    /// `(depth, rows, depth)`: each level's listed slots.
+    extras: Tensor,
+    /// Each level's visible slots (over `metas` and `extras`).
     keys: Vec<PassKeys>,
     /// `(depth, rows)`: a token that replaces the greedy one where `forced_on` is 1.
     forced: Tensor,
@@ -138,21 +142,14 @@ impl ChainGrowth {
                 self.capacity
             )));
         }
-        let at = n + 2 * d * n;
-        let metas = self.io.narrow(0, at, 2 * d * n)?.reshape((d, n, 2))?;
-        let extras = self
-            .io
-            .narrow(0, at + 2 * d * n, d * n * d)?
-            .reshape((d, n, d))?;
-        let keys = (0..d)
-            .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, self.capacity, span))
-            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(ChainGrowth {
             io: self.io.clone(),
             roots: self.roots.clone(),
             positions: self.positions.clone(),
             slots: self.slots.clone(),
-            keys,
+            keys: level_keys(&self.metas, &self.extras, self.capacity, span)?,
+            metas: self.metas.clone(),
+            extras: self.extras.clone(),
             forced: self.forced.clone(),
             forced_on: self.forced_on.clone(),
             out: self.out.clone(),
@@ -162,6 +159,19 @@ impl ChainGrowth {
             span,
         })
     }
+}
+
+/// Each level's visible slots, read from `metas` and `extras` on the device, a level's nodes
+/// seeing at most `span` keys of caches of `capacity` slots.
+fn level_keys(
+    metas: &Tensor,
+    extras: &Tensor,
+    capacity: usize,
+    span: usize,
+) -> Result<Vec<PassKeys>, ModelError> {
+    Ok((0..metas.dim(0)?)
+        .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity, span))
+        .collect::<candle_core::Result<Vec<_>>>()?)
 }
 
 impl Transformer {
@@ -210,14 +220,13 @@ impl Transformer {
         let extras = part(d * n * d)?.reshape((d, n, d))?;
         let forced = part(d * n)?.reshape((d, n))?;
         let forced_on = part(d * n)?.reshape((d, n))?;
-        let keys = (0..d)
-            .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity, span))
-            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(ChainGrowth {
             roots,
             positions,
             slots,
-            keys,
+            keys: level_keys(&metas, &extras, capacity, span)?,
+            metas,
+            extras,
             forced,
             forced_on,
             io,
