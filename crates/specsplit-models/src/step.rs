@@ -4,8 +4,9 @@
 //!
 //! [`ExactStepper`] does the same for [`Transformer::exact_rows`], the target's pass of one
 //! token (or of a chain) with the batch-invariant kernels, one graph per row count and span of
-//! keys: a pass's attention is launched over the least power of two from 256 slots that holds
-//! its keys ([`fused::replay_span`]), not over the whole cache.
+//! keys: in a cache more than twice as large as its sequence a pass's attention is launched
+//! over the least power of two from 256 slots that holds its keys ([`fused::replay_span`]),
+//! not over the whole cache.
 //!
 //! The graph bakes in the addresses of the weights, of the cache's buffers and of the step's
 //! own buffers, so a stepper belongs to one cache for that cache's whole life at one capacity:

@@ -67,16 +67,21 @@ const SPAN_MIN: usize = 256;
 
 /// Keys a pass replayed from a CUDA graph launches its attention over when its rows see up to
 /// `needed` keys of a cache of `capacity` slots: the least of 256, 512, 1024, … that holds
-/// `needed`, at most `capacity`. The speed only, never the bits (the chunks past a row's keys
-/// return at once): a graph is captured per span, so a short sequence in a large cache does
-/// not launch over every slot of it, and a sequence crosses at most log2(capacity / 256) + 1
-/// spans.
+/// `needed` where that is at most half the capacity, else the whole capacity. The speed only,
+/// never the bits (the chunks past a row's keys return at once): a graph is captured per span,
+/// so a short sequence in a large cache does not launch over every slot of it, while a cache
+/// that grows by doubling as it fills (a worker's session) keeps one span and so one graph a
+/// row count.
 pub fn replay_span(capacity: usize, needed: usize) -> usize {
     let mut span = SPAN_MIN;
     while span < needed {
         span *= 2;
     }
-    span.min(capacity)
+    if 2 * span <= capacity {
+        span
+    } else {
+        capacity
+    }
 }
 
 /// Blocks a rows attention launch may have before it takes more query heads a block.
@@ -155,15 +160,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_replayed_pass_spans_the_least_power_of_two_from_256_that_holds_its_keys() {
+    fn a_replayed_pass_spans_the_least_power_of_two_from_256_holding_its_keys_in_a_large_cache() {
         assert_eq!(replay_span(4096, 1), 256);
         assert_eq!(replay_span(4096, 256), 256);
         assert_eq!(replay_span(4096, 257), 512);
-        assert_eq!(replay_span(4096, 3000), 4096);
+        assert_eq!(replay_span(4096, 2048), 2048);
+        assert_eq!(replay_span(1024, 250), 256);
+        assert_eq!(replay_span(1024, 300), 512);
+        // Past half the capacity, the whole cache: a cache that doubles as it fills keeps it.
+        assert_eq!(replay_span(4096, 2049), 4096);
+        assert_eq!(replay_span(4004, 1500), 4004);
+        assert_eq!(replay_span(560, 300), 560);
+        assert_eq!(replay_span(300, 100), 300);
         // Never past the capacity, whatever is asked.
-        assert_eq!(replay_span(4004, 3000), 4004);
-        assert_eq!(replay_span(300, 100), 256);
-        assert_eq!(replay_span(200, 100), 200);
         assert_eq!(replay_span(200, 500), 200);
     }
 
