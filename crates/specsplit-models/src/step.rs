@@ -365,11 +365,11 @@ const MAX_CHAIN_SHAPES: usize = 8;
 pub struct DecodeStepper {
     bufs: StaticStep,
     replay: Replay,
-    /// Multi-token feeds ([`DecodeStepper::feed`]), by row count.
+    /// Multi-token feeds ([`DecodeStepper::feed`]), by row count and span.
     rows: Vec<RowsReplay>,
     /// Passes with every row's logits ([`DecodeStepper::exact`]), made at first use.
     exact: Option<ExactStepper>,
-    /// Chain growths ([`DecodeStepper::grow_chains`]), by shape.
+    /// Chain growths ([`DecodeStepper::grow_chains`]), by shape and span.
     chains: Vec<ChainsReplay>,
 }
 
@@ -562,7 +562,7 @@ impl DecodeStepper {
 /// draft (the new token and the chain below it), with the same bits it verifies trees with.
 pub struct ExactStepper {
     capacity: usize,
-    /// The passes run so far, by row count.
+    /// The passes run so far, by row count and span.
     rows: Vec<RowsReplay>,
 }
 
