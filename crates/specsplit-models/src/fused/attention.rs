@@ -102,14 +102,36 @@ impl PassKeys {
 
     /// `n` rows whose key counts are read from the device at each use: `meta` is an `(n, 2)`
     /// u32 buffer holding `[lead_r, 0]` per row (row `r` sees slots `0..lead_r`, at most
-    /// `span`), written by the caller before each launch (a captured CUDA graph reads
-    /// whatever it holds at replay); a chain after `past` cached tokens has `lead_r = past + r
-    /// + 1`. The attention is launched over `span` keys and the chunks past a row's lead return
-    /// at once, so each row gets the same bits as with [`PassKeys::new`].
-    pub fn device_rows(meta: Tensor, span: usize) -> Result<Self> {
+    /// `span` of a cache of `capacity` slots), written by the caller before each launch (a
+    /// captured CUDA graph reads whatever it holds at replay); a chain after `past` cached
+    /// tokens has `lead_r = past + r + 1`. The attention is launched over `span` keys and the
+    /// chunks past a row's lead return at once, so each row gets the same bits as with
+    /// [`PassKeys::new`].
+    pub fn device_rows(meta: Tensor, capacity: usize, span: usize) -> Result<Self> {
         let rows = meta.dims().first().copied().unwrap_or(0);
         let extra = Tensor::zeros((rows.max(1), 1), candle_core::DType::U32, meta.device())?;
-        Self::device_listed(meta, extra, span, span)
+        Self::device_listed(meta, extra, capacity, span)
+    }
+
+    /// The most keys a row sees: the keys the attention is launched over.
+    pub fn span(&self) -> usize {
+        self.max_len
+    }
+
+    /// These device-read keys ([`PassKeys::device_rows`], [`PassKeys::device_listed`]) with
+    /// the attention launched over `span` keys instead, within the same cache: the same
+    /// buffers, so one write serves both. No row may see more than `span` keys.
+    pub fn with_span(&self, span: usize) -> Result<Self> {
+        if span == 0 || span > self.end {
+            return Err(candle_core::Error::Msg(format!(
+                "keys within {} slots cannot span {span}",
+                self.end
+            )));
+        }
+        Ok(Self {
+            max_len: span,
+            ..self.clone()
+        })
     }
 
     /// [`PassKeys::device_rows`] with listed slots: `meta` `(n, 2)` u32 holds `[lead_r,

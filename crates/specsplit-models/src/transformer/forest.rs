@@ -33,11 +33,7 @@ pub struct ChainGrowth {
     positions: Tensor,
     /// `(depth, rows)`: each level's cache slots.
     slots: Tensor,
-    /// `(depth, rows, 2)`: each level's runs and listed counts.
-    metas: Tensor,
-    /// `(depth, rows, depth)`: each level's listed slots.
-    extras: Tensor,
-    /// Each level's visible slots (over `metas` and `extras`).
+    /// Each level's visible slots.
     keys: Vec<PassKeys>,
     /// `(depth, rows)`: a token that replaces the greedy one where `forced_on` is 1.
     forced: Tensor,
@@ -49,7 +45,6 @@ pub struct ChainGrowth {
     rows: usize,
     depth: usize,
     capacity: usize,
-    span: usize,
 }
 
 impl ChainGrowth {
@@ -76,12 +71,12 @@ impl ChainGrowth {
         }
         let end = base + depth * n;
         let longest = leads.iter().max().copied().unwrap_or(0) + depth;
-        if longest > self.span && longest <= self.capacity {
+        if longest > self.span() && longest <= self.capacity {
             return Err(ModelError::Input(format!(
                 "chains of {depth} after runs of up to {} tokens see more than the {} keys \
                  their buffers were made for",
                 longest - depth,
-                self.span
+                self.span()
             )));
         }
         if end > self.capacity || longest > self.capacity || leads.iter().any(|&l| l > base) {
@@ -129,49 +124,30 @@ impl ChainGrowth {
 
     /// The keys a node may see at most (the attention's launch).
     pub fn span(&self) -> usize {
-        self.span
+        self.keys[0].span()
     }
 
     /// These buffers with the attention launched over `span` keys instead (at most the
     /// capacity): the same inputs and outputs (one upload serves both), other key bounds.
     pub fn with_span(&self, span: usize) -> Result<ChainGrowth, ModelError> {
-        let (n, d) = (self.rows, self.depth);
-        if span == 0 || span > self.capacity {
-            return Err(ModelError::Input(format!(
-                "a chain growth spans 1 to {} keys, not {span}",
-                self.capacity
-            )));
-        }
         Ok(ChainGrowth {
             io: self.io.clone(),
             roots: self.roots.clone(),
             positions: self.positions.clone(),
             slots: self.slots.clone(),
-            keys: level_keys(&self.metas, &self.extras, self.capacity, span)?,
-            metas: self.metas.clone(),
-            extras: self.extras.clone(),
+            keys: self
+                .keys
+                .iter()
+                .map(|k| k.with_span(span))
+                .collect::<candle_core::Result<Vec<_>>>()?,
             forced: self.forced.clone(),
             forced_on: self.forced_on.clone(),
             out: self.out.clone(),
-            rows: n,
-            depth: d,
+            rows: self.rows,
+            depth: self.depth,
             capacity: self.capacity,
-            span,
         })
     }
-}
-
-/// Each level's visible slots, read from `metas` and `extras` on the device, a level's nodes
-/// seeing at most `span` keys of caches of `capacity` slots.
-fn level_keys(
-    metas: &Tensor,
-    extras: &Tensor,
-    capacity: usize,
-    span: usize,
-) -> Result<Vec<PassKeys>, ModelError> {
-    Ok((0..metas.dim(0)?)
-        .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity, span))
-        .collect::<candle_core::Result<Vec<_>>>()?)
 }
 
 impl Transformer {
@@ -193,11 +169,6 @@ impl Transformer {
     ) -> Result<ChainGrowth, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;
         let (n, d) = (rows, depth);
-        if span == 0 || span > capacity {
-            return Err(ModelError::Input(format!(
-                "a chain growth spans 1 to {capacity} keys, not {span}"
-            )));
-        }
         if n == 0 || n > fused::BI_MAX_ROWS || d == 0 || d * n > capacity {
             return Err(ModelError::Input(format!(
                 "chain growth takes 1 to {} chains of at least one token within {capacity} \
@@ -224,9 +195,9 @@ impl Transformer {
             roots,
             positions,
             slots,
-            keys: level_keys(&metas, &extras, capacity, span)?,
-            metas,
-            extras,
+            keys: (0..d)
+                .map(|l| PassKeys::device_listed(metas.get(l)?, extras.get(l)?, capacity, span))
+                .collect::<candle_core::Result<Vec<_>>>()?,
             forced,
             forced_on,
             io,
@@ -234,7 +205,6 @@ impl Transformer {
             rows: n,
             depth: d,
             capacity,
-            span,
         })
     }
 

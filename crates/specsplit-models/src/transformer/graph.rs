@@ -49,7 +49,6 @@ pub struct ExactRows {
     pub logits: Tensor,
     rows: usize,
     capacity: usize,
-    span: usize,
 }
 
 impl ExactRows {
@@ -70,11 +69,11 @@ impl ExactRows {
             }
             .into());
         }
-        if past + n > self.span {
+        if past + n > self.span() {
             return Err(ModelError::Input(format!(
                 "a {n}-row pass after {past} tokens sees more than the {} keys its buffers \
                  were made for",
-                self.span
+                self.span()
             )));
         }
         // On the stack: a pass has at most BI_MAX_ROWS rows (no allocation per step).
@@ -100,29 +99,20 @@ impl ExactRows {
 
     /// The slots the attention is launched over (a chain ends within them).
     pub fn span(&self) -> usize {
-        self.span
+        self.keys.span()
     }
 
     /// These buffers with the attention launched over `span` slots instead (at most the
     /// capacity): the same inputs and logits (one upload serves both), other key bounds.
     pub fn with_span(&self, span: usize) -> Result<ExactRows, ModelError> {
-        let n = self.rows;
-        if span == 0 || span > self.capacity {
-            return Err(ModelError::Input(format!(
-                "a rows pass spans 1 to {} slots of its cache, not {span}",
-                self.capacity
-            )));
-        }
-        let meta = self.io.narrow(0, 2 * n, 2 * n)?.reshape((n, 2))?;
         Ok(ExactRows {
             io: self.io.clone(),
             tokens: self.tokens.clone(),
             positions: self.positions.clone(),
-            keys: crate::fused::PassKeys::device_rows(meta, span)?,
+            keys: self.keys.with_span(span)?,
             logits: self.logits.clone(),
-            rows: n,
+            rows: self.rows,
             capacity: self.capacity,
-            span,
         })
     }
 }
@@ -270,13 +260,9 @@ impl Transformer {
             )));
         }
         let io = Tensor::zeros(4 * n, DType::U32, dev)?;
-        if span == 0 || span > capacity {
-            return Err(ModelError::Input(format!(
-                "a rows pass spans 1 to {capacity} slots of its cache, not {span}"
-            )));
-        }
         let keys = crate::fused::PassKeys::device_rows(
             io.narrow(0, 2 * n, 2 * n)?.reshape((n, 2))?,
+            capacity,
             span,
         )?;
         Ok(ExactRows {
@@ -287,7 +273,6 @@ impl Transformer {
             logits: Tensor::zeros((n, self.config.vocab_size), DType::F32, dev)?,
             rows: n,
             capacity,
-            span,
         })
     }
 
