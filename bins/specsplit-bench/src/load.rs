@@ -58,8 +58,8 @@ pub struct LoadSettings {
     pub max_batch_sessions: usize,
     /// Most sessions whose tree levels share one draft pass (1: each draft alone).
     pub draft_batch_sessions: usize,
-    /// Whether greedy chains on CUDA are drafted with CUDA-graph steps, each session alone
-    /// (false: level by level, in the draft worker's shared passes).
+    /// Whether greedy chains on CUDA grow from CUDA graphs, those of sessions queued together in
+    /// one shared pass a level (false: level by level, like other trees).
     pub static_draft_chains: bool,
     /// Unmeasured runs of each measurement before it is measured.
     pub warmup: usize,

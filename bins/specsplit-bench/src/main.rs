@@ -126,8 +126,8 @@ struct LoadArgs {
     /// without batching).
     #[arg(long, default_value_t = 64)]
     draft_batch_sessions: usize,
-    /// Whether greedy chains on CUDA are drafted with CUDA-graph steps, each session alone
-    /// (true or false; false: level by level, in the draft worker's shared passes).
+    /// Whether greedy chains on CUDA grow from CUDA graphs, those of sessions queued together in
+    /// one shared pass a level (true or false; false: level by level, like other trees).
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     static_draft_chains: bool,
     /// Unmeasured runs of each measurement before it is measured (CUDA graphs of its pass

@@ -6,7 +6,9 @@
 //! token (or of a chain) with the batch-invariant kernels, one graph per row count and span of
 //! keys: in a cache more than twice as large as its sequence a pass's attention is launched
 //! over the least power of two from 256 slots that holds its keys ([`fused::replay_span`]),
-//! not over the whole cache.
+//! not over the whole cache. [`SessionChainsStepper`] replays
+//! [`Transformer::grow_session_chains`], the chains of several sessions grown together, whose
+//! graphs read the caches through a table and so belong to no cache.
 //!
 //! The graph bakes in the addresses of the weights, of the cache's buffers and of the step's
 //! own buffers, so a stepper belongs to one cache for that cache's whole life at one capacity:
@@ -18,7 +20,9 @@ use candle_core::Tensor;
 use specsplit_core::cache::SessionCache;
 
 use crate::fused;
-use crate::transformer::{ChainGrowth, ExactRows, StaticStep, Transformer};
+use crate::transformer::{
+    ChainGrowth, ExactRows, SessionChain, SessionChains, StaticStep, Transformer,
+};
 use crate::ModelError;
 
 /// A CUDA graph of one decode step, movable between threads.
@@ -672,5 +676,76 @@ impl ExactStepper {
         cache: &mut SessionCache,
     ) -> Result<Tensor, ModelError> {
         self.step_chain(model, &[token], cache)
+    }
+}
+
+/// The most shapes a [`SessionChainsStepper`] keeps graphs of (the oldest goes first).
+const MAX_SESSION_CHAIN_SHAPES: usize = 32;
+
+/// Greedy chains of several sessions grown together ([`Transformer::grow_session_chains`]),
+/// replayed from a graph captured per shape (sessions, depth, largest capacity). The graph
+/// reads each session's cache addresses from the table [`SessionChains::start`] writes, so one
+/// graph serves any caches of at most its capacity, and a cache that grew needs no new graph.
+#[derive(Default)]
+pub struct SessionChainsStepper {
+    shapes: Vec<(SessionChains, Replay)>,
+}
+
+impl SessionChainsStepper {
+    /// A stepper with no graphs yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Grows each of `chains`' greedy chain of `depth` tokens together (see
+    /// [`SessionChains::start`]) over buffers (and a graph) for caches of `capacity` slots,
+    /// at least every chain's cache's, and feeds of the longest of theirs; returns the `(2·depth, sessions)` f32 tokens and
+    /// log-probabilities (the stepper's own buffer, overwritten by the next growth of that
+    /// shape). The caches' lengths are left alone.
+    pub fn grow(
+        &mut self,
+        model: &Transformer,
+        chains: &[SessionChain<'_>],
+        depth: usize,
+        capacity: usize,
+    ) -> Result<Tensor, ModelError> {
+        let n = chains.len();
+        if !model.session_chains_fit(capacity, n) {
+            return Err(ModelError::Unsupported(format!(
+                "no chains of {n} sessions for this model"
+            )));
+        }
+        specsplit_core::device::bind_to_thread(model.device())?;
+        let feed = chains.iter().map(|c| c.feed.len()).max().unwrap_or(1);
+        let fits = |b: &SessionChains| {
+            b.sessions() == n && b.depth() == depth && b.feed() == feed && b.capacity() == capacity
+        };
+        let at = match self.shapes.iter().position(|(b, _)| fits(b)) {
+            Some(at) => at,
+            None => {
+                if self.shapes.len() == MAX_SESSION_CHAIN_SHAPES {
+                    self.shapes.remove(0);
+                }
+                let bufs = model.session_chain_buffers(n, depth, feed, capacity)?;
+                self.shapes.push((bufs, Replay::default()));
+                self.shapes.len() - 1
+            }
+        };
+        let (bufs, replay) = &mut self.shapes[at];
+        bufs.start(chains)?;
+        replay.run(model, || model.grow_session_chains(bufs))?;
+        Ok(bufs.out.clone())
+    }
+
+    /// Whether the growth of `sessions` chains of `depth` after feeds of up to `feed` tokens
+    /// over caches of `capacity` slots replays a captured graph.
+    pub fn uses_graph(&self, sessions: usize, depth: usize, feed: usize, capacity: usize) -> bool {
+        self.shapes.iter().any(|(b, r)| {
+            b.sessions() == sessions
+                && b.depth() == depth
+                && b.feed() == feed
+                && b.capacity() == capacity
+                && r.uses_graph()
+        })
     }
 }

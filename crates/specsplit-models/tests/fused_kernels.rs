@@ -9,8 +9,8 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use specsplit_core::cache::SessionCache;
 use specsplit_models::config::ModelConfig;
 use specsplit_models::fused::{self, AttnShape, KernelOptions};
-use specsplit_models::step::{DecodeStepper, ExactStepper};
-use specsplit_models::transformer::Transformer;
+use specsplit_models::step::{DecodeStepper, ExactStepper, SessionChainsStepper};
+use specsplit_models::transformer::{SessionChain, Transformer};
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -1629,6 +1629,151 @@ fn grown_chains_replay_each_chain_decoded_alone_up_to_rounding() {
         // The cache's length is left alone.
         assert_eq!(cache.len(), prompt.len());
     }
+}
+
+#[test]
+fn session_chains_grow_each_sessions_chain_as_alone_up_to_rounding() {
+    let Some(dev) = gpu() else { return };
+    let m = small_model("qwen2.5-0.5b", 31, &dev);
+    let depth = 4;
+    // Three sessions: caches of different capacities, one or two tokens to feed.
+    let shapes = [(100usize, 1usize, 256usize), (150, 2, 512), (60, 1, 384)];
+    let prompts: Vec<Vec<u32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, _, _))| {
+            (0..len as u32)
+                .map(|t| (t * 41 + 13 * i as u32 + 3) % 8192)
+                .collect()
+        })
+        .collect();
+    // Each chain decoded alone, one token a forward pass, with its first near-tie (a margin
+    // under 0.05: the shared pass's products round differently).
+    let mut want = Vec::new();
+    let mut clear = Vec::new();
+    for (p, &(len, _, cap)) in prompts.iter().zip(&shapes) {
+        let mut alone = m.new_cache(cap).unwrap();
+        let mut row = forward_last(&m, &mut alone, &p[..len]);
+        let (mut chain, mut tie) = (Vec::new(), depth);
+        for l in 0..depth {
+            let token = argmax(&row);
+            let mut sorted = row.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] < 0.05 {
+                tie = tie.min(l);
+            }
+            let mx = sorted[0] as f64;
+            let lse = mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln();
+            chain.push((token, (row[token as usize] as f64 - lse) as f32));
+            row = forward_last(&m, &mut alone, &[token]);
+        }
+        want.push(chain);
+        clear.push(tie);
+    }
+    assert!(
+        clear.iter().any(|&c| c >= 2),
+        "every chain meets a near-tie early: {clear:?}"
+    );
+    let mut caches: Vec<SessionCache> = shapes
+        .iter()
+        .zip(&prompts)
+        .map(|(&(len, feed, cap), p)| {
+            let mut c = m.new_cache(cap).unwrap();
+            forward_last(&m, &mut c, &p[..len - feed]);
+            c
+        })
+        .collect();
+    let mut stepper = SessionChainsStepper::new();
+    // Eager, captured, replayed; then the sessions in another order (the same graph over
+    // other caches); then with session 1's second token forced; then the two sessions that
+    // feed one token each (one first-level row a session), eager, captured and replayed.
+    for run in 0..8 {
+        let order: Vec<usize> = match run {
+            3 => vec![2, 0, 1],
+            5.. => vec![0, 2],
+            _ => vec![0, 1, 2],
+        };
+        let forced: Vec<Option<u32>> = (0..depth).map(|l| (l == 1).then_some(4321)).collect();
+        let chains: Vec<SessionChain<'_>> = order
+            .iter()
+            .map(|&i| SessionChain {
+                cache: &caches[i],
+                feed: &prompts[i][shapes[i].0 - shapes[i].1..],
+                forced: if run == 4 && i == 1 { &forced } else { &[] },
+            })
+            .collect();
+        let out = stepper.grow(&m, &chains, depth, 512).unwrap();
+        let got: Vec<Vec<f32>> = out.to_vec2().unwrap();
+        for (col, &i) in order.iter().enumerate() {
+            for l in 0..depth {
+                let tok = got[l][col] as u32;
+                if run == 4 && i == 1 && l >= 1 {
+                    if l == 1 {
+                        assert_eq!(tok, 4321, "the forced token replaces the greedy one");
+                    }
+                    continue; // the chain went on from the forced token
+                }
+                if l >= clear[i] {
+                    continue; // a near-tie may break either way
+                }
+                assert_eq!(tok, want[i][l].0, "run {run}: session {i}, level {l}");
+                let lp = got[depth + l][col];
+                assert!(
+                    (lp - want[i][l].1).abs() < 3e-2,
+                    "run {run}: session {i}, level {l}: log-prob {lp} vs {}",
+                    want[i][l].1
+                );
+            }
+        }
+        if run == 7 {
+            assert!(
+                stepper.uses_graph(2, depth, 1, 512),
+                "run 7 replays a graph"
+            );
+        }
+        if (2..5).contains(&run) {
+            assert!(
+                stepper.uses_graph(3, depth, 2, 512),
+                "run {run} replays a graph"
+            );
+        }
+        drop(chains);
+        // The caches' lengths are left alone.
+        for (c, &(len, feed, _)) in caches.iter_mut().zip(&shapes) {
+            assert_eq!(c.len(), len - feed);
+        }
+    }
+    // A cache too small for its chain is refused before anything runs.
+    let small = m.new_cache(100).unwrap();
+    let chains = [
+        SessionChain {
+            cache: &caches[0],
+            feed: &[1],
+            forced: &[],
+        },
+        SessionChain {
+            cache: &small,
+            feed: &[1],
+            forced: &[],
+        },
+    ];
+    let mut full = m.new_cache(100).unwrap();
+    forward_last(&m, &mut full, &prompts[0][..97]);
+    let chains2 = [
+        SessionChain {
+            cache: &caches[0],
+            feed: &[1],
+            forced: &[],
+        },
+        SessionChain {
+            cache: &full,
+            feed: &[1],
+            forced: &[],
+        },
+    ];
+    assert!(stepper.grow(&m, &chains, depth, 512).is_ok());
+    let e = stepper.grow(&m, &chains2, depth, 512).unwrap_err();
+    assert!(e.to_string().contains("session chain 1"), "{e}");
 }
 
 /// One session of [`sessions_pass_matches_each_session_alone_bit_for_bit`]: a prompt in its

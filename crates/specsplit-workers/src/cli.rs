@@ -77,8 +77,9 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "ROWS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_rows: Option<usize>,
-    /// Draft: greedy chains on CUDA drafted with CUDA-graph steps, each session alone (true or
-    /// false; false: level by level, batched across sessions) [default: true].
+    /// Draft: greedy chains on CUDA grown from CUDA graphs, those of sessions queued together in
+    /// one shared pass a level (true or false; false: level by level like other trees)
+    /// [default: true].
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub static_draft_chains: Option<bool>,

@@ -39,9 +39,9 @@ pub struct WorkerConfig {
     /// Most rows in one shared pass (target: each session's new token and draft-tree nodes;
     /// draft: the nodes of each session's tree level); a session with more runs alone.
     pub max_batch_rows: usize,
-    /// Draft: greedy chains on CUDA are drafted with fixed-shape steps replayed from CUDA
-    /// graphs, each session alone (true, the default); false drafts them level by level like
-    /// every other tree, in passes that batching shares across sessions. The target ignores it.
+    /// Draft: greedy chains on CUDA grow from CUDA graphs, the chains of sessions queued
+    /// together in one shared pass a level (true, the default); false drafts them level by
+    /// level like every other tree. The target ignores it.
     #[serde(default = "default_static_draft_chains")]
     pub static_draft_chains: bool,
     /// Most nodes of a draft tree (target: verified; draft: produced); less than `max_context`.

@@ -10,9 +10,10 @@ use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::{full_tree_size, Distribution, TokenTree};
 use specsplit_models::cpu_attention::TreeRows;
-use specsplit_models::step::DecodeStepper;
+use specsplit_models::step::{DecodeStepper, SessionChainsStepper};
 use specsplit_models::transformer::{SessionPass, Transformer};
 
+use crate::draft_chain::ChainRound;
 use crate::engine_session::{
     common_prefix, session_cache_bytes, CacheClasses, EngineSession, SessionEngine,
 };
@@ -233,10 +234,12 @@ fn want_rows(next: &[Grow], first: usize) -> Vec<u32> {
         .collect()
 }
 
-/// What [`DraftEngine::prepare`] leaves: a tree drafted whole, or a round whose levels go on.
+/// What [`DraftEngine::prepare`] leaves: a greedy chain on the fixed-shape path, or a round
+/// whose levels go on.
 pub enum Prepared {
-    /// The tree, drafted on the one-session fixed-shape chain path, and what it cost.
-    Drafted(TokenTree, DraftStats),
+    /// A greedy chain on the fixed-shape path ([`crate::draft_chain`]), waiting to grow alone
+    /// or with other sessions' chains.
+    Chain(ChainRound),
     /// A round waiting for its level passes (or complete, when it has none pending).
     Levels(DraftRound),
 }
@@ -295,6 +298,8 @@ pub struct DraftEngine {
     classes: CacheClasses,
     synthetic: Option<SyntheticOracle>,
     static_chains: bool,
+    /// The graphs of chains grown for several sessions together.
+    pub(crate) chains: std::sync::Mutex<SessionChainsStepper>,
     /// Ended sessions' caches and graphs, for the next sessions.
     spares: Arc<Spares<SessionBody<DecodeStepper>>>,
 }
@@ -332,6 +337,7 @@ impl DraftEngine {
             classes: CacheClasses::new(first, max_context),
             synthetic: None,
             static_chains,
+            chains: Default::default(),
             spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
         }
     }
@@ -415,7 +421,7 @@ impl DraftEngine {
         p: &DraftParams,
     ) -> Result<(TokenTree, DraftStats), EngineError> {
         let mut round = match self.prepare(s, tokens, p.clone())? {
-            Prepared::Drafted(tree, stats) => return Ok((tree, stats)),
+            Prepared::Chain(round) => return self.chain_alone(s, round),
             Prepared::Levels(round) => round,
         };
         while round.pending.is_some() {
@@ -434,7 +440,7 @@ impl DraftEngine {
     /// The first phase of a draft, for one session alone: the request's checks, the cache
     /// brought to `tokens` (a new prompt's causal prefill, or the accepted tokens) and the
     /// tree's first level picked. A greedy chain on the fixed-shape path
-    /// ([`DraftEngine::with_static_chains`]) is drafted whole here.
+    /// ([`DraftEngine::with_static_chains`]) is only started here ([`crate::draft_chain`]).
     pub fn prepare(
         &self,
         s: &mut DraftSession,
@@ -468,14 +474,8 @@ impl DraftEngine {
         s.reserve(tokens.len() + tree_nodes)?;
         let mut stats = DraftStats::default();
         if self.drafts_static_chain(p) {
-            let result = self.draft_chain_static(s, tokens, p.widths.len(), &mut stats);
-            if result.is_err() {
-                // Whatever the failed step left in the cache is not trusted: start over.
-                s.cache.truncate(0)?;
-                s.tokens.clear();
-                s.last_logits = None;
-            }
-            return result.map(|t| Prepared::Drafted(t, stats));
+            let round = self.start_chain(s, tokens, p.widths.len(), stats)?;
+            return Ok(Prepared::Chain(round));
         }
         let root_logits = self.sync_prefix(s, tokens, p.deadline, &mut stats)?;
         let prefix_len = s.tokens.len();
@@ -832,120 +832,6 @@ impl DraftEngine {
             .forward_tree(ids, pos, rows, &mut s.cache, want)?)
     }
 
-    /// The synthetic proposer's token after `ctx`, if it has one (see [`SyntheticOracle`]).
-    fn oracle_token(&self, ctx: &[u32], rng: &mut ChaCha8Rng) -> Option<u32> {
-        let o = self.synthetic.as_ref()?;
-        let right = o.next(ctx)?;
-        let vocab = self.model.config().vocab_size as u32;
-        Some(if rand::Rng::random_bool(rng, o.beta) {
-            right
-        } else {
-            (right + 1) % vocab
-        })
-    }
-
-    /// A greedy chain of `depth` tokens drafted with fixed-shape steps ([`DecodeStepper`]): the
-    /// uncached tail of `tokens` is fed one step per token (a causal forward first when it is
-    /// long), then each step's greedy token feeds the next on the device, and the whole chain
-    /// comes back in one copy. The chain's tokens that went through the model stay cached after
-    /// `tokens` (their K/V are valid), so when the verifier accepts them the next call only
-    /// feeds the correction.
-    fn draft_chain_static(
-        &self,
-        s: &mut DraftSession,
-        tokens: &[u32],
-        depth: usize,
-        stats: &mut DraftStats,
-    ) -> Result<TokenTree, EngineError> {
-        let t0 = Instant::now();
-        let DraftSession {
-            cache,
-            tokens: cached,
-            last_logits,
-            rng,
-            stepper,
-            ..
-        } = s;
-        *last_logits = None;
-        let keep = common_prefix(cached, tokens).min(tokens.len() - 1);
-        stats.cache_hit = keep > 0;
-        cache.truncate(keep)?;
-        cached.truncate(keep);
-        let dev = self.model.device();
-        let mut feed = &tokens[keep..];
-        if feed.len() > STATIC_FEED_MAX {
-            let head = &feed[..feed.len() - 1];
-            self.model.prefill(head, cache)?;
-            cached.extend_from_slice(head);
-            feed = &feed[feed.len() - 1..];
-        }
-        let stepper = stepper_over(stepper, &self.model, cache.capacity())?;
-        // Two or more tokens (the accepted chain's last token and the bonus) go through in one
-        // pass where the model can.
-        stepper.feed(&self.model, cache, feed, cache.len())?;
-        cache.advance(feed.len())?;
-        cached.extend_from_slice(feed);
-        stats.tokens_processed += tokens.len() - keep;
-
-        // Level j's greedy token and log-probability land in slot j of these.
-        let out_tok = Tensor::zeros(depth, DType::U32, dev)?;
-        let out_lp = Tensor::zeros(depth, DType::F32, dev)?;
-        out_tok.slice_set(&stepper.buffers().next, 0, 0)?;
-        out_lp.slice_set(&stepper.buffers().next_logprob, 0, 0)?;
-        // Levels the synthetic proposer decides, on the host (until its context leaves the
-        // reference; the model's own tokens follow from there, on the device).
-        let mut ctx: Vec<u32> = if self.synthetic.is_some() {
-            tokens.to_vec()
-        } else {
-            Vec::new()
-        };
-        let mut host: Vec<Option<u32>> = vec![self.oracle_token(&ctx, rng)];
-        let mut oracle_on = host[0].is_some();
-        for j in 0..depth - 1 {
-            if let Some(t) = host[j] {
-                stepper.set_token(t)?;
-            }
-            stepper.step(&self.model, cache)?;
-            out_tok.slice_set(&stepper.buffers().next, 0, j + 1)?;
-            out_lp.slice_set(&stepper.buffers().next_logprob, 0, j + 1)?;
-            let decided = match (oracle_on, host[j]) {
-                (true, Some(t)) => {
-                    ctx.push(t);
-                    self.oracle_token(&ctx, rng)
-                }
-                _ => None,
-            };
-            oracle_on &= decided.is_some();
-            host.push(decided);
-        }
-        let out: Vec<f32> =
-            Tensor::cat(&[&out_tok.to_dtype(DType::F32)?, &out_lp], 0)?.to_vec1()?;
-        let levels: Vec<(u32, f32)> = (0..depth)
-            .map(|j| (host[j].unwrap_or(out[j] as u32), out[depth + j]))
-            .collect();
-        // Levels 0..depth-1 went through the model: keep them cached after `tokens`.
-        cache.advance(depth - 1)?;
-        cached.extend(levels[..depth - 1].iter().map(|l| l.0));
-        stats.tokens_processed += depth - 1;
-
-        let mut tree = TokenTree::new();
-        tree.set_siblings_without_replacement(true);
-        let mut parent = None;
-        for &(tok, lp) in &levels {
-            let node = match parent {
-                None => tree.push_root(tok, lp),
-                Some(p) => tree.push_child(p, tok, lp),
-            }
-            .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
-            if self.eos.contains(&tok) {
-                break;
-            }
-            parent = Some(node);
-        }
-        stats.model_time += t0.elapsed();
-        Ok(tree)
-    }
-
     /// Picks `width` children for each row of `logits` (rows, vocab): the top-w tokens when
     /// greedy (found on the device; only the ids and log-probabilities are copied back), else
     /// distinct draws from each row's warped distribution (returned, so the verifier can use it).
@@ -1062,10 +948,6 @@ pub(crate) fn stepper_over<'s>(
         none => none.insert(DecodeStepper::new(model, capacity)?),
     })
 }
-
-/// Longest uncached tail fed one fixed-shape step per token; a longer one (a new prompt) goes
-/// through one causal forward first.
-const STATIC_FEED_MAX: usize = 4;
 
 #[cfg(test)]
 mod tests {

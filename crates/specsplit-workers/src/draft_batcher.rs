@@ -38,11 +38,13 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use specsplit_core::tree::TokenTree;
+use specsplit_models::transformer::CHAIN_FEED_MAX;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use tonic::Status;
 
 use crate::batcher::BatchLimits;
 use crate::draft::{DraftEngine, DraftParams, DraftRound, DraftSession, DraftStats, Prepared};
+use crate::draft_chain::ChainRound;
 use crate::pass_queue::{batcher_methods, PassCounters, PassJob, PassQueue};
 use crate::service::WorkPlacement;
 use crate::session::SessionHandle;
@@ -62,11 +64,19 @@ pub struct BatchedDraft {
 /// The answer channel of one queued round.
 type Answer = oneshot::Sender<Result<BatchedDraft, EngineError>>;
 
-/// One round waiting for its next level pass: its session (locked), the round, where its
-/// answer goes, and the passes it ran in so far.
+/// What a queued round waits for.
+enum Work {
+    /// Its tree's next level pass.
+    Levels(DraftRound),
+    /// Its greedy chain, grown whole (alone, or with other sessions' chains).
+    Chain(ChainRound),
+}
+
+/// One round waiting for its next pass: its session (locked), the round, where its answer
+/// goes, and the passes it ran in so far.
 struct Job {
     session: OwnedMutexGuard<DraftSession>,
-    round: DraftRound,
+    work: Work,
     answer: Answer,
     /// Level passes run so far.
     passes: usize,
@@ -77,7 +87,10 @@ struct Job {
 impl Job {
     /// Answers the caller with the complete tree.
     fn complete(mut self, engine: &DraftEngine) {
-        let (tree, stats) = engine.finish(&mut self.session, self.round);
+        let Work::Levels(round) = self.work else {
+            return;
+        };
+        let (tree, stats) = engine.finish(&mut self.session, round);
         let _ = self.answer.send(Ok(BatchedDraft {
             tree,
             stats,
@@ -87,8 +100,27 @@ impl Job {
 
     /// Answers the caller with `e`; the session's cache holds the round's tokens again.
     fn fail(mut self, engine: &DraftEngine, e: EngineError) {
-        engine.abandon(&mut self.session, &self.round);
+        if let Work::Levels(round) = &self.work {
+            engine.abandon(&mut self.session, round);
+        }
         let _ = self.answer.send(Err(e));
+    }
+
+    /// The round, where it waits for a level pass.
+    fn round(&self) -> Option<&DraftRound> {
+        match &self.work {
+            Work::Levels(r) => Some(r),
+            Work::Chain(_) => None,
+        }
+    }
+
+    /// The session and round of a job waiting for a level pass ([`run_levels`] takes no
+    /// other).
+    fn levels(&mut self) -> (&mut DraftSession, &mut DraftRound) {
+        match &mut self.work {
+            Work::Levels(r) => (&mut self.session, r),
+            Work::Chain(_) => unreachable!("a chain's job in a level pass"),
+        }
     }
 }
 
@@ -97,7 +129,10 @@ impl PassJob for Job {
     const PASS: &'static str = "draft";
 
     fn rows(&self) -> usize {
-        self.round.pass_rows()
+        match &self.work {
+            Work::Levels(r) => r.pass_rows(),
+            Work::Chain(c) => c.feed_rows(),
+        }
     }
 
     fn is_abandoned(&self) -> bool {
@@ -105,7 +140,10 @@ impl PassJob for Job {
     }
 
     fn abandon(mut self, engine: &DraftEngine) {
-        engine.abandon(&mut self.session, &self.round);
+        // A chain not grown yet wrote nothing past the sequence.
+        if let Work::Levels(round) = &self.work {
+            engine.abandon(&mut self.session, round);
+        }
     }
 
     fn in_progress(&self) -> bool {
@@ -113,7 +151,14 @@ impl PassJob for Job {
     }
 
     fn run_pass(engine: &DraftEngine, counters: &PassCounters, members: Vec<Job>) -> Vec<Job> {
-        run_pass(engine, counters, members)
+        let (chains, levels): (Vec<Job>, Vec<Job>) = members
+            .into_iter()
+            .partition(|m| matches!(m.work, Work::Chain(_)));
+        run_chains(engine, counters, chains);
+        if levels.is_empty() {
+            return Vec::new();
+        }
+        run_levels(engine, counters, levels)
     }
 }
 
@@ -155,15 +200,9 @@ impl DraftBatcher {
                 engine.prepare(session, &tokens, params)
             })
             .await?;
-        let round = match prepared.map_err(Status::from)? {
-            Prepared::Drafted(tree, stats) => {
-                return Ok(BatchedDraft {
-                    tree,
-                    stats,
-                    pass_sessions: 1,
-                })
-            }
-            Prepared::Levels(round) => round,
+        let work = match prepared.map_err(Status::from)? {
+            Prepared::Chain(round) => Work::Chain(round),
+            Prepared::Levels(round) => Work::Levels(round),
         };
         // Declared before the answer's receiver, so dropped after it: a request dropped while
         // its round waits takes the round out of the queue, freeing its session.
@@ -171,12 +210,12 @@ impl DraftBatcher {
         let (answer, mut answered) = oneshot::channel();
         let job = Job {
             session,
-            round,
+            work,
             answer,
             passes: 0,
             pass_sessions: 0,
         };
-        if job.round.is_complete() {
+        if job.round().is_some_and(DraftRound::is_complete) {
             job.complete(self.engine());
         } else {
             self.queue.push(job);
@@ -194,22 +233,82 @@ impl Drop for Sweep<'_> {
     }
 }
 
+/// The most sessions whose chains grow together: their first level's rows within the
+/// batch-invariant kernels' limit.
+const MAX_CHAIN_SESSIONS: usize = specsplit_models::fused::BI_MAX_ROWS / CHAIN_FEED_MAX;
+
+/// Grows the members' greedy chains and answers each: those that can grow together
+/// ([`DraftEngine::joins_chains`] at the deepest of their depths) in one shared growth (one
+/// pass counted) where there are two or more and the engine grows chains together, every
+/// other one alone.
+fn run_chains(engine: &DraftEngine, counters: &PassCounters, members: Vec<Job>) {
+    type Chain = (OwnedMutexGuard<DraftSession>, ChainRound, Answer);
+    let chains: Vec<Chain> = members
+        .into_iter()
+        .filter_map(|m| match m.work {
+            Work::Chain(round) => Some((m.session, round, m.answer)),
+            Work::Levels(_) => None,
+        })
+        .collect();
+    let depth = chains.iter().map(|(_, r, _)| r.depth()).max().unwrap_or(0);
+    let (mut together, alone): (Vec<Chain>, Vec<Chain>) = chains
+        .into_iter()
+        .partition(|(s, r, _)| engine.joins_chains(s, r, depth));
+    // At most as many as one growth takes, the others alone.
+    let mut alone = alone;
+    alone.extend(together.drain(together.len().min(MAX_CHAIN_SESSIONS)..));
+    let capacity = together.iter().map(|(s, _, _)| s.cache.capacity()).max();
+    let shared = engine.chains_together_fit(together.len(), capacity.unwrap_or(0));
+    let answer = |a: Answer, r: Result<(TokenTree, DraftStats), EngineError>, n: usize| {
+        let _ = a.send(r.map(|(tree, stats)| BatchedDraft {
+            tree,
+            stats,
+            pass_sessions: n,
+        }));
+    };
+    if shared {
+        let n = together.len();
+        counters.pass(n);
+        let (mut sessions, mut rounds, mut answers) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, r, a) in together.drain(..) {
+            sessions.push(s);
+            rounds.push(r);
+            answers.push(a);
+        }
+        let members = sessions.iter_mut().map(|s| &mut **s).zip(rounds).collect();
+        let results = engine.chains_together(members);
+        for (a, r) in answers.into_iter().zip(results) {
+            answer(a, r, n);
+        }
+    }
+    for (mut s, round, a) in together.into_iter().chain(alone) {
+        counters.pass(1);
+        answer(a, engine.chain_alone(&mut s, round), 1);
+    }
+}
+
 /// One pass: runs the members' pending levels together, picks each one's next level, answers
 /// those whose trees are complete (or failed); returns the others, in order.
-fn run_pass(engine: &DraftEngine, counters: &PassCounters, mut members: Vec<Job>) -> Vec<Job> {
+fn run_levels(engine: &DraftEngine, counters: &PassCounters, mut members: Vec<Job>) -> Vec<Job> {
     let sessions = members.len();
     counters.pass(sessions);
     let t0 = Instant::now();
     // Each member's logits, the time of the pass that gave them and its sessions.
     let logits: Vec<(Result<Tensor, EngineError>, Duration, usize)> = if sessions == 1 {
         let m = &mut members[0];
-        let l = engine.level_pass(&mut m.session, &m.round);
+        let l = {
+            let (session, round) = m.levels();
+            engine.level_pass(session, round)
+        };
         vec![(l, t0.elapsed(), 1)]
     } else {
         let shared = {
             let mut parts: Vec<_> = members
                 .iter_mut()
-                .map(|m| (&mut *m.session, &m.round))
+                .map(|m| {
+                    let (session, round) = m.levels();
+                    (session, &*round)
+                })
                 .collect();
             engine.level_pass_sessions(&mut parts)
         };
@@ -229,7 +328,10 @@ fn run_pass(engine: &DraftEngine, counters: &PassCounters, mut members: Vec<Job>
                     .map(|m| {
                         counters.pass(1);
                         let t0 = Instant::now();
-                        let l = engine.level_pass(&mut m.session, &m.round);
+                        let l = {
+                            let (session, round) = m.levels();
+                            engine.level_pass(session, round)
+                        };
                         (l, t0.elapsed(), 1)
                     })
                     .collect()
@@ -240,9 +342,12 @@ fn run_pass(engine: &DraftEngine, counters: &PassCounters, mut members: Vec<Job>
     for (mut m, (l, elapsed, shared)) in members.into_iter().zip(logits) {
         m.passes += 1;
         m.pass_sessions = m.pass_sessions.max(shared);
-        match l.and_then(|l| engine.take_level(&mut m.session, &mut m.round, l, elapsed)) {
+        match l.and_then(|l| {
+            let (session, round) = m.levels();
+            engine.take_level(session, round, l, elapsed)
+        }) {
             Err(e) => m.fail(engine, e),
-            Ok(()) if m.round.is_complete() => m.complete(engine),
+            Ok(()) if m.round().is_some_and(DraftRound::is_complete) => m.complete(engine),
             Ok(()) => unfinished.push(m),
         }
     }
@@ -406,6 +511,36 @@ mod tests {
         // Per round: levels 1..=5 of the deepest tree, the first with all five sessions.
         assert_eq!(stats.passes, 5 * ROUNDS as u64, "{stats:?}");
         assert!(shared.iter().all(|&n| n == N), "{shared:?}");
+    }
+
+    /// Greedy chains on the fixed-shape path queued with other sessions' trees: every session
+    /// drafts what it drafts alone, round after round (off CUDA each chain grows alone, and
+    /// the trees still share their level passes).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chains_queued_with_trees_draft_exactly_as_alone() {
+        let engine = tiny_engine(true);
+        let b = batcher(&engine, WorkPlacement::Inline);
+        const N: usize = 5;
+        let handles: Vec<_> = (0..N).map(|i| handle(&engine, i as u64 + 1)).collect();
+        let mut seqs: Vec<Vec<u32>> = (0..N).map(prompt).collect();
+        let mut got: Vec<Vec<TokenTree>> = vec![Vec::new(); N];
+        for round in 0..3 {
+            let requests = (0..N)
+                .map(|i| (handles[i].clone(), seqs[i].clone(), params(i)))
+                .collect();
+            for (i, out) in one_batch(&b, requests).await.into_iter().enumerate() {
+                let out = out.unwrap();
+                next_sequence(&mut seqs[i], &out.tree, round);
+                got[i].push(out.tree);
+            }
+        }
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(*g, alone(&engine, i, 3), "session {i} drafted differently");
+        }
+        // The greedy chain (session 1) is cached through its last fed level.
+        let s = handles[1].lock().await;
+        assert_eq!(s.tokens.len(), s.cache.len());
+        assert!(s.cache.len() >= seqs[1].len() - 2);
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -573,7 +708,7 @@ mod tests {
         let (answer, bad) = oneshot::channel();
         lock(&b.queue).push_back(Job {
             session: s,
-            round,
+            work: Work::Levels(round),
             answer,
             passes: 0,
             pass_sessions: 0,
@@ -707,7 +842,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn static_chains_are_drafted_whole_alone() {
+    async fn static_chains_off_cuda_grow_alone_one_pass_each() {
         let engine = tiny_engine(true);
         let b = batcher(&engine, WorkPlacement::Pool);
         let reference = tiny_engine(true);
@@ -729,7 +864,13 @@ mod tests {
                 reference.draft(&mut s, &prompt(i), &chain).unwrap().0
             );
         }
-        assert_eq!(b.stats().passes, 0, "no level pass ran");
+        // Off CUDA the model grows no chains together: a pass of one session each.
+        let stats = b.stats();
+        assert_eq!(
+            (stats.passes, stats.multi_session_passes),
+            (3, 0),
+            "{stats:?}"
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]

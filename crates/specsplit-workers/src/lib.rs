@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod draft;
 pub mod draft_batcher;
+pub mod draft_chain;
 pub mod endpoints;
 pub mod engine_session;
 pub mod error;

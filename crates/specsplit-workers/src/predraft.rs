@@ -490,7 +490,7 @@ impl DraftEngine {
     /// The synthetic proposer's tokens for the first levels of a chain after `context`: each
     /// the reference's next token with probability β, else a wrong one, for as long as the
     /// chain stays on a reference (`None` from there on, and without a synthetic proposer).
-    fn oracle_chain(
+    pub(crate) fn oracle_chain(
         &self,
         context: &[u32],
         depth: usize,

@@ -55,8 +55,8 @@ pub use rope::{qkv_rope_cache, qkv_rope_rows, RowSlots};
 #[cfg(feature = "cuda")]
 pub use scratch::{carving, counting, Scratch, ScratchNeed};
 pub use sessions::{
-    address_words, qkv_rope_sessions, sessions_attention, RowKeyList, SessionRows, SessionTable,
-    TableSession,
+    address_words, cache_words, qkv_rope_sessions, sessions_attention, RowKeyList, SessionRows,
+    SessionTable, TableSession,
 };
 
 #[cfg(feature = "cuda")]

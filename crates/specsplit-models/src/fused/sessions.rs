@@ -77,6 +77,46 @@ pub fn address_words(addresses: &[u64]) -> Vec<u32> {
         .collect()
 }
 
+/// The cache words of a [`SessionTable`] for `sessions` (each its capacity and its layers' K
+/// and V caches, in order): per (layer, session) the K and V addresses, low word first. Fails
+/// unless every cache is a contiguous `(1, kv, capacity, head_dim)` bf16 CUDA buffer and every
+/// session has the same number of layers.
+pub fn cache_words(
+    sessions: &[(usize, &[(&Tensor, &Tensor)])],
+    kv: usize,
+    head_dim: usize,
+) -> Result<Vec<u32>> {
+    let layers = sessions.first().map_or(0, |s| s.1.len());
+    if layers == 0 {
+        return Err(Error::Msg(
+            "a session table needs sessions and layers".into(),
+        ));
+    }
+    let mut tensors = Vec::with_capacity(layers * sessions.len() * 2);
+    for l in 0..layers {
+        for (i, &(capacity, caches)) in sessions.iter().enumerate() {
+            let &(k, v) = caches.get(l).ok_or_else(|| {
+                Error::Msg(format!(
+                    "session {i} has {} layers, not {layers}",
+                    caches.len()
+                ))
+            })?;
+            for c in [k, v] {
+                if !applies(c) || c.dims() != [1, kv, capacity, head_dim] || !c.is_contiguous() {
+                    return Err(Error::Msg(format!(
+                        "session {i} layer {l}: cache {:?} {:?} is not a contiguous \
+                         (1, {kv}, {capacity}, {head_dim}) bf16 CUDA buffer",
+                        c.dims(),
+                        c.dtype(),
+                    )));
+                }
+                tensors.push(c);
+            }
+        }
+    }
+    Ok(address_words(&imp::addresses(&tensors)?))
+}
+
 /// A multi-session pass's table on the device (see the module doc).
 #[derive(Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -117,42 +157,69 @@ impl SessionTable {
             .map(|s| (s.capacity, s.past, s.keys.as_slice()))
             .collect();
         let host = SessionRows::new(&shaped)?;
-        let mut tensors = Vec::with_capacity(layers * sessions.len() * 2);
-        for l in 0..layers {
-            for (i, s) in sessions.iter().enumerate() {
-                let &(k, v) = s.layers.get(l).ok_or_else(|| {
-                    Error::Msg(format!(
-                        "session {i} has {} layers, not {layers}",
-                        s.layers.len()
-                    ))
-                })?;
-                for c in [k, v] {
-                    if !applies(c)
-                        || c.dims() != [1, kv, s.capacity, head_dim]
-                        || !c.is_contiguous()
-                    {
-                        return Err(Error::Msg(format!(
-                            "session {i} layer {l}: cache {:?} {:?} is not a contiguous \
-                             (1, {kv}, {}, {head_dim}) bf16 CUDA buffer",
-                            c.dims(),
-                            c.dtype(),
-                            s.capacity
-                        )));
-                    }
-                    tensors.push(c);
-                }
-            }
-        }
-        let addresses = imp::addresses(&tensors)?;
+        let caches: Vec<_> = sessions
+            .iter()
+            .map(|s| (s.capacity, s.layers.as_slice()))
+            .collect();
+        let words = cache_words(&caches, kv, head_dim)?;
         let all: Vec<(usize, &[u32])> = sessions.iter().flat_map(|s| s.keys.clone()).collect();
         let n = all.len();
         Ok(Self {
             rows: Tensor::from_vec(host.rows, (n, 2), dev)?,
-            caches: Tensor::new(address_words(&addresses).as_slice(), dev)?,
+            caches: Tensor::new(words.as_slice(), dev)?,
             capacities: Tensor::new(host.capacities.as_slice(), dev)?,
             keys: PassKeys::new(&all, dev)?,
             layers,
             sessions: sessions.len(),
+            kv,
+            head_dim,
+        })
+    }
+
+    /// A table whose contents the caller writes on the device before each launch (what a
+    /// captured graph replays): `rows` `(n, 2)` u32 (per row its session and slot), `caches`
+    /// `(layers · sessions · 4,)` u32 (the words [`cache_words`] gives, starting at an even word
+    /// of their buffer: the kernels read them as u64), `capacities`
+    /// `(sessions,)` u32 and device-written `keys` ([`PassKeys::device_rows`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_device(
+        rows: Tensor,
+        caches: Tensor,
+        capacities: Tensor,
+        keys: PassKeys,
+        layers: usize,
+        sessions: usize,
+        kv: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let n = keys.rows;
+        let u32s = [&rows, &caches, &capacities]
+            .iter()
+            .all(|t| t.dtype() == candle_core::DType::U32);
+        if !u32s
+            || rows.dims() != [n, 2]
+            || caches.dims() != [layers * sessions * 4]
+            || capacities.dims() != [sessions]
+            || layers == 0
+            || sessions == 0
+            // The kernels read the addresses as u64: 8-byte aligned in their buffer.
+            || !caches.layout().start_offset().is_multiple_of(2)
+        {
+            return Err(Error::Msg(format!(
+                "a device session table of {n} rows, {layers} layers and {sessions} sessions \
+                 was given rows {:?}, caches {:?} and capacities {:?}",
+                rows.dims(),
+                caches.dims(),
+                capacities.dims()
+            )));
+        }
+        Ok(Self {
+            rows,
+            caches,
+            capacities,
+            keys,
+            layers,
+            sessions,
             kv,
             head_dim,
         })
@@ -250,6 +317,33 @@ mod tests {
     fn addresses_split_into_low_then_high_words() {
         let w = address_words(&[0x1234_5678_9abc_def0, 7]);
         assert_eq!(w, [0x9abc_def0, 0x1234_5678, 7, 0]);
+    }
+
+    #[test]
+    fn a_device_table_refuses_cache_addresses_at_an_odd_word() {
+        let dev = Device::Cpu;
+        let io = Tensor::zeros(64, DType::U32, &dev).unwrap();
+        let meta = io.narrow(0, 40, 4).unwrap().reshape((2, 2)).unwrap();
+        let keys = PassKeys::device_rows(meta, 16, 16).unwrap();
+        let rows = io.narrow(0, 44, 4).unwrap().reshape((2, 2)).unwrap();
+        let caps = io.narrow(0, 48, 2).unwrap();
+        let table = |at: usize| {
+            let caches = io.narrow(0, at, 8).unwrap();
+            SessionTable::on_device(
+                rows.clone(),
+                caches,
+                caps.clone(),
+                keys.clone(),
+                1,
+                2,
+                2,
+                64,
+            )
+        };
+        assert!(table(0).is_ok());
+        assert!(table(2).is_ok());
+        assert!(table(1).is_err());
+        assert!(table(3).is_err());
     }
 
     #[test]

@@ -20,7 +20,7 @@ use specsplit_core::cache::SessionCache;
 /// --growth-rows 10`, Qwen2.5 0.5B shape, H200, 2026-11-27): a level of 10 chains took 1.181
 /// ms with every product batch-invariant, 1.082 ms with cuBLAS for gate|up, down and the head
 /// (cuBLAS loses on the smaller Q|K|V and output products).
-const GROWTH_CUBLAS_MIN: usize = 4 << 20;
+pub(super) const GROWTH_CUBLAS_MIN: usize = 4 << 20;
 
 /// Device buffers of [`Transformer::grow_chains`] for `rows` chains of `depth` tokens whose
 /// nodes see at most `span` keys each (the keys the attention is launched over).

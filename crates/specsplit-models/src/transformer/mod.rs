@@ -13,12 +13,14 @@ mod graph;
 mod linear;
 mod load;
 mod plan;
+mod session_chains;
 mod sessions;
 mod stack;
 
 pub use forest::ChainGrowth;
 pub use graph::{ExactRows, StaticStep};
 pub use plan::{ForwardPath, Pass};
+pub use session_chains::{SessionChain, SessionChains, CHAIN_FEED_MAX};
 pub use sessions::SessionPass;
 
 use crate::config::ModelConfig;
