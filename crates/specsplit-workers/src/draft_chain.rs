@@ -274,18 +274,7 @@ impl DraftEngine {
         stats.tokens_processed += depth - 1;
         let mut tree = TokenTree::new();
         tree.set_siblings_without_replacement(true);
-        let mut parent = None;
-        for &(tok, lp) in &levels {
-            let node = match parent {
-                None => tree.push_root(tok, lp),
-                Some(p) => tree.push_child(p, tok, lp),
-            }
-            .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
-            if self.eos().contains(&tok) {
-                break;
-            }
-            parent = Some(node);
-        }
+        self.push_chain(&mut tree, levels.iter().copied())?;
         stats.model_time += passes;
         Ok((tree, stats))
     }

@@ -375,7 +375,7 @@ impl DraftEngine {
 
     /// Appends a greedy chain of `(token, log-probability)` to the empty `tree`, cut after an
     /// end-of-sequence token.
-    fn push_chain(
+    pub(crate) fn push_chain(
         &self,
         tree: &mut TokenTree,
         chain: impl Iterator<Item = (u32, f32)>,
