@@ -471,6 +471,31 @@ mod tests {
         out
     }
 
+    /// `rounds` rounds of every session of `handles` drafting after `seqs` (each round's
+    /// requests queued together, each sequence extended as a verifier would): per session its
+    /// trees, and per answer the sessions its passes shared.
+    async fn queued_rounds(
+        b: &Arc<DraftBatcher>,
+        handles: &[SessionHandle<DraftSession>],
+        seqs: &mut [Vec<u32>],
+        rounds: usize,
+    ) -> (Vec<Vec<TokenTree>>, Vec<usize>) {
+        let mut got: Vec<Vec<TokenTree>> = vec![Vec::new(); handles.len()];
+        let mut shared = Vec::new();
+        for round in 0..rounds {
+            let requests = (0..handles.len())
+                .map(|i| (handles[i].clone(), seqs[i].clone(), params(i)))
+                .collect();
+            for (i, out) in one_batch(b, requests).await.into_iter().enumerate() {
+                let out = out.unwrap();
+                next_sequence(&mut seqs[i], &out.tree, round);
+                got[i].push(out.tree);
+                shared.push(out.pass_sessions);
+            }
+        }
+        (got, shared)
+    }
+
     /// Five sessions of different shapes draft four rounds each, every round's requests
     /// queued together: each tree equals the session's tree drafted alone.
     async fn shared_levels_draft_exactly_as_alone(placement: WorkPlacement) {
@@ -480,19 +505,7 @@ mod tests {
         const ROUNDS: usize = 4;
         let handles: Vec<_> = (0..N).map(|i| handle(&engine, i as u64 + 1)).collect();
         let mut seqs: Vec<Vec<u32>> = (0..N).map(prompt).collect();
-        let mut got: Vec<Vec<TokenTree>> = vec![Vec::new(); N];
-        let mut shared = Vec::new();
-        for round in 0..ROUNDS {
-            let requests = (0..N)
-                .map(|i| (handles[i].clone(), seqs[i].clone(), params(i)))
-                .collect();
-            for (i, out) in one_batch(&b, requests).await.into_iter().enumerate() {
-                let out = out.unwrap();
-                next_sequence(&mut seqs[i], &out.tree, round);
-                got[i].push(out.tree);
-                shared.push(out.pass_sessions);
-            }
-        }
+        let (got, shared) = queued_rounds(&b, &handles, &mut seqs, ROUNDS).await;
         for (i, g) in got.iter().enumerate() {
             assert_eq!(
                 *g,
@@ -523,17 +536,7 @@ mod tests {
         const N: usize = 5;
         let handles: Vec<_> = (0..N).map(|i| handle(&engine, i as u64 + 1)).collect();
         let mut seqs: Vec<Vec<u32>> = (0..N).map(prompt).collect();
-        let mut got: Vec<Vec<TokenTree>> = vec![Vec::new(); N];
-        for round in 0..3 {
-            let requests = (0..N)
-                .map(|i| (handles[i].clone(), seqs[i].clone(), params(i)))
-                .collect();
-            for (i, out) in one_batch(&b, requests).await.into_iter().enumerate() {
-                let out = out.unwrap();
-                next_sequence(&mut seqs[i], &out.tree, round);
-                got[i].push(out.tree);
-            }
-        }
+        let (got, _) = queued_rounds(&b, &handles, &mut seqs, 3).await;
         for (i, g) in got.iter().enumerate() {
             assert_eq!(*g, alone(&engine, i, 3), "session {i} drafted differently");
         }

@@ -20,7 +20,42 @@ use specsplit_core::cache::SessionCache;
 /// --growth-rows 10`, Qwen2.5 0.5B shape, H200, 2026-11-27): a level of 10 chains took 1.181
 /// ms with every product batch-invariant, 1.082 ms with cuBLAS for gate|up, down and the head
 /// (cuBLAS loses on the smaller Q|K|V and output products).
-pub(super) const GROWTH_CUBLAS_MIN: usize = 4 << 20;
+const GROWTH_CUBLAS_MIN: usize = 4 << 20;
+
+/// A growth pass's product: cuBLAS for weights of at least [`GROWTH_CUBLAS_MIN`] elements,
+/// else the batch-invariant product (a growth drafts; it needs no batch invariance).
+pub(super) fn growth_product(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    launch: fused::Launch,
+) -> candle_core::Result<Tensor> {
+    if w.elem_count() >= GROWTH_CUBLAS_MIN {
+        fused::cublas_product(x, w, bias)
+    } else {
+        fused::bi_matmul(x, w, bias, launch)
+    }
+}
+
+/// The greedy head of level `level` of a growth of `depth` levels over `logits`: each row's
+/// token (the synthetic proposer's where `forced_on` says so) and log-probability, written to
+/// rows `level` and `depth + level` of `out`; the tokens, which feed the next level.
+pub(super) fn greedy_level(
+    logits: &Tensor,
+    (forced, forced_on, out): (&Tensor, &Tensor, &Tensor),
+    depth: usize,
+    level: usize,
+    launch: fused::Launch,
+) -> candle_core::Result<Tensor> {
+    fused::greedy_rows(
+        logits,
+        &forced.get(level)?,
+        &forced_on.get(level)?,
+        &out.get(level)?,
+        &out.get(depth + level)?,
+        launch,
+    )
+}
 
 /// Device buffers of [`Transformer::grow_chains`] for `rows` chains of `depth` tokens whose
 /// nodes see at most `span` keys each (the keys the attention is launched over).
@@ -209,23 +244,18 @@ impl Transformer {
     }
 
     /// Grows `b.rows()` greedy chains of `b.depth()` tokens below the roots set by
-    /// [`ChainGrowth::start`], one pass a level (the fused layers, cuBLAS for the products of
-    /// at least [`GROWTH_CUBLAS_MIN`] weights: each row's logits those of a
+    /// [`ChainGrowth::start`], one pass a level (the fused layers, products through
+    /// [`growth_product`]: each row's logits those of a
     /// [`Transformer::forward_tree`] of the same forest up to bf16 rounding) and one greedy
-    /// head for all its rows ([`fused::greedy_rows`]), with every input
+    /// head for all its rows ([`greedy_level`]), with every input
     /// read on the device, so a captured CUDA graph serves every round: writes each node's K/V
     /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
     /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.
     pub fn grow_chains(&self, b: &ChainGrowth, cache: &SessionCache) -> Result<(), ModelError> {
         let layers = self.exact_rows_layers("chain growth", b.capacity, b.rows, cache)?;
         let launch = self.kernels.launch();
-        let product = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| {
-            if w.elem_count() >= GROWTH_CUBLAS_MIN {
-                fused::cublas_product(x, w, bias)
-            } else {
-                fused::bi_matmul(x, w, bias, launch)
-            }
-        };
+        let product =
+            |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| growth_product(x, w, bias, launch);
         let mut ids = b.roots.clone();
         for level in 0..b.depth {
             let (positions, slots) = (b.positions.get(level)?, b.slots.get(level)?);
@@ -234,14 +264,8 @@ impl Transformer {
             let (h, head) =
                 self.rows_stack(&layers, &product, &ids, &positions, slots, keys, cache)?;
             let logits = product(&h, head, None)?;
-            ids = fused::greedy_rows(
-                &logits,
-                &b.forced.get(level)?,
-                &b.forced_on.get(level)?,
-                &b.out.get(level)?,
-                &b.out.get(b.depth + level)?,
-                launch,
-            )?;
+            let head_io = (&b.forced, &b.forced_on, &b.out);
+            ids = greedy_level(&logits, head_io, b.depth, level, launch)?;
         }
         Ok(())
     }

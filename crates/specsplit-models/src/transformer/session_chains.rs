@@ -12,7 +12,7 @@
 //! written in one upload ([`SessionChains::start`]); the chains' tokens and log-probabilities
 //! come back in one `(2·depth, sessions)` buffer.
 
-use super::forest::GROWTH_CUBLAS_MIN;
+use super::forest::{greedy_level, growth_product};
 use super::Transformer;
 use crate::fused::{self, PassKeys, SessionTable};
 use crate::ModelError;
@@ -278,10 +278,10 @@ impl Transformer {
     /// Grows each session's greedy chain of `b.depth()` tokens after its feed (set by
     /// [`SessionChains::start`]), one pass a level for all sessions (the fused layers with each
     /// row's rotary, K/V write and attention on its own session's cache; products of up to
-    /// [`fused::GEMV_MAX_ROWS`] rows through the step's GEMV, wider ones through cuBLAS for
-    /// weights of at least [`GROWTH_CUBLAS_MIN`] elements, else the batch-invariant product:
-    /// each session's logits those of its chain decoded alone up to bf16 rounding) and one
-    /// greedy head for all rows ([`fused::greedy_rows`]), every input read on the device, so a
+    /// [`fused::GEMV_MAX_ROWS`] rows through the step's GEMV, wider ones through
+    /// [`growth_product`]: each session's logits those of its chain decoded alone up to bf16
+    /// rounding) and one greedy head for all rows ([`greedy_level`]), every input read on the
+    /// device, so a
     /// captured CUDA graph serves every round whatever the caches: writes each row's K/V at its
     /// slot (the caches' lengths are left alone) and the chains' tokens and log-probabilities
     /// to `b.out`. Fails unless [`Transformer::session_chains_fit`] holds.
@@ -298,10 +298,8 @@ impl Transformer {
         let product = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| {
             if x.dim(0)? <= fused::GEMV_MAX_ROWS {
                 fused::gemv_rows(x, w, bias, launch)
-            } else if w.elem_count() >= GROWTH_CUBLAS_MIN {
-                fused::cublas_product(x, w, bias)
             } else {
-                fused::bi_matmul(x, w, bias, launch)
+                growth_product(x, w, bias, launch)
             }
         };
         let (shape, scale) = self.fused_attn_shape(b.capacity);
@@ -329,14 +327,8 @@ impl Transformer {
                 _ => h,
             };
             let logits = product(&h, head, None)?;
-            ids = fused::greedy_rows(
-                &logits,
-                &b.forced.get(level)?,
-                &b.forced_on.get(level)?,
-                &b.out.get(level)?,
-                &b.out.get(b.depth + level)?,
-                launch,
-            )?;
+            let head_io = (&b.forced, &b.forced_on, &b.out);
+            ids = greedy_level(&logits, head_io, b.depth, level, launch)?;
         }
         Ok(())
     }
