@@ -12,8 +12,9 @@ use serde_json::{json, Value};
 use specsplit_orchestrator::{
     ClientSpin, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
 };
-use specsplit_workers::batcher::BatchLimits;
+use specsplit_workers::batcher::{BatchLimits, VerifyBatcher};
 use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
+use specsplit_workers::draft_batcher::DraftBatcher;
 use specsplit_workers::load_gate::LoadAdvisor;
 use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker};
 use specsplit_workers::session::SessionLimits;
@@ -161,7 +162,13 @@ fn slowest_rounds(gens: &[Generation]) -> Vec<Value> {
 
 /// One result row: `n` sessions of `mode` generated `gens` in `wall_s` seconds; `alone` holds
 /// each prompt's output generated alone.
-fn row(mode: Mode, n: usize, gens: &[Generation], wall_s: f64, alone: &[Generation]) -> Value {
+fn row(
+    mode: Mode,
+    n: usize,
+    (gens, wall_s): (&[Generation], f64),
+    alone: &[Generation],
+    passes: Passes,
+) -> Value {
     let tokens: usize = gens.iter().map(|g| g.token_ids.len()).sum();
     let lat = token_latencies_ms(gens);
     let identical = gens
@@ -175,6 +182,14 @@ fn row(mode: Mode, n: usize, gens: &[Generation], wall_s: f64, alone: &[Generati
         .iter()
         .filter_map(|r| r.advised_depth.map(|d| d as f64))
         .collect();
+    // Every round verifies once; a round drafted by the draft worker drafted once.
+    let verifies: usize = gens.iter().map(|g| g.rounds.len()).sum();
+    let drafted: Vec<_> = rounds.iter().filter(|r| r.draft_server_ms > 0.0).collect();
+    let drafts = gens
+        .iter()
+        .flat_map(|g| &g.rounds)
+        .filter(|r| r.draft_server_ms > 0.0)
+        .count();
     let load_rounds = rounds
         .iter()
         .filter(|r| r.no_draft == Some(specsplit_orchestrator::NoDraft::Load))
@@ -195,8 +210,29 @@ fn row(mode: Mode, n: usize, gens: &[Generation], wall_s: f64, alone: &[Generati
         "mean_advised_depth": if advised.is_empty() { Value::Null } else { json!(ratio(advised.iter().sum(), advised.len() as f64)) },
         "load_target_only_share": ratio(load_rounds as f64, rounds.len() as f64),
         "mean_verify_model_ms": ratio(rounds.iter().map(|r| r.verify_model_ms).sum(), rounds.len() as f64),
+        "mean_round_ms": ratio(rounds.iter().map(|r| r.round_ms).sum(), rounds.len() as f64),
+        "mean_draft_model_ms": ratio(drafted.iter().map(|r| r.draft_model_ms).sum(), drafted.len() as f64),
+        "verify_passes": passes.verify,
+        "mean_verify_pass_sessions": ratio(verifies as f64, passes.verify as f64),
+        "draft_passes": passes.draft,
+        "mean_draft_pass_sessions": ratio(drafts as f64, passes.draft as f64),
         "slowest_rounds": slowest_rounds(gens),
     })
+}
+
+/// The model passes the workers' batchers ran during one run (0 where a worker does not batch).
+#[derive(Debug, Clone, Copy, Default)]
+struct Passes {
+    verify: u64,
+    draft: u64,
+}
+
+/// The passes `target` and `draft` have run so far.
+fn passes_so_far(target: Option<&Arc<VerifyBatcher>>, draft: Option<&Arc<DraftBatcher>>) -> Passes {
+    Passes {
+        verify: target.map_or(0, |b| b.stats().passes),
+        draft: draft.map_or(0, |b| b.stats().passes),
+    }
 }
 
 /// The row of median throughput among `runs` (each run's row), with every run's throughput
@@ -272,6 +308,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     } else {
         t_worker
     };
+    let t_batcher = t_worker.batcher().cloned();
     let t_server = spawn_server("target", move |l, sd| serve_target(t_worker, l, sd)).await?;
 
     let base = GenerateConfig {
@@ -332,12 +369,14 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     } else {
         d_worker
     };
+    let d_batcher = d_worker.batcher().cloned();
     let d_server = spawn_server("draft", move |l, sd| serve_draft(d_worker, l, sd)).await?;
     let spec_orch = Arc::new(
         Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?,
     );
 
     let mut rows = Vec::new();
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(0.0);
     let setup = |mode: Mode| match mode {
         Mode::Ar => (&ar_orch, &ar_cfg),
         Mode::Spec => (&spec_orch, &spec_cfg),
@@ -354,15 +393,25 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
         for _ in 0..s.repeats.max(1) {
             for (m, &mode) in s.modes.iter().enumerate() {
                 let (orch, cfg) = setup(mode);
+                let before = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref());
                 let (gens, wall) = generate_concurrently(orch, &prompts, n, cfg).await?;
-                let r = row(mode, n, &gens, wall, &alone);
+                let after = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref());
+                let passes = Passes {
+                    verify: after.verify - before.verify,
+                    draft: after.draft - before.draft,
+                };
+                let r = row(mode, n, (&gens, wall), &alone, passes);
                 eprintln!(
-                    "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}",
+                    "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}; \
+                     round {:.2} ms, sessions a verify pass {:.2}, a draft pass {:.2}",
                     mode_name(mode),
-                    r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0),
-                    r["p50_tpot_ms"].as_f64().unwrap_or(0.0),
-                    r["p99_tpot_ms"].as_f64().unwrap_or(0.0),
-                    r["identical_to_alone"].as_f64().unwrap_or(0.0),
+                    f(&r, "aggregate_tok_per_s"),
+                    f(&r, "p50_tpot_ms"),
+                    f(&r, "p99_tpot_ms"),
+                    f(&r, "identical_to_alone"),
+                    f(&r, "mean_round_ms"),
+                    f(&r, "mean_verify_pass_sessions"),
+                    f(&r, "mean_draft_pass_sessions"),
                 );
                 if mode == Mode::Spec {
                     for slow in r["slowest_rounds"].as_array().into_iter().flatten() {
@@ -509,6 +558,15 @@ mod tests {
             assert_eq!(r["aggregate_tok_per_s"].as_f64(), Some(best), "{r}");
             let slow = r["slowest_rounds"].as_array().unwrap();
             assert!(!slow.is_empty() && slow.len() <= SLOWEST_ROUNDS, "{r}");
+            // Each verify pass holds one to `sessions` sessions' rounds; one session alone
+            // has a pass to itself every round.
+            let n = r["sessions"].as_f64().unwrap();
+            let per_pass = r["mean_verify_pass_sessions"].as_f64().unwrap();
+            assert!(r["verify_passes"].as_u64().unwrap() > 0, "{r}");
+            assert!((1.0..=n).contains(&per_pass), "{r}");
+            if n == 1.0 {
+                assert_eq!(per_pass, 1.0, "{r}");
+            }
             let ms: Vec<f64> = slow
                 .iter()
                 .map(|x| x["round_ms"].as_f64().unwrap())

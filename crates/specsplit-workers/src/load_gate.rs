@@ -538,7 +538,7 @@ impl LoadAdvisor {
     pub fn observe_request(&self, session: &str, depth: usize, arrived: Instant) {
         let last = {
             let answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
-            answered.get(session).copied().filter(Answered::warm)
+            answered.get(session).copied().filter(|a| a.measures(depth))
         };
         if let Some(gap) = last.and_then(|a| arrived.checked_duration_since(a.at)) {
             let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
@@ -546,10 +546,17 @@ impl LoadAdvisor {
         }
     }
 
-    /// Notes `session` answered at `at`, a round that `continued` its sequence or a new
-    /// prompt's; returns the sessions answered within [`ACTIVE_WINDOW`] of `at` (this one
-    /// included) and when this one was answered before, if the round's cycle is measured.
-    fn note_answer(&self, session: &str, at: Instant, continued: bool) -> (usize, Option<Instant>) {
+    /// Notes `session` answered at `at`, a round drafted to `depth` that `continued` its
+    /// sequence or a new prompt's; returns the sessions answered within [`ACTIVE_WINDOW`] of
+    /// `at` (this one included) and when this one was answered before, if the round's cycle
+    /// is measured.
+    fn note_answer(
+        &self,
+        session: &str,
+        at: Instant,
+        depth: usize,
+        continued: bool,
+    ) -> (usize, Option<Instant>) {
         let mut answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
         if answered.len() >= MAX_REMEMBERED_SESSIONS && !answered.contains_key(session) {
             answered.retain(|_, a| at.saturating_duration_since(a.at) <= MAX_ROUND_GAP);
@@ -562,6 +569,7 @@ impl LoadAdvisor {
             Some(a) => {
                 let last = *a;
                 a.at = at;
+                a.depth = depth;
                 a.rounds = if continued {
                     last.rounds.saturating_add(1)
                 } else {
@@ -570,7 +578,14 @@ impl LoadAdvisor {
                 Some(last)
             }
             None => {
-                answered.insert(session.to_string(), Answered { at, rounds: 0 });
+                answered.insert(
+                    session.to_string(),
+                    Answered {
+                        at,
+                        rounds: 0,
+                        depth,
+                    },
+                );
                 None
             }
         };
@@ -578,7 +593,9 @@ impl LoadAdvisor {
             .values()
             .filter(|a| at.saturating_duration_since(a.at) <= ACTIVE_WINDOW)
             .count();
-        let measured = last.filter(|a| continued && a.warm()).map(|a| a.at);
+        let measured = last
+            .filter(|a| continued && a.measures(depth))
+            .map(|a| a.at);
         (active, measured)
     }
 
@@ -600,7 +617,7 @@ impl LoadAdvisor {
         let (active, last) = if round.session.is_empty() {
             (0, None)
         } else {
-            self.note_answer(round.session, now, round.continued)
+            self.note_answer(round.session, now, round.depth, round.continued)
         };
         let batch = self.in_flight().max(active);
         self.batch.store(batch, Ordering::Relaxed);
@@ -626,12 +643,18 @@ struct Answered {
     /// Rounds answered since the session's prompt. The first round after a prompt waits for
     /// the draft to catch up with the prompt: neither its gap nor its cycle is a round's.
     rounds: u32,
+    /// The depth of the answered round's draft (0: none).
+    depth: usize,
 }
 
 impl Answered {
-    /// Whether the next round's gap and cycle are measured.
-    fn warm(&self) -> bool {
-        self.rounds >= 1
+    /// Whether the gap and cycle of the session's next round, drafted to `depth`, are
+    /// measured: not after a prompt, and not for a draft after a round without one, which
+    /// first catches the draft up with the tokens it missed (a prefill, maybe a new graph
+    /// captured), a cost of turning drafting back on rather than of the depth: priced by it,
+    /// drafting would never be tried again where it pays.
+    fn measures(&self, depth: usize) -> bool {
+        self.rounds >= 1 && !(self.depth == 0 && depth > 0)
     }
 }
 
@@ -835,14 +858,14 @@ mod tests {
     fn the_advisor_measures_each_sessions_gap_and_counts_recent_sessions_in_the_batch() {
         let a = LoadAdvisor::new(8);
         // Two sessions answered: the batch the advice is for holds both.
-        assert_eq!(a.note_answer("a", Instant::now(), false).0, 1);
+        assert_eq!(a.note_answer("a", Instant::now(), 3, false).0, 1);
         let t0 = Instant::now();
-        assert_eq!(a.note_answer("b", t0, false), (2, None));
+        assert_eq!(a.note_answer("b", t0, 3, false), (2, None));
         // Its first round after the prompt waits for the draft to catch up: not measured.
         a.observe_request("b", 3, t0 + Duration::from_millis(90));
         assert_eq!(a.gate.lock().unwrap().round_gap(3, 1), 0.0);
         let t = t0 + Duration::from_millis(100);
-        assert_eq!(a.note_answer("b", t, true), (2, None));
+        assert_eq!(a.note_answer("b", t, 3, true), (2, None));
         // Session b's next round, drafted to depth 3, came 30 ms after its answer.
         a.observe_request("b", 3, t + Duration::from_millis(30));
         let gap = a.gate.lock().unwrap().round_gap(3, 1);
@@ -852,11 +875,25 @@ mod tests {
         let gap = a.gate.lock().unwrap().round_gap(3, 1);
         assert!((gap - 0.030).abs() < 1e-9, "{gap}");
         // Sessions answered long ago no longer count.
-        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3, false).0, 1);
-        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 3, true).1, Some(t));
+        assert_eq!(a.note_answer("d", t + ACTIVE_WINDOW * 3, 3, false).0, 1);
+        assert_eq!(
+            a.note_answer("b", t + ACTIVE_WINDOW * 3, 3, true).1,
+            Some(t)
+        );
         // A new prompt starts over.
-        a.note_answer("b", t + ACTIVE_WINDOW * 4, false);
-        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 5, true).1, None);
+        a.note_answer("b", t + ACTIVE_WINDOW * 4, 3, false);
+        assert_eq!(a.note_answer("b", t + ACTIVE_WINDOW * 5, 3, true).1, None);
+        // A draft after a round without one first catches up with the tokens it missed:
+        // neither its gap nor its cycle is measured; the next draft's are.
+        let t = t + ACTIVE_WINDOW * 6;
+        a.note_answer("b", t, 0, true);
+        a.observe_request("b", 3, t + Duration::from_millis(80));
+        let gap = a.gate.lock().unwrap().round_gap(3, 1);
+        assert!((gap - 0.030).abs() < 1e-9, "{gap}");
+        let t2 = t + Duration::from_millis(90);
+        assert_eq!(a.note_answer("b", t2, 3, true).1, None);
+        let t3 = t2 + Duration::from_millis(20);
+        assert_eq!(a.note_answer("b", t3, 3, true).1, Some(t2));
     }
 
     #[test]
