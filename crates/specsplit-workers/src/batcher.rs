@@ -23,7 +23,8 @@
 //! of one pass send their next rounds only after it answers them. So before a pass the batcher
 //! gathers: it lets the thread read requests until as many rounds are queued as the last pass
 //! held or as sessions asked for rounds within [`ACTIVE_WINDOW`], for at most
-//! [`GATHER_WINDOW`]. A session alone never waits.
+//! [`GATHER_WINDOW`], or, for sessions out of step that are due to ask again within twice the
+//! last pass, until they are due (see `pass_queue`). A session alone never waits.
 //!
 //! The queue, the turn, the counters, the gathering and the taking of a batch are the crate's
 //! pass queue (`pass_queue`, shared with [`crate::draft_batcher`]); this module holds what a

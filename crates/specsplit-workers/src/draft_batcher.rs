@@ -26,8 +26,9 @@
 //! at the next pass (or when its caller's request is dropped), its session's cache cut back to
 //! the round's tokens. If a shared pass fails, each of its rounds runs that level alone, so
 //! only a bad one fails. Before a pass placed `Inline` that would start only new rounds, the
-//! batcher gathers as [`crate::batcher::VerifyBatcher`] does (for at most
-//! [`crate::batcher::GATHER_WINDOW`]); a round in the middle of its tree never waits.
+//! batcher gathers as [`crate::batcher::VerifyBatcher`] does (for
+//! [`crate::batcher::GATHER_WINDOW`], or until sessions out of step are due); a round in the
+//! middle of its tree never waits.
 //!
 //! The queue, the turn, the counters, the gathering and the taking of a batch are the crate's
 //! pass queue (`pass_queue`, shared with [`crate::batcher`]); this module holds what a level

@@ -3,7 +3,8 @@
 //! A [`PassQueue`] owns what cross-session batching of model passes needs whatever a pass
 //! does: the queue of jobs (one session's work each, waiting for a pass), the turn (whose
 //! holder assembles and runs the next pass; [`PassQueue::hold`] keeps it), the pass counters
-//! ([`BatchStats`]), the gathering of an `Inline` pass ([`GATHER_WINDOW`], [`ACTIVE_WINDOW`]),
+//! ([`BatchStats`]), the gathering of an `Inline` pass ([`GATHER_WINDOW`], [`ACTIVE_WINDOW`], and
+//! the sessions out of step that are due: [`PassQueue::gather`]),
 //! taking a batch within [`BatchLimits`] and running the pass where its [`WorkPlacement`] says.
 //! What a pass does with its members, and how a job completes or fails, is its job type's
 //! ([`PassJob`]).
@@ -13,9 +14,10 @@
 //! went away leaves the queue at the next pass ([`PassJob::abandon`]); once in a pass, it runs
 //! to the end of that pass.
 
+use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, OwnedMutexGuard};
@@ -54,6 +56,9 @@ pub const GATHER_WINDOW: Duration = Duration::from_micros(500);
 
 /// How recently a session must have asked for a round to be waited for by a gathering pass.
 pub const ACTIVE_WINDOW: Duration = Duration::from_millis(50);
+
+/// Weight of a new interval in a session's running mean of the intervals between its requests.
+const INTERVAL_WEIGHT: f64 = 0.25;
 
 /// One session's work waiting in a [`PassQueue`], and what a pass does with it.
 pub(crate) trait PassJob: Sized + Send + 'static {
@@ -121,18 +126,58 @@ impl PassCounters {
     }
 }
 
+/// A session that is no longer held anywhere (ended, evicted) fails to upgrade.
+type Alive = Weak<dyn Any + Send + Sync>;
+
+/// When a session last asked for work, and its running mean interval between requests.
+#[derive(Clone)]
+struct Asked {
+    at: Instant,
+    /// `None` until a second request within [`ACTIVE_WINDOW`] of the first.
+    interval: Option<Duration>,
+    /// The session, while it lives: an ended session is neither counted nor waited for.
+    alive: Alive,
+}
+
+impl Asked {
+    fn alive(&self) -> bool {
+        self.alive.strong_count() > 0
+    }
+}
+
 /// When each session (by its handle's address) last asked for work, within
-/// [`ACTIVE_WINDOW`].
+/// [`ACTIVE_WINDOW`], and how often it asks.
 #[derive(Default)]
-struct ActiveSessions(Mutex<HashMap<usize, Instant>>);
+struct ActiveSessions(Mutex<HashMap<usize, Asked>>);
 
 impl ActiveSessions {
-    /// Notes that the session at `key` asked for work now.
-    fn note(&self, key: usize) {
+    /// Notes that the session at `key`, `alive` while it lives, asked for work now.
+    fn note(&self, key: usize, alive: Alive) {
+        self.note_at(key, alive, Instant::now());
+    }
+
+    /// Notes that the session at `key`, `alive` while it lives, asked for work at `now`.
+    fn note_at(&self, key: usize, alive: Alive, now: Instant) {
         let mut recent = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        recent.retain(|_, &mut t| now.duration_since(t) < ACTIVE_WINDOW);
-        recent.insert(key, now);
+        let last = recent.get(&key).map(|a| (a.at, a.interval));
+        recent.retain(|_, a| now.saturating_duration_since(a.at) < ACTIVE_WINDOW && a.alive());
+        let interval = match last {
+            Some((at, mean)) if now.saturating_duration_since(at) < ACTIVE_WINDOW => {
+                let x = now.saturating_duration_since(at);
+                Some(mean.map_or(x, |m| {
+                    m.mul_f64(1.0 - INTERVAL_WEIGHT) + x.mul_f64(INTERVAL_WEIGHT)
+                }))
+            }
+            _ => None,
+        };
+        recent.insert(
+            key,
+            Asked {
+                at: now,
+                interval,
+                alive,
+            },
+        );
     }
 
     /// Sessions that asked for work within the last [`ACTIVE_WINDOW`].
@@ -141,8 +186,21 @@ impl ActiveSessions {
         let now = Instant::now();
         recent
             .values()
-            .filter(|&&t| now.duration_since(t) < ACTIVE_WINDOW)
+            .filter(|a| now.saturating_duration_since(a.at) < ACTIVE_WINDOW && a.alive())
             .count()
+    }
+
+    /// The latest instant, within `horizon` after `now`, at which a session that last asked
+    /// before `since` is due to ask again (its last request plus its mean interval); `None`
+    /// where none is.
+    fn due(&self, since: Instant, now: Instant, horizon: Duration) -> Option<Instant> {
+        let recent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        recent
+            .values()
+            .filter(|a| a.at < since && a.alive())
+            .filter_map(|a| a.interval.map(|i| a.at + i))
+            .filter(|&t| t > now && t <= now + horizon)
+            .max()
     }
 }
 
@@ -167,6 +225,8 @@ pub(crate) struct PassQueue<J: PassJob> {
     counters: Arc<PassCounters>,
     /// When each session last asked for work.
     recent: ActiveSessions,
+    /// When the last pass was taken from the queue, and how long it ran (zero until it ends).
+    last_pass: Arc<Mutex<Option<(Instant, Duration)>>>,
 }
 
 impl<J: PassJob> PassQueue<J> {
@@ -188,6 +248,7 @@ impl<J: PassJob> PassQueue<J> {
             turn: Arc::new(tokio::sync::Mutex::new(())),
             counters: Arc::new(PassCounters::default()),
             recent: ActiveSessions::default(),
+            last_pass: Arc::default(),
         }
     }
 
@@ -239,7 +300,9 @@ impl<J: PassJob> PassQueue<J> {
         S: Send + 'static,
         R: Send + 'static,
     {
-        self.recent.note(Arc::as_ptr(&session) as usize);
+        let held: Arc<dyn Any + Send + Sync> = session.clone();
+        self.recent
+            .note(Arc::as_ptr(&session) as usize, Arc::downgrade(&held));
         let mut session = session.lock_owned().await;
         let engine = self.engine.clone();
         placed(self.placement, move || {
@@ -299,8 +362,13 @@ impl<J: PassJob> PassQueue<J> {
     /// Before a pass placed `Inline` (elsewhere requests are read while a pass runs) that
     /// would start only new jobs: lets the thread read requests until as many jobs are queued
     /// as the last pass held or as sessions asked for work lately (at most the pass limit),
-    /// for at most [`GATHER_WINDOW`]. Jobs of sessions that shared the last pass arrive just
-    /// after its answers.
+    /// for at most [`GATHER_WINDOW`] (jobs of sessions that shared the last pass arrive just
+    /// after its answers), or, where sessions that asked before the last pass are due to ask
+    /// again (their last request plus their mean interval) within twice as long as the last
+    /// pass took, until the last of them is due (and [`GATHER_WINDOW`] more). Sessions that
+    /// fell out of step, one group drafting while the other verifies, so meet again in one
+    /// pass: waiting costs at most two passes once, where each group on its own would cost a
+    /// pass more every round.
     async fn gather(&self) {
         if self.placement != WorkPlacement::Inline {
             return;
@@ -313,7 +381,14 @@ impl<J: PassJob> PassQueue<J> {
         if expected <= 1 || self.lock().iter().any(J::in_progress) {
             return;
         }
-        let deadline = Instant::now() + GATHER_WINDOW;
+        let now = Instant::now();
+        let mut deadline = now + GATHER_WINDOW;
+        let last_pass = *self.last_pass.lock().unwrap_or_else(|e| e.into_inner());
+        let due = last_pass
+            .and_then(|(taken, took)| self.recent.due(taken, now, (2 * took).min(ACTIVE_WINDOW)));
+        if let Some(due) = due {
+            deadline = deadline.max(due + GATHER_WINDOW);
+        }
         while self.queued() < expected && Instant::now() < deadline {
             tokio::task::yield_now().await;
         }
@@ -355,13 +430,17 @@ impl<J: PassJob> PassQueue<J> {
         if batch.is_empty() {
             return;
         }
-        let (engine, counters, queue) = (
+        let taken = Instant::now();
+        *self.last_pass.lock().unwrap_or_else(|e| e.into_inner()) = Some((taken, Duration::ZERO));
+        let (engine, counters, queue, last_pass) = (
             self.engine.clone(),
             self.counters.clone(),
             self.queue.clone(),
+            self.last_pass.clone(),
         );
         let work = move || {
             let unfinished = J::run_pass(&engine, &counters, batch);
+            *last_pass.lock().unwrap_or_else(|e| e.into_inner()) = Some((taken, taken.elapsed()));
             if !unfinished.is_empty() {
                 let mut queue = lock(&queue);
                 for job in unfinished.into_iter().rev() {
@@ -452,3 +531,146 @@ macro_rules! batcher_methods {
     };
 }
 pub(crate) use batcher_methods;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass that takes [`FAKE_PASS`] and answers every member with the pass's sessions.
+    struct Sleeper(oneshot::Sender<Result<usize, EngineError>>);
+
+    const FAKE_PASS: Duration = Duration::from_millis(10);
+
+    impl PassJob for Sleeper {
+        type Engine = ();
+        const PASS: &'static str = "test";
+
+        fn rows(&self) -> usize {
+            1
+        }
+
+        fn is_abandoned(&self) -> bool {
+            self.0.is_closed()
+        }
+
+        fn abandon(self, _: &()) {}
+
+        fn run_pass(_: &(), counters: &PassCounters, members: Vec<Self>) -> Vec<Self> {
+            let n = members.len();
+            counters.pass(n);
+            std::thread::sleep(FAKE_PASS);
+            for m in members {
+                let _ = m.0.send(Ok(n));
+            }
+            Vec::new()
+        }
+    }
+
+    /// Rounds of `sessions` sessions that each spend `away` between their answer and their
+    /// next request, the odd ones starting `offset` later: each session's passes' sessions.
+    async fn passes_of_sessions(
+        sessions: usize,
+        rounds: usize,
+        away: Duration,
+        offset: Duration,
+    ) -> Vec<Vec<usize>> {
+        let limits = BatchLimits {
+            max_sessions: 64,
+            max_rows: 64,
+        };
+        let q = Arc::new(PassQueue::<Sleeper>::new(
+            Arc::new(()),
+            limits,
+            WorkPlacement::Inline,
+        ));
+        let mut tasks = Vec::new();
+        for key in 0..sessions {
+            let q = q.clone();
+            tasks.push(tokio::spawn(async move {
+                if key % 2 == 1 {
+                    tokio::time::sleep(offset).await;
+                }
+                let session: Arc<dyn Any + Send + Sync> = Arc::new(key);
+                let mut shared = Vec::new();
+                for _ in 0..rounds {
+                    q.recent.note(key, Arc::downgrade(&session));
+                    let (tx, mut rx) = oneshot::channel();
+                    q.push(Sleeper(tx));
+                    shared.push(q.await_answer(&mut rx).await.unwrap());
+                    tokio::time::sleep(away).await;
+                }
+                shared
+            }));
+        }
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sessions_out_of_step_meet_in_one_pass() {
+        // Four sessions away 15 ms between 10 ms passes, started 7 ms apart or together (the
+        // first alone in the first pass): without waiting, the groups each run their own pass
+        // every round; a pass waits for the sessions due within twice the last pass, and the
+        // groups meet within a few rounds: in the second half, rounds of every session share
+        // one pass with all four (none would without the wait; a loaded machine's timers may
+        // split them again now and then).
+        const ROUNDS: usize = 16;
+        let ms = Duration::from_millis;
+        for offset in [ms(7), Duration::ZERO] {
+            let shared = passes_of_sessions(4, ROUNDS, ms(15), offset).await;
+            for s in &shared {
+                let all = s[ROUNDS / 2..].iter().filter(|&&n| n == 4).count();
+                assert!(all >= 3, "{shared:?}, offset {offset:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_session_is_due_its_mean_interval_after_its_last_request() {
+        let s = ActiveSessions::default();
+        let sessions: Vec<Arc<dyn Any + Send + Sync>> = (0..4).map(|k| Arc::new(k) as _).collect();
+        let alive = |k: usize| Arc::downgrade(&sessions[k]);
+        let t0 = Instant::now();
+        let ms = |x: u64| Duration::from_millis(x);
+        // Session 1 asks every 10 ms, session 2 every 4 ms; session 3 once.
+        for k in 0..4 {
+            s.note_at(1, alive(1), t0 + ms(10 * k));
+        }
+        s.note_at(2, alive(2), t0 + ms(22));
+        s.note_at(2, alive(2), t0 + ms(26));
+        s.note_at(3, alive(3), t0 + ms(25));
+        assert_eq!(s.count(), 3);
+        let pass = t0 + ms(27);
+        // At 28 ms: session 1 (last at 30) asked after the pass; session 2 (26 + 4) is due
+        // at 30; session 3 has no interval yet.
+        assert_eq!(s.due(pass, t0 + ms(28), ms(8)), Some(t0 + ms(30)));
+        // Not before the pass: nobody.
+        assert_eq!(s.due(t0 + ms(20), t0 + ms(28), ms(8)), None);
+        // Beyond the horizon, or already past: nobody.
+        assert_eq!(s.due(pass, t0 + ms(28), ms(1)), None);
+        assert_eq!(s.due(pass, t0 + ms(31), ms(8)), None);
+        // The interval is a running mean: a 12 ms gap moves session 1's from 10 ms.
+        s.note_at(1, alive(1), t0 + ms(42));
+        let due = s.due(t0 + ms(43), t0 + ms(43), ms(20)).unwrap();
+        assert_eq!(
+            due,
+            t0 + ms(42) + ms(10).mul_f64(0.75) + ms(12).mul_f64(0.25)
+        );
+        // A request after ACTIVE_WINDOW starts its interval over.
+        s.note_at(1, alive(1), t0 + ms(42) + ACTIVE_WINDOW * 2);
+        let later = t0 + ms(43) + ACTIVE_WINDOW * 2;
+        assert_eq!(s.due(later, later, ms(50)), None);
+        // An ended session is neither counted nor waited for.
+        let t = t0 + ms(100);
+        s.note_at(2, alive(2), t);
+        s.note_at(2, alive(2), t + ms(5));
+        assert_eq!(s.due(t + ms(6), t + ms(7), ms(8)), Some(t + ms(10)));
+        assert!(s.count() > 0);
+        drop(sessions);
+        assert_eq!(s.due(t + ms(6), t + ms(7), ms(8)), None);
+        assert_eq!(s.count(), 0);
+    }
+}
