@@ -60,6 +60,10 @@ pub const ACTIVE_WINDOW: Duration = Duration::from_millis(50);
 /// Weight of a new interval in a session's running mean of the intervals between its requests.
 const INTERVAL_WEIGHT: f64 = 0.25;
 
+/// A pass waits for sessions due within this many times as long as the last pass took (see
+/// [`PassQueue::gather`]).
+const DUE_PASSES: u32 = 2;
+
 /// One session's work waiting in a [`PassQueue`], and what a pass does with it.
 pub(crate) trait PassJob: Sized + Send + 'static {
     /// The engine the passes run on.
@@ -140,6 +144,7 @@ struct Asked {
 }
 
 impl Asked {
+    /// Whether the session is still held (not ended).
     fn alive(&self) -> bool {
         self.alive.strong_count() > 0
     }
@@ -300,9 +305,8 @@ impl<J: PassJob> PassQueue<J> {
         S: Send + 'static,
         R: Send + 'static,
     {
-        let held: Arc<dyn Any + Send + Sync> = session.clone();
-        self.recent
-            .note(Arc::as_ptr(&session) as usize, Arc::downgrade(&held));
+        let alive: Weak<tokio::sync::Mutex<S>> = Arc::downgrade(&session);
+        self.recent.note(Arc::as_ptr(&session) as usize, alive);
         let mut session = session.lock_owned().await;
         let engine = self.engine.clone();
         placed(self.placement, move || {
@@ -384,8 +388,10 @@ impl<J: PassJob> PassQueue<J> {
         let now = Instant::now();
         let mut deadline = now + GATHER_WINDOW;
         let last_pass = *self.last_pass.lock().unwrap_or_else(|e| e.into_inner());
-        let due = last_pass
-            .and_then(|(taken, took)| self.recent.due(taken, now, (2 * took).min(ACTIVE_WINDOW)));
+        let due = last_pass.and_then(|(taken, took)| {
+            self.recent
+                .due(taken, now, (DUE_PASSES * took).min(ACTIVE_WINDOW))
+        });
         if let Some(due) = due {
             deadline = deadline.max(due + GATHER_WINDOW);
         }
