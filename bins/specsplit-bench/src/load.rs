@@ -59,6 +59,8 @@ pub struct LoadSettings {
     pub max_batch_sessions: usize,
     /// Most sessions whose tree levels share one draft pass (1: each draft alone).
     pub draft_batch_sessions: usize,
+    /// Ended sessions' bodies (caches and CUDA graphs) each worker keeps for new sessions.
+    pub spare_sessions: usize,
     /// Whether greedy chains on CUDA grow from CUDA graphs, those of sessions queued together in
     /// one shared pass a level (false: level by level, like other trees).
     pub static_draft_chains: bool,
@@ -216,6 +218,7 @@ fn row(
         "mean_verify_pass_sessions": ratio(verifies as f64, passes.verify as f64),
         "draft_passes": passes.draft,
         "mean_draft_pass_sessions": ratio(drafts as f64, passes.draft as f64),
+        "draft_chain_shapes_made": passes.draft_shapes,
         "slowest_rounds": slowest_rounds(gens),
     })
 }
@@ -225,6 +228,8 @@ fn row(
 struct Passes {
     verify: u64,
     draft: u64,
+    /// Shapes of shared draft chains the draft worker made (each an eager pass and a capture).
+    draft_shapes: u64,
 }
 
 /// The passes `target` and `draft` have run so far.
@@ -232,6 +237,7 @@ fn passes_so_far(target: Option<&Arc<VerifyBatcher>>, draft: Option<&Arc<DraftBa
     Passes {
         verify: target.map_or(0, |b| b.stats().passes),
         draft: draft.map_or(0, |b| b.stats().passes),
+        draft_shapes: draft.map_or(0, |b| b.engine().chain_shapes_made()),
     }
 }
 
@@ -294,7 +300,10 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
         &z,
     );
     let max_depth = t_info.max_tree_depth;
-    let t_engine = Arc::new(TargetEngine::new(target_model.clone(), z.max_context));
+    let t_engine = Arc::new(
+        TargetEngine::new(target_model.clone(), z.max_context)
+            .with_spare_sessions(s.spare_sessions),
+    );
     let t_exec = Execution::for_device(&s.device_target, None);
     let gate = s.load_gate.then(|| Arc::new(LoadAdvisor::new(max_depth)));
     let t_worker = TargetWorker::new(t_engine, limits, t_info)
@@ -342,7 +351,8 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
         alone.push(ar_orch.generate(p, &cfg, |_| {}).await?);
     }
 
-    let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context);
+    let mut engine = DraftEngine::new(draft_model.clone(), eos.clone(), z.max_context)
+        .with_spare_sessions(s.spare_sessions);
     if !s.static_draft_chains {
         engine = engine.with_static_chains(false);
     }
@@ -399,11 +409,13 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                 let passes = Passes {
                     verify: after.verify - before.verify,
                     draft: after.draft - before.draft,
+                    draft_shapes: after.draft_shapes - before.draft_shapes,
                 };
                 let r = row(mode, n, (&gens, wall), &alone, passes);
                 eprintln!(
                     "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}; \
-                     round {:.2} ms, sessions a verify pass {:.2}, a draft pass {:.2}",
+                     round {:.2} ms, sessions a verify pass {:.2}, a draft pass {:.2}, new \
+                     draft chain shapes {}",
                     mode_name(mode),
                     f(&r, "aggregate_tok_per_s"),
                     f(&r, "p50_tpot_ms"),
@@ -412,6 +424,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                     f(&r, "mean_round_ms"),
                     f(&r, "mean_verify_pass_sessions"),
                     f(&r, "mean_draft_pass_sessions"),
+                    passes.draft_shapes,
                 );
                 if mode == Mode::Spec {
                     for slow in r["slowest_rounds"].as_array().into_iter().flatten() {
@@ -446,6 +459,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "load_gate": s.load_gate,
             "max_batch_sessions": s.max_batch_sessions,
             "draft_batch_sessions": s.draft_batch_sessions,
+            "spare_sessions": s.spare_sessions,
             "static_draft_chains": static_chains,
             "warmup_runs": s.warmup,
             "repeats": s.repeats.max(1),
@@ -510,6 +524,7 @@ mod tests {
             load_gate: true,
             max_batch_sessions: 64,
             draft_batch_sessions: 64,
+            spare_sessions: 1,
             static_draft_chains: true,
             warmup: 0,
             repeats: 2,
@@ -567,6 +582,8 @@ mod tests {
             if n == 1.0 {
                 assert_eq!(per_pass, 1.0, "{r}");
             }
+            // On the CPU no chains grow together from CUDA graphs: no shape is made.
+            assert_eq!(r["draft_chain_shapes_made"].as_u64(), Some(0), "{r}");
             let ms: Vec<f64> = slow
                 .iter()
                 .map(|x| x["round_ms"].as_f64().unwrap())

@@ -126,6 +126,10 @@ struct LoadArgs {
     /// without batching).
     #[arg(long, default_value_t = 64)]
     draft_batch_sessions: usize,
+    /// Ended sessions' bodies (KV caches and the CUDA graphs captured over them) each worker
+    /// keeps for new sessions, as the workers' `spare_sessions` setting.
+    #[arg(long, default_value_t = specsplit_workers::spare::DEFAULT_SPARE_SESSIONS)]
+    spare_sessions: usize,
     /// Whether greedy chains on CUDA grow from CUDA graphs, those of sessions queued together in
     /// one shared pass a level (true or false; false: level by level, like other trees).
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
@@ -555,6 +559,7 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         load_gate: a.load_gate,
         max_batch_sessions: a.max_batch_sessions,
         draft_batch_sessions: a.draft_batch_sessions,
+        spare_sessions: a.spare_sessions,
         static_draft_chains: a.static_draft_chains,
         warmup: a.warmup,
         repeats: a.repeats as usize,

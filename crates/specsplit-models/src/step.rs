@@ -21,7 +21,7 @@ use specsplit_core::cache::SessionCache;
 
 use crate::fused;
 use crate::transformer::{
-    ChainGrowth, ExactRows, SessionChain, SessionChains, StaticStep, Transformer,
+    ChainGrowth, ExactRows, SessionChain, SessionChains, StaticStep, Transformer, CHAIN_FEED_MAX,
 };
 use crate::ModelError;
 
@@ -679,16 +679,23 @@ impl ExactStepper {
     }
 }
 
-/// The most shapes a [`SessionChainsStepper`] keeps graphs of (the oldest goes first).
+/// The most shapes a [`SessionChainsStepper`] keeps graphs of (the least recently used goes
+/// first).
 const MAX_SESSION_CHAIN_SHAPES: usize = 32;
 
 /// Greedy chains of several sessions grown together ([`Transformer::grow_session_chains`]),
 /// replayed from a graph captured per shape (sessions, depth, largest capacity). The graph
 /// reads each session's cache addresses from the table [`SessionChains::start`] writes, so one
 /// graph serves any caches of at most its capacity, and a cache that grew needs no new graph.
+/// Every shape feeds [`CHAIN_FEED_MAX`] rows a session (a session feeding fewer fills the
+/// rest with pad rows), so that how many of a pass's chains were accepted whole makes no new
+/// shape: a new shape runs once eagerly and is captured the next time, two slow passes.
 #[derive(Default)]
 pub struct SessionChainsStepper {
+    /// By use, the least recent first.
     shapes: Vec<(SessionChains, Replay)>,
+    /// Shapes made so far (each one's buffers, eager run and capture).
+    made: u64,
 }
 
 impl SessionChainsStepper {
@@ -716,36 +723,44 @@ impl SessionChainsStepper {
             )));
         }
         specsplit_core::device::bind_to_thread(model.device())?;
-        let feed = chains.iter().map(|c| c.feed.len()).max().unwrap_or(1);
+        let feed = CHAIN_FEED_MAX;
         let fits = |b: &SessionChains| {
             b.sessions() == n && b.depth() == depth && b.feed() == feed && b.capacity() == capacity
         };
-        let at = match self.shapes.iter().position(|(b, _)| fits(b)) {
-            Some(at) => at,
+        match self.shapes.iter().position(|(b, _)| fits(b)) {
+            Some(at) => {
+                // The most recently used goes last.
+                let used = self.shapes.remove(at);
+                self.shapes.push(used);
+            }
             None => {
                 if self.shapes.len() == MAX_SESSION_CHAIN_SHAPES {
                     self.shapes.remove(0);
                 }
                 let bufs = model.session_chain_buffers(n, depth, feed, capacity)?;
                 self.shapes.push((bufs, Replay::default()));
-                self.shapes.len() - 1
+                self.made += 1;
             }
-        };
-        let (bufs, replay) = &mut self.shapes[at];
+        }
+        let (bufs, replay) = self.shapes.last_mut().expect("the shape just used");
         bufs.start(chains)?;
         replay.run(model, || model.grow_session_chains(bufs))?;
         Ok(bufs.out.clone())
     }
 
-    /// Whether the growth of `sessions` chains of `depth` after feeds of up to `feed` tokens
-    /// over caches of `capacity` slots replays a captured graph.
-    pub fn uses_graph(&self, sessions: usize, depth: usize, feed: usize, capacity: usize) -> bool {
+    /// Whether the growth of `sessions` chains of `depth` over caches of `capacity` slots
+    /// replays a captured graph.
+    pub fn uses_graph(&self, sessions: usize, depth: usize, capacity: usize) -> bool {
         self.shapes.iter().any(|(b, r)| {
             b.sessions() == sessions
                 && b.depth() == depth
-                && b.feed() == feed
                 && b.capacity() == capacity
                 && r.uses_graph()
         })
+    }
+
+    /// Shapes made so far: each costs an eager pass and a capture.
+    pub fn shapes_made(&self) -> u64 {
+        self.made
     }
 }

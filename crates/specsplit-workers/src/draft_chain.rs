@@ -228,6 +228,11 @@ impl DraftEngine {
             .collect())
     }
 
+    /// Shapes of chains grown together made so far (each costs an eager pass and a capture).
+    pub fn chain_shapes_made(&self) -> u64 {
+        self.chain_stepper().shapes_made()
+    }
+
     /// The engine's shared-chain graphs, locked (only the holder of the draft pass's turn
     /// grows chains together, so the lock is never contended).
     fn chain_stepper(&self) -> std::sync::MutexGuard<'_, SessionChainsStepper> {

@@ -5,9 +5,9 @@
 //!
 //! Session `i` feeds its uncached tail (1 to [`CHAIN_FEED_MAX`] tokens) at slots `len_i..` of
 //! its cache, then each level's token at the next slot; every row sees its session's slots up
-//! to its own. The first level has the same rows for every session (the buffers' feed width:
-//! one row each where every session feeds one token, the rounds whose chains were not accepted
-//! whole): a shorter feed fills the rows before it with a pad row that writes the slot past the session's chain (left out of
+//! to its own. The first level has the same rows for every session (the buffers' feed width;
+//! [`crate::step::SessionChainsStepper`] always takes [`CHAIN_FEED_MAX`]): a shorter feed fills
+//! the rows before it with a pad row that writes the slot past the session's chain (left out of
 //! the cache's length, never read) and reads slot 0. Every input, cache addresses included, is
 //! written in one upload ([`SessionChains::start`]); the chains' tokens and log-probabilities
 //! come back in one `(2·depth, sessions)` buffer.
