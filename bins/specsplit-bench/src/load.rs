@@ -232,6 +232,17 @@ struct Passes {
     draft_shapes: u64,
 }
 
+impl Passes {
+    /// What ran since `before`.
+    fn since(self, before: Passes) -> Passes {
+        Passes {
+            verify: self.verify - before.verify,
+            draft: self.draft - before.draft,
+            draft_shapes: self.draft_shapes - before.draft_shapes,
+        }
+    }
+}
+
 /// The passes `target` and `draft` have run so far.
 fn passes_so_far(target: Option<&Arc<VerifyBatcher>>, draft: Option<&Arc<DraftBatcher>>) -> Passes {
     Passes {
@@ -405,12 +416,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                 let (orch, cfg) = setup(mode);
                 let before = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref());
                 let (gens, wall) = generate_concurrently(orch, &prompts, n, cfg).await?;
-                let after = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref());
-                let passes = Passes {
-                    verify: after.verify - before.verify,
-                    draft: after.draft - before.draft,
-                    draft_shapes: after.draft_shapes - before.draft_shapes,
-                };
+                let passes = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref()).since(before);
                 let r = row(mode, n, (&gens, wall), &alone, passes);
                 eprintln!(
                     "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}; \

@@ -723,10 +723,9 @@ impl SessionChainsStepper {
             )));
         }
         specsplit_core::device::bind_to_thread(model.device())?;
-        let feed = CHAIN_FEED_MAX;
-        let fits = |b: &SessionChains| {
-            b.sessions() == n && b.depth() == depth && b.feed() == feed && b.capacity() == capacity
-        };
+        // Every shape is made with the same feed width, so it is not part of the key.
+        let fits =
+            |b: &SessionChains| b.sessions() == n && b.depth() == depth && b.capacity() == capacity;
         match self.shapes.iter().position(|(b, _)| fits(b)) {
             Some(at) => {
                 // The most recently used goes last.
@@ -737,7 +736,7 @@ impl SessionChainsStepper {
                 if self.shapes.len() == MAX_SESSION_CHAIN_SHAPES {
                     self.shapes.remove(0);
                 }
-                let bufs = model.session_chain_buffers(n, depth, feed, capacity)?;
+                let bufs = model.session_chain_buffers(n, depth, CHAIN_FEED_MAX, capacity)?;
                 self.shapes.push((bufs, Replay::default()));
                 self.made += 1;
             }
