@@ -705,10 +705,10 @@ impl SessionChainsStepper {
     }
 
     /// Grows each of `chains`' greedy chain of `depth` tokens together (see
-    /// [`SessionChains::start`]) over buffers (and a graph) for caches of `capacity` slots,
-    /// at least every chain's cache's, and feeds of the longest of theirs; returns the `(2·depth, sessions)` f32 tokens and
-    /// log-probabilities (the stepper's own buffer, overwritten by the next growth of that
-    /// shape). The caches' lengths are left alone.
+    /// [`SessionChains::start`]) over buffers (and a graph) for caches of `capacity` slots, at
+    /// least every chain's cache's, and feeds of [`CHAIN_FEED_MAX`] rows a session; returns the
+    /// `(2·depth, sessions)` f32 tokens and log-probabilities (the stepper's own buffer,
+    /// overwritten by the next growth of that shape). The caches' lengths are left alone.
     pub fn grow(
         &mut self,
         model: &Transformer,

@@ -245,9 +245,9 @@ impl Transformer {
 
     /// Grows `b.rows()` greedy chains of `b.depth()` tokens below the roots set by
     /// [`ChainGrowth::start`], one pass a level (the fused layers, products through
-    /// [`growth_product`]: each row's logits those of a
+    /// `growth_product`: each row's logits those of a
     /// [`Transformer::forward_tree`] of the same forest up to bf16 rounding) and one greedy
-    /// head for all its rows ([`greedy_level`]), with every input
+    /// head for all its rows (`greedy_level`), with every input
     /// read on the device, so a captured CUDA graph serves every round: writes each node's K/V
     /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
     /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.

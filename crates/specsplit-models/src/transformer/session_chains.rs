@@ -279,8 +279,8 @@ impl Transformer {
     /// [`SessionChains::start`]), one pass a level for all sessions (the fused layers with each
     /// row's rotary, K/V write and attention on its own session's cache; products of up to
     /// [`fused::GEMV_MAX_ROWS`] rows through the step's GEMV, wider ones through
-    /// [`growth_product`]: each session's logits those of its chain decoded alone up to bf16
-    /// rounding) and one greedy head for all rows ([`greedy_level`]), every input read on the
+    /// `growth_product`: each session's logits those of its chain decoded alone up to bf16
+    /// rounding) and one greedy head for all rows (`greedy_level`), every input read on the
     /// device, so a
     /// captured CUDA graph serves every round whatever the caches: writes each row's K/V at its
     /// slot (the caches' lengths are left alone) and the chains' tokens and log-probabilities
