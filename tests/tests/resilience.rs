@@ -525,3 +525,110 @@ async fn a_frozen_target_without_a_deadline_is_a_timeout_error_after_the_retry_w
     relay.thaw();
     target.stop().await;
 }
+
+/// A draft worker whose answers report one-off setup where told to.
+struct SetupDraft(DraftWorker, bool);
+
+#[tonic::async_trait]
+impl DraftService for SetupDraft {
+    async fn generate_drafts(
+        &self,
+        r: Request<DraftRequest>,
+    ) -> Result<Response<DraftResponse>, Status> {
+        let mut answer = self.0.generate_drafts(r).await?;
+        let t = answer.get_mut().telemetry.as_mut().expect("telemetry");
+        // The CPU makes no CUDA graphs: the worker itself never reports setup here.
+        assert!(!t.one_off_setup);
+        t.one_off_setup = self.1;
+        Ok(answer)
+    }
+
+    async fn end_session(
+        &self,
+        r: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        self.0.end_session(r).await
+    }
+
+    async fn ping(&self, r: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        DraftService::ping(&self.0, r).await
+    }
+}
+
+/// A target worker that records, of each verify request with a draft tree, whether it says
+/// the draft included one-off setup.
+struct SetupTarget(TargetWorker, Arc<Mutex<Vec<bool>>>);
+
+#[tonic::async_trait]
+impl TargetService for SetupTarget {
+    async fn verify_drafts(
+        &self,
+        r: Request<VerifyRequest>,
+    ) -> Result<Response<VerifyResponse>, Status> {
+        let m = r.get_ref();
+        if !m.draft_tree.is_empty() {
+            self.1.lock().unwrap().push(m.draft_one_off_setup);
+        }
+        let answer = self.0.verify_drafts(r).await?;
+        assert!(!answer.get_ref().telemetry.as_ref().unwrap().one_off_setup);
+        Ok(answer)
+    }
+
+    async fn end_session(
+        &self,
+        r: Request<EndSessionRequest>,
+    ) -> Result<Response<EndSessionResponse>, Status> {
+        self.0.end_session(r).await
+    }
+
+    async fn ping(&self, r: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        TargetService::ping(&self.0, r).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drafts_one_off_setup_reaches_the_target_with_the_round_it_drafted() {
+    for (setup, pipeline) in [
+        (true, Pipeline::Sequential),
+        (false, Pipeline::Sequential),
+        (true, Pipeline::Overlapped),
+    ] {
+        let seen: Arc<Mutex<Vec<bool>>> = Arc::default();
+        let (tcfg, dcfg) = (config(MODEL, true), config(MODEL, false));
+        let t = SetupTarget(
+            launch::target_worker(&tcfg, launch::load(&tcfg).unwrap()),
+            seen.clone(),
+        );
+        let d = SetupDraft(
+            launch::draft_worker(&dcfg, launch::load(&dcfg).unwrap()),
+            setup,
+        );
+        let tl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (ta, da) = (tl.local_addr().unwrap(), dl.local_addr().unwrap());
+        let servers = [
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(TargetServiceServer::new(t))
+                    .serve_with_incoming(tonic::transport::server::TcpIncoming::from(tl)),
+            ),
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(DraftServiceServer::new(d))
+                    .serve_with_incoming(tonic::transport::server::TcpIncoming::from(dl)),
+            ),
+        ];
+        let orch = Orchestrator::connect(Some(&format!("http://{da}")), &format!("http://{ta}"))
+            .await
+            .unwrap();
+        orch.generate(&prompts(2, 3, 500)[1], &spec(12, pipeline), |_| {})
+            .await
+            .unwrap();
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.len() >= 2, "{pipeline:?}: {seen:?}");
+        assert!(seen.iter().all(|&s| s == setup), "{pipeline:?}: {seen:?}");
+        for s in servers {
+            s.abort();
+        }
+    }
+}

@@ -219,6 +219,7 @@ fn row(
         "draft_passes": passes.draft,
         "mean_draft_pass_sessions": ratio(drafts as f64, passes.draft as f64),
         "draft_chain_shapes_made": passes.draft_shapes,
+        "draft_chain_shapes_ms": passes.draft_shapes_ms,
         "slowest_rounds": slowest_rounds(gens),
     })
 }
@@ -230,6 +231,8 @@ struct Passes {
     draft: u64,
     /// Shapes of shared draft chains the draft worker made (each an eager pass and a capture).
     draft_shapes: u64,
+    /// Host time the draft worker spent making, running eagerly and capturing those shapes.
+    draft_shapes_ms: f64,
 }
 
 impl Passes {
@@ -239,6 +242,7 @@ impl Passes {
             verify: self.verify - before.verify,
             draft: self.draft - before.draft,
             draft_shapes: self.draft_shapes - before.draft_shapes,
+            draft_shapes_ms: self.draft_shapes_ms - before.draft_shapes_ms,
         }
     }
 }
@@ -249,6 +253,7 @@ fn passes_so_far(target: Option<&Arc<VerifyBatcher>>, draft: Option<&Arc<DraftBa
         verify: target.map_or(0, |b| b.stats().passes),
         draft: draft.map_or(0, |b| b.stats().passes),
         draft_shapes: draft.map_or(0, |b| b.engine().chain_shapes_made()),
+        draft_shapes_ms: draft.map_or(0.0, |b| b.engine().chain_shapes_time().as_secs_f64() * 1e3),
     }
 }
 
@@ -421,7 +426,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                 eprintln!(
                     "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}; \
                      round {:.2} ms, sessions a verify pass {:.2}, a draft pass {:.2}, new \
-                     draft chain shapes {}",
+                     draft chain shapes {} ({:.1} ms)",
                     mode_name(mode),
                     f(&r, "aggregate_tok_per_s"),
                     f(&r, "p50_tpot_ms"),
@@ -431,6 +436,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                     f(&r, "mean_verify_pass_sessions"),
                     f(&r, "mean_draft_pass_sessions"),
                     passes.draft_shapes,
+                    passes.draft_shapes_ms,
                 );
                 if mode == Mode::Spec {
                     for slow in r["slowest_rounds"].as_array().into_iter().flatten() {

@@ -301,6 +301,7 @@ async fn components(s: &RpcSettings, vocab: usize) -> Value {
             model_time_ms: 1.0,
             tokens_processed: 5,
             device: "cuda:0".into(),
+            one_off_setup: false,
         }),
         session_id: verify.session_id.clone(),
         has_correction: true,

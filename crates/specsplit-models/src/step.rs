@@ -128,6 +128,8 @@ impl Replay {
             // with this cache on, the eager warm-up step stores them on the device and the
             // capture reuses them, so the graph never reads host memory that is gone.
             let _params = d.enable_cuda_graph_htod_cache();
+            // Anything but a replay is a one-off cost of this shape.
+            model.note_graph_setup();
             if self.eager_steps >= 1 && !self.capture_failed {
                 let scratch = match self.need {
                     // Without room for it the graph allocates its outputs itself, as before.
@@ -683,19 +685,32 @@ impl ExactStepper {
 /// first).
 const MAX_SESSION_CHAIN_SHAPES: usize = 32;
 
+/// The sessions of the shape that grows `n` chains together: the power of two at or above `n`
+/// (the chains past `n` are pad chains), so that a draft worker whose passes take any number
+/// of sessions from 2 to 32 makes at most five shapes a depth and capacity.
+pub fn chain_shape_sessions(n: usize) -> usize {
+    n.next_power_of_two()
+}
+
 /// Greedy chains of several sessions grown together ([`Transformer::grow_session_chains`]),
-/// replayed from a graph captured per shape (sessions, depth, largest capacity). The graph
-/// reads each session's cache addresses from the table [`SessionChains::start`] writes, so one
-/// graph serves any caches of at most its capacity, and a cache that grew needs no new graph.
-/// Every shape feeds [`CHAIN_FEED_MAX`] rows a session (a session feeding fewer fills the
-/// rest with pad rows), so that how many of a pass's chains were accepted whole makes no new
-/// shape: a new shape runs once eagerly and is captured the next time, two slow passes.
+/// replayed from a graph captured per shape (sessions rounded up by [`chain_shape_sessions`],
+/// depth, largest capacity). The graph reads each session's cache addresses from the table
+/// [`SessionChains::start`] writes, so one graph serves any caches of at most its capacity,
+/// and a cache that grew needs no new graph. Every shape feeds [`CHAIN_FEED_MAX`] rows a
+/// session (a session feeding fewer fills the rest with pad rows), so that how many of a
+/// pass's chains were accepted whole makes no new shape: a new shape runs once eagerly and is
+/// captured the next time, two slow growths. The sessions a shape has past the chains given
+/// are pad chains over the stepper's own small cache, their tokens never read.
 #[derive(Default)]
 pub struct SessionChainsStepper {
     /// By use, the least recent first.
     shapes: Vec<(SessionChains, Replay)>,
     /// Shapes made so far (each one's buffers, eager run and capture).
     made: u64,
+    /// The pad chains' cache (made at the first pad chain, again for a deeper one).
+    pad: Option<SessionCache>,
+    /// Host time of the growths that made a shape, ran it eagerly or captured it.
+    making: std::time::Duration,
 }
 
 impl SessionChainsStepper {
@@ -708,7 +723,9 @@ impl SessionChainsStepper {
     /// [`SessionChains::start`]) over buffers (and a graph) for caches of `capacity` slots, at
     /// least every chain's cache's, and feeds of [`CHAIN_FEED_MAX`] rows a session; returns the
     /// `(2·depth, sessions)` f32 tokens and log-probabilities (the stepper's own buffer,
-    /// overwritten by the next growth of that shape). The caches' lengths are left alone.
+    /// overwritten by the next growth of that shape; `sessions` is
+    /// [`chain_shape_sessions`] of the chains given, whose columns come first). The caches'
+    /// lengths are left alone.
     pub fn grow(
         &mut self,
         model: &Transformer,
@@ -716,13 +733,38 @@ impl SessionChainsStepper {
         depth: usize,
         capacity: usize,
     ) -> Result<Tensor, ModelError> {
-        let n = chains.len();
-        if !model.session_chains_fit(capacity, n) {
+        let given = chains.len();
+        if !model.session_chains_fit(capacity, given) {
             return Err(ModelError::Unsupported(format!(
-                "no chains of {n} sessions for this model"
+                "no chains of {given} sessions for this model"
             )));
         }
+        // Rounded up where the model takes the rounded count (it takes any count to 32).
+        let n = Some(chain_shape_sessions(given))
+            .filter(|&n| model.session_chains_fit(capacity, n))
+            .unwrap_or(given);
         specsplit_core::device::bind_to_thread(model.device())?;
+        // A pad chain feeds one token at slot 0 of the pad cache and grows after it: it
+        // needs `depth + 1` slots, within the shape's capacity.
+        let fits_pad = |c: &SessionCache| (depth + 1..=capacity).contains(&c.capacity());
+        if n > given && !self.pad.as_ref().is_some_and(fits_pad) {
+            let slots = (depth + 1).next_power_of_two().max(16).min(capacity);
+            self.pad = Some(model.new_cache(slots)?);
+        }
+        let mut all = Vec::with_capacity(n);
+        all.extend(chains.iter().map(|c| SessionChain {
+            cache: c.cache,
+            feed: c.feed,
+            forced: c.forced,
+        }));
+        if let Some(pad) = self.pad.as_ref().filter(|_| n > given) {
+            all.extend((given..n).map(|_| SessionChain {
+                cache: pad,
+                feed: &[0],
+                forced: &[],
+            }));
+        }
+        let t0 = std::time::Instant::now();
         // Every shape is made with the same feed width, so it is not part of the key.
         let fits =
             |b: &SessionChains| b.sessions() == n && b.depth() == depth && b.capacity() == capacity;
@@ -742,16 +784,21 @@ impl SessionChainsStepper {
             }
         }
         let (bufs, replay) = self.shapes.last_mut().expect("the shape just used");
-        bufs.start(chains)?;
+        bufs.start(&all)?;
+        let replayed = replay.uses_graph();
         replay.run(model, || model.grow_session_chains(bufs))?;
+        if !replayed {
+            self.making += t0.elapsed();
+        }
         Ok(bufs.out.clone())
     }
 
     /// Whether the growth of `sessions` chains of `depth` over caches of `capacity` slots
-    /// replays a captured graph.
+    /// replays a captured graph (that of [`chain_shape_sessions`] sessions).
     pub fn uses_graph(&self, sessions: usize, depth: usize, capacity: usize) -> bool {
+        let n = [chain_shape_sessions(sessions), sessions];
         self.shapes.iter().any(|(b, r)| {
-            b.sessions() == sessions
+            n.contains(&b.sessions())
                 && b.depth() == depth
                 && b.capacity() == capacity
                 && r.uses_graph()
@@ -761,5 +808,10 @@ impl SessionChainsStepper {
     /// Shapes made so far: each costs an eager pass and a capture.
     pub fn shapes_made(&self) -> u64 {
         self.made
+    }
+
+    /// Host time spent so far in growths that made a shape, ran it eagerly or captured it.
+    pub fn making_time(&self) -> std::time::Duration {
+        self.making
     }
 }

@@ -1687,6 +1687,7 @@ fn session_chains_grow_each_sessions_chain_as_alone_up_to_rounding() {
     // Eager, captured, replayed; then the sessions in another order (the same graph over
     // other caches); then with session 1's second token forced; then the two sessions that
     // feed one token each (a pad row before each), eager, captured and replayed.
+    let setups_before = m.graph_setups();
     for run in 0..8 {
         let order: Vec<usize> = match run {
             3 => vec![2, 0, 1],
@@ -1725,6 +1726,10 @@ fn session_chains_grow_each_sessions_chain_as_alone_up_to_rounding() {
                 );
             }
         }
+        // A new shape runs eagerly (runs 0 and 5, each counted as a graph setup of the
+        // model), is captured the next time (runs 1 and 6, counted too) and replayed after.
+        let setups = m.graph_setups() - setups_before;
+        assert_eq!(setups, [1, 2, 2, 2, 2, 3, 4, 4][run], "run {run}");
         if run == 7 {
             assert!(stepper.uses_graph(2, depth, 512), "run 7 replays a graph");
         }
@@ -1733,6 +1738,8 @@ fn session_chains_grow_each_sessions_chain_as_alone_up_to_rounding() {
                 stepper.uses_graph(3, depth, 512),
                 "run {run} replays a graph"
             );
+            // Three chains grow in the shape of four (one pad chain).
+            assert!(stepper.uses_graph(4, depth, 512), "run {run}");
         }
         drop(chains);
         // One shape a session count: feeds of one token take the same shape as feeds of two.

@@ -122,3 +122,29 @@ fn static_step_ignores_stale_cache_entries_and_restarts_anywhere() {
     let mut other = DecodeStepper::new(&m, cap + 1).unwrap();
     assert!(other.step(&m, &cache).is_err());
 }
+
+#[test]
+fn chains_grown_together_take_a_shape_of_a_power_of_two_sessions() {
+    use specsplit_models::step::{chain_shape_sessions, SessionChainsStepper};
+    use specsplit_models::transformer::SessionChain;
+    let shapes: Vec<usize> = (1..=32).map(chain_shape_sessions).collect();
+    // Every count from 2 to 32 lands on one of five shapes, none smaller than the count.
+    let mut distinct = shapes[1..].to_vec();
+    distinct.dedup();
+    assert_eq!(distinct, [2, 4, 8, 16, 32]);
+    assert!(shapes.iter().zip(1..).all(|(&s, n)| s >= n && s < 2 * n));
+    // Off CUDA there is no shared growth: refused before any pad chain or shape is made.
+    let m = model("tiny", 3);
+    let cache = m.new_cache(64).unwrap();
+    let chains: Vec<SessionChain<'_>> = (0..3)
+        .map(|_| SessionChain {
+            cache: &cache,
+            feed: &[1],
+            forced: &[],
+        })
+        .collect();
+    let mut stepper = SessionChainsStepper::new();
+    assert!(stepper.grow(&m, &chains, 3, 64).is_err());
+    assert_eq!(stepper.shapes_made(), 0);
+    assert!(!stepper.uses_graph(3, 3, 64));
+}

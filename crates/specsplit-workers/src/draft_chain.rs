@@ -233,6 +233,12 @@ impl DraftEngine {
         self.chain_stepper().shapes_made()
     }
 
+    /// Host time spent so far in shared chain growths that made a shape, ran it eagerly or
+    /// captured it.
+    pub fn chain_shapes_time(&self) -> Duration {
+        self.chain_stepper().making_time()
+    }
+
     /// The engine's shared-chain graphs, locked (only the holder of the draft pass's turn
     /// grows chains together, so the lock is never contended).
     fn chain_stepper(&self) -> std::sync::MutexGuard<'_, SessionChainsStepper> {

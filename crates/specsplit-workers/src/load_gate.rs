@@ -56,6 +56,13 @@ const MAX_ACCEPTANCE: f64 = 0.999;
 /// enough that a cap mistaken from them lifts within a few generations.
 const DEEPEST_MEMORY: Duration = Duration::from_secs(2);
 
+/// How much more a draft must promise than none (tokens a second) to be advised. The model
+/// and the rounds measured leave out what drafting costs besides its rounds: turning it on
+/// catches every session's draft up with the tokens it missed, and sessions that draft fall
+/// out of step with one another, so the batch splits into more passes. Near the break-even
+/// (a large batch) those costs decide, and without a margin the gate drafts where it loses.
+const DRAFT_MARGIN: f64 = 1.25;
+
 /// Samples kept of each measured gap and cycle; their lower median stands for it.
 const RECENT: usize = 8;
 
@@ -485,6 +492,8 @@ impl LoadGate {
                 None => modelled,
             };
             let rate = b * expected / secs.max(f64::MIN_POSITIVE);
+            // A draft must beat none by the margin (see DRAFT_MARGIN).
+            let rate = if d == 0 { rate * DRAFT_MARGIN } else { rate };
             if rate > best.1 {
                 best = (d, rate);
             }
@@ -626,7 +635,7 @@ impl LoadAdvisor {
         if round.depth > 0 {
             g.observe_verdict(round.depth, round.accepted);
         }
-        if let Some(last) = last {
+        if let Some(last) = last.filter(|_| !round.one_off_setup) {
             g.observe_cycle(round.depth, now.saturating_duration_since(last), batch);
         }
         let advice = g.advise(batch);
@@ -674,6 +683,11 @@ pub struct GateRound<'a> {
     /// Whether the round continued the session's sequence (not a new prompt), so that its
     /// time since the session's last answer is a round's.
     pub continued: bool,
+    /// Whether the round's time includes one-off setup on either worker (its draft's or its
+    /// verify's model made a CUDA graph): then its cycle is not measured, since a new shape's
+    /// stall, which every session of a shared pass feels at once, would price its depth for
+    /// the whole memory of the gate.
+    pub one_off_setup: bool,
 }
 
 #[cfg(test)]
@@ -797,6 +811,7 @@ mod tests {
             depth: 2,
             accepted: 1,
             continued: true,
+            one_off_setup: false,
         };
         assert_eq!(a.observe_and_advise(round), None);
     }
@@ -906,6 +921,7 @@ mod tests {
             depth,
             accepted: depth,
             continued: true,
+            one_off_setup: false,
         };
         // Free drafts and 20 ms passes: the deepest depth.
         let advice = a.observe_and_advise(round(0));
@@ -916,6 +932,61 @@ mod tests {
             assert_eq!(a.observe_and_advise(round(8)), Some(8));
         }
         assert_eq!(a.gate.lock().unwrap().deepest, None);
+    }
+
+    #[test]
+    fn a_draft_must_beat_none_by_the_margin() {
+        // One session, a one-token pass of 1 ms, a two-token pass of 1 + s ms, drafting free:
+        // a draft of one token (1.8 tokens at α = 0.8) promises 1.8 / (1 + s) times as much.
+        let advice = |s: f64| {
+            let g = gate(1, [1, 2, 1, 2], |r| 1e-3 * (1.0 + s * (r - 1.0)));
+            g.advise(1)
+        };
+        assert_eq!(advice(0.2857), Some(1), "1.4 times as much");
+        assert_eq!(
+            advice(0.565),
+            Some(0),
+            "1.15 times as much: within the margin"
+        );
+        assert_eq!(advice(0.9), Some(0), "less than none");
+    }
+
+    #[test]
+    fn rounds_slowed_by_one_off_setup_do_not_price_their_depth() {
+        // Four sessions, passes of 5 ms whatever their rows: the model advises the deepest.
+        // Each session's prompt, a first round (not measured: the draft catches up), then two
+        // rounds whose every session waited 40 ms more, as behind a draft pass of a new shape.
+        let advise_after_stalls = |flagged: bool| {
+            let a = LoadAdvisor::with_gate(gate(4, 1..=64, |_| 0.005));
+            let round = |session, continued, one_off_setup| GateRound {
+                session,
+                rows: 20,
+                time: Duration::from_millis(5),
+                depth: 4,
+                accepted: 4,
+                continued,
+                one_off_setup,
+            };
+            let sessions = ["a", "b", "c", "d"];
+            for s in sessions {
+                a.observe_and_advise(round(s, false, false));
+            }
+            for s in sessions {
+                a.observe_and_advise(round(s, true, false));
+            }
+            let mut advice = None;
+            for _ in 0..2 {
+                std::thread::sleep(Duration::from_millis(40));
+                for s in sessions {
+                    advice = a.observe_and_advise(round(s, true, flagged));
+                }
+            }
+            advice
+        };
+        // Told of the setup, the gate keeps the depth; not told, the stall prices it out (at
+        // 4 × 3.36 tokens in 40 ms, worse than the model's shallower depths).
+        assert_eq!(advise_after_stalls(true), Some(4));
+        assert!(advise_after_stalls(false).is_some_and(|d| d < 4));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU16;
+use std::sync::atomic::{AtomicU16, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Inverse rotary frequencies (`head_dim / 2` of them), computed in f32 like the reference
@@ -287,6 +287,7 @@ impl Transformer {
             kernels: KernelOptions::default(),
             fused_fit: OnceLock::new(),
             logged_paths: AtomicU16::new(0),
+            graph_setups: AtomicU64::new(0),
             config,
         })
     }
@@ -475,6 +476,7 @@ impl Transformer {
             kernels: KernelOptions::default(),
             fused_fit: OnceLock::new(),
             logged_paths: AtomicU16::new(0),
+            graph_setups: AtomicU64::new(0),
             config,
         })
     }

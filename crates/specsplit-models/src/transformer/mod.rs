@@ -31,7 +31,7 @@ use candle_core::{DType, Device, Tensor};
 use linear::{Embedding, Linear, Proj};
 use specsplit_core::cache::{CacheSpec, SessionCache};
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU16;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 #[derive(Debug, Clone)]
@@ -94,6 +94,8 @@ pub struct Transformer {
     fused_fit: OnceLock<bool>,
     /// The [`ForwardPath`]s logged so far, a bit each.
     logged_paths: AtomicU16,
+    /// Fixed-shape passes run eagerly or captured so far (see [`Transformer::graph_setups`]).
+    graph_setups: AtomicU64,
 }
 
 impl std::fmt::Debug for Transformer {
@@ -108,6 +110,20 @@ impl std::fmt::Debug for Transformer {
 }
 
 impl Transformer {
+    /// Fixed-shape passes (a step, a chain, a growth) this model has run eagerly or captured
+    /// into a CUDA graph so far: each is a one-off cost of a new shape, where a replayed pass
+    /// costs its kernels only. A caller compares the count before and after its work to tell
+    /// whether that work's time stands for the next's. Never counted off CUDA.
+    pub fn graph_setups(&self) -> u64 {
+        self.graph_setups.load(Ordering::Relaxed)
+    }
+
+    /// Counts one fixed-shape pass run eagerly or captured.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn note_graph_setup(&self) {
+        self.graph_setups.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config

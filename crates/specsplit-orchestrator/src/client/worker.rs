@@ -162,6 +162,8 @@ pub(super) fn known(limit: usize) -> usize {
 pub(super) struct ServerTimes {
     pub(super) wall_ms: f64,
     pub(super) model_ms: f64,
+    /// The worker reported one-off setup in the request (a CUDA graph made).
+    pub(super) one_off_setup: bool,
 }
 
 impl ServerTimes {
@@ -169,6 +171,7 @@ impl ServerTimes {
         Self {
             wall_ms: t.map_or(0.0, |t| t.wall_time_ms),
             model_ms: t.map_or(0.0, |t| t.model_time_ms),
+            one_off_setup: t.is_some_and(|t| t.one_off_setup),
         }
     }
 }

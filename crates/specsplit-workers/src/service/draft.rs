@@ -8,7 +8,7 @@ use specsplit_proto::convert::TreeWire;
 use specsplit_proto::draft_service_server::{DraftService, DraftServiceServer};
 use specsplit_proto::{
     DraftRequest, DraftResponse, EndSessionRequest, EndSessionResponse, PingRequest, PingResponse,
-    PreDraft,
+    PreDraft, TelemetryMetadata,
 };
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
@@ -76,6 +76,8 @@ impl DraftWorker {
         start: Instant,
     ) -> Result<Response<DraftResponse>, Status> {
         let deadline = request_deadline(request.metadata(), start);
+        let setups = self.engine().model().graph_setups();
+        let one_off = || self.engine().model().graph_setups() > setups;
         let r = request.into_inner();
         check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
@@ -123,7 +125,10 @@ impl DraftWorker {
                 .collect();
             return Ok(Response::new(DraftResponse {
                 request_id: r.request_id,
-                telemetry: Some(info.telemetry(start, stats.model_time, stats.tokens_processed)),
+                telemetry: Some(TelemetryMetadata {
+                    one_off_setup: one_off(),
+                    ..info.telemetry(start, stats.model_time, stats.tokens_processed)
+                }),
                 siblings_without_replacement: true,
                 predrafts,
                 ..DraftResponse::default()
@@ -148,7 +153,10 @@ impl DraftWorker {
         Ok(Response::new(DraftResponse {
             request_id: r.request_id,
             draft_tree,
-            telemetry: Some(info.telemetry(start, stats.model_time, stats.tokens_processed)),
+            telemetry: Some(TelemetryMetadata {
+                one_off_setup: one_off(),
+                ..info.telemetry(start, stats.model_time, stats.tokens_processed)
+            }),
             root_distribution,
             siblings_without_replacement: tree.siblings_without_replacement(),
             predrafts: Vec::new(),

@@ -95,7 +95,7 @@ impl WorkerInfo {
     }
 
     /// The telemetry of a request that started at `start` and spent `model` in the model on
-    /// `tokens` tokens.
+    /// `tokens` tokens (no one-off setup: the caller sets that).
     pub(super) fn telemetry(
         &self,
         start: Instant,
@@ -108,6 +108,7 @@ impl WorkerInfo {
             model_time_ms: model.as_secs_f64() * 1e3,
             tokens_processed: tokens as i32,
             device: self.device.clone(),
+            one_off_setup: false,
         }
     }
 }

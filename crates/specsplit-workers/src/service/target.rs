@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use specsplit_proto::target_service_server::{TargetService, TargetServiceServer};
 use specsplit_proto::{
-    EndSessionRequest, EndSessionResponse, PingRequest, PingResponse, VerifyRequest, VerifyResponse,
+    EndSessionRequest, EndSessionResponse, PingRequest, PingResponse, TelemetryMetadata,
+    VerifyRequest, VerifyResponse,
 };
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
@@ -74,6 +75,7 @@ impl TargetWorker {
         request: Request<VerifyRequest>,
         start: Instant,
     ) -> Result<Response<VerifyResponse>, Status> {
+        let setups = self.engine().model().graph_setups();
         let r = request.into_inner();
         check_request_ids(&r.request_id, &r.session_id, &r.session_secret)?;
         let info = self.info();
@@ -121,7 +123,8 @@ impl TargetWorker {
         };
         let continued = matches!(request.prefix, Prefix::Delta { .. });
         let in_flight = self.load_gate().map(|g| {
-            if matches!(request.prefix, Prefix::Delta { .. }) {
+            // A draft that made a CUDA graph took longer than drafting costs.
+            if matches!(request.prefix, Prefix::Delta { .. }) && !r.draft_one_off_setup {
                 g.observe_request(&r.session_id, draft_depth, start);
             }
             g.enter()
@@ -150,6 +153,7 @@ impl TargetWorker {
             ),
         };
         let v = &out.verdict;
+        let one_off_setup = self.engine().model().graph_setups() > setups;
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
         let max_draft_depth = self.load_gate().and_then(|g| {
@@ -167,6 +171,7 @@ impl TargetWorker {
                 depth: draft_depth,
                 accepted: v.accepted_tokens.len(),
                 continued,
+                one_off_setup: one_off_setup || r.draft_one_off_setup,
             })
         });
         drop(in_flight);
@@ -175,7 +180,10 @@ impl TargetWorker {
             accepted_token_ids: v.accepted_tokens.iter().map(|&t| t as i32).collect(),
             correction_token_id: v.next_token as i32,
             num_accepted: v.accepted_tokens.len() as i32,
-            telemetry: Some(info.telemetry(start, out.model_time, out.tokens_processed)),
+            telemetry: Some(TelemetryMetadata {
+                one_off_setup,
+                ..info.telemetry(start, out.model_time, out.tokens_processed)
+            }),
             session_id: r.session_id,
             cache_hit: out.cache_hit,
             has_correction: true,

@@ -99,12 +99,13 @@ impl Run<'_> {
             None,
         );
         let call = async move {
-            let (tree, times) = call.await?;
+            let (tree, ms, server) = call.await?;
             Ok::<_, OrchestratorError>(Drafted {
                 tree: tree.tree,
-                ms: times.0,
-                server_ms: times.1,
-                model_ms: times.2,
+                ms,
+                server_ms: server.wall_ms,
+                model_ms: server.model_ms,
+                one_off_setup: server.one_off_setup,
             })
         };
         let waited = || t0.elapsed().as_secs_f64() * 1e3;
@@ -156,7 +157,7 @@ impl Run<'_> {
         let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
         tokio::spawn(async move {
             let call = async {
-                let (answer, (ms, server_ms, model_ms)) = draft_call(
+                let (answer, ms, server) = draft_call(
                     &o,
                     &sess,
                     &secret,
@@ -179,8 +180,9 @@ impl Run<'_> {
                 Ok(PreDrafts {
                     trees,
                     ms,
-                    server_ms,
-                    model_ms,
+                    server_ms: server.wall_ms,
+                    model_ms: server.model_ms,
+                    one_off_setup: server.one_off_setup,
                 })
             };
             tokio::time::timeout_at(until.into(), call)
@@ -214,7 +216,7 @@ async fn draft_call(
     widths: &[usize],
     limits: &TreeLimits,
     outcomes: Option<OutcomeSet>,
-) -> Result<(DraftAnswer, (f64, f64, f64)), OrchestratorError> {
+) -> Result<(DraftAnswer, f64, ServerTimes), OrchestratorError> {
     let Some(draft) = &o.draft else {
         return Err(OrchestratorError::Config("no draft worker".into()));
     };
@@ -265,8 +267,5 @@ async fn draft_call(
         }
         predrafts.push((p.accepted_length as usize, p.token_id as u32, t));
     }
-    Ok((
-        DraftAnswer { tree, predrafts },
-        (ms, server.wall_ms, server.model_ms),
-    ))
+    Ok((DraftAnswer { tree, predrafts }, ms, server))
 }

@@ -33,6 +33,9 @@ struct Drafted {
     server_ms: f64,
     /// Of that, the time it reported in its model.
     model_ms: f64,
+    /// The draft worker reported one-off setup in drafting it (told to the target, whose load
+    /// gate then does not price the round's depth by it).
+    one_off_setup: bool,
 }
 
 impl Drafted {
@@ -43,6 +46,7 @@ impl Drafted {
             ms,
             server_ms: 0.0,
             model_ms: 0.0,
+            one_off_setup: false,
         }
     }
 }
@@ -67,6 +71,8 @@ struct PreDrafts {
     server_ms: f64,
     /// Of that, the time it reported in its model.
     model_ms: f64,
+    /// The draft worker reported one-off setup in the request.
+    one_off_setup: bool,
 }
 
 /// A pre-draft's task: `Err(())` when the draft deadline passed first.
@@ -304,10 +310,7 @@ impl<'a> Run<'a> {
             }
             self.fit_to_target(&mut round);
             let pre = self.predraft_beside_verify(&mut round);
-            let Some(verdict) = self
-                .verify_beside(&round.drafted.tree, pre.as_ref())
-                .await?
-            else {
+            let Some(verdict) = self.verify_beside(&round.drafted, pre.as_ref()).await? else {
                 break StopReason::Deadline;
             };
             self.adapt_depth(&round, &verdict);
@@ -489,6 +492,7 @@ impl<'a> Run<'a> {
             Some(pre) if !pre.tree.is_empty() => {
                 // Never deeper than what may still be emitted.
                 round.drafted.tree = subtree(&pre.tree, None, round.widths.len());
+                round.drafted.one_off_setup = pre.one_off_setup;
                 round.overlap_hit = Some(true);
             }
             pre => match self.draft(round.no, &round.widths).await {
@@ -625,10 +629,10 @@ impl<'a> Run<'a> {
     /// the pre-draft beside it is aborted: no request outlives the generation.
     async fn verify_beside(
         &mut self,
-        tree: &TokenTree,
+        drafted: &Drafted,
         pre: Option<&PreDraftInFlight>,
     ) -> Result<Option<Verdict>, OrchestratorError> {
-        let verdict = self.verify(tree).await;
+        let verdict = self.verify(&drafted.tree, drafted.one_off_setup).await;
         if !matches!(verdict, Ok(Some(_))) {
             if let Some(p) = pre {
                 p.task.abort();
@@ -740,6 +744,7 @@ impl<'a> Run<'a> {
                 out.hit = Some(hit);
                 self.next_tree = Some(Drafted {
                     tree: tree.unwrap_or_default(),
+                    one_off_setup: d.one_off_setup,
                     ..Drafted::none(0.0)
                 });
             }

@@ -30,10 +30,12 @@ pub(super) struct Verdict {
 impl Run<'_> {
     /// Verifies `tree`, by delta when the target holds the session, else with the full
     /// sequence; a lost session or a restarted target gets the full sequence again. `None`
-    /// when the generation's deadline passed first.
+    /// when the generation's deadline passed first. `draft_one_off_setup`: drafting the tree
+    /// included one-off setup (told to the target's load gate).
     pub(super) async fn verify(
         &mut self,
         tree: &TokenTree,
+        draft_one_off_setup: bool,
     ) -> Result<Option<Verdict>, OrchestratorError> {
         // Built once; only a retry builds it again.
         let mut wire = Some(tree.to_proto());
@@ -52,6 +54,7 @@ impl Run<'_> {
                 sampling: Some(self.cfg.sampling()),
                 session_secret: self.secret.to_string(),
                 return_logprobs: self.cfg.logprobs,
+                draft_one_off_setup,
                 ..Default::default()
             };
             self.request_no += 1;
