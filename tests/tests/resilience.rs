@@ -426,6 +426,36 @@ impl DraftService for RecordingDraft {
     }
 }
 
+/// Serves `target` and `draft` on loopback ports of their own; returns an orchestrator
+/// connected to both and the two servers' tasks (abort them to stop the servers).
+async fn serve_both(
+    target: impl TargetService,
+    draft: impl DraftService,
+) -> (
+    Orchestrator,
+    [tokio::task::JoinHandle<Result<(), tonic::transport::Error>>; 2],
+) {
+    let tl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (ta, da) = (tl.local_addr().unwrap(), dl.local_addr().unwrap());
+    let servers = [
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TargetServiceServer::new(target))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(tl)),
+        ),
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(DraftServiceServer::new(draft))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(dl)),
+        ),
+    ];
+    let orch = Orchestrator::connect(Some(&format!("http://{da}")), &format!("http://{ta}"))
+        .await
+        .unwrap();
+    (orch, servers)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_of_a_generation_carries_its_own_secret() {
     let seen: Seen = Arc::default();
@@ -438,24 +468,7 @@ async fn every_request_of_a_generation_carries_its_own_secret() {
         launch::draft_worker(&dcfg, launch::load(&dcfg).unwrap()),
         seen.clone(),
     );
-    let tl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let (ta, da) = (tl.local_addr().unwrap(), dl.local_addr().unwrap());
-    let servers = [
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(TargetServiceServer::new(t))
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(tl)),
-        ),
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(DraftServiceServer::new(d))
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(dl)),
-        ),
-    ];
-    let orch = Orchestrator::connect(Some(&format!("http://{da}")), &format!("http://{ta}"))
-        .await
-        .unwrap();
+    let (orch, servers) = serve_both(t, d).await;
     let prompt = &prompts(2, 3, 500)[1];
     for pipeline in [Pipeline::Sequential, Pipeline::Overlapped] {
         orch.generate(prompt, &spec(12, pipeline), |_| {})
@@ -603,24 +616,7 @@ async fn a_drafts_one_off_setup_reaches_the_target_with_the_round_it_drafted() {
             launch::draft_worker(&dcfg, launch::load(&dcfg).unwrap()),
             setup,
         );
-        let tl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let dl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (ta, da) = (tl.local_addr().unwrap(), dl.local_addr().unwrap());
-        let servers = [
-            tokio::spawn(
-                tonic::transport::Server::builder()
-                    .add_service(TargetServiceServer::new(t))
-                    .serve_with_incoming(tonic::transport::server::TcpIncoming::from(tl)),
-            ),
-            tokio::spawn(
-                tonic::transport::Server::builder()
-                    .add_service(DraftServiceServer::new(d))
-                    .serve_with_incoming(tonic::transport::server::TcpIncoming::from(dl)),
-            ),
-        ];
-        let orch = Orchestrator::connect(Some(&format!("http://{da}")), &format!("http://{ta}"))
-            .await
-            .unwrap();
+        let (orch, servers) = serve_both(t, d).await;
         orch.generate(&prompts(2, 3, 500)[1], &spec(12, pipeline), |_| {})
             .await
             .unwrap();
