@@ -751,19 +751,25 @@ impl SessionChainsStepper {
             let slots = (depth + 1).next_power_of_two().max(16).min(capacity);
             self.pad = Some(model.new_cache(slots)?);
         }
-        let mut all = Vec::with_capacity(n);
-        all.extend(chains.iter().map(|c| SessionChain {
-            cache: c.cache,
-            feed: c.feed,
-            forced: c.forced,
-        }));
-        if let Some(pad) = self.pad.as_ref().filter(|_| n > given) {
-            all.extend((given..n).map(|_| SessionChain {
-                cache: pad,
-                feed: &[0],
-                forced: &[],
-            }));
-        }
+        // The chains as given where they fill the shape, else copied with pad chains after.
+        let padded: Vec<SessionChain<'_>>;
+        let all = match self.pad.as_ref().filter(|_| n > given) {
+            None => chains,
+            Some(pad) => {
+                let real = chains.iter().map(|c| SessionChain {
+                    cache: c.cache,
+                    feed: c.feed,
+                    forced: c.forced,
+                });
+                let pads = (chains.len()..n).map(|_| SessionChain {
+                    cache: pad,
+                    feed: &[0],
+                    forced: &[],
+                });
+                padded = real.chain(pads).collect();
+                &padded
+            }
+        };
         let t0 = std::time::Instant::now();
         // Every shape is made with the same feed width, so it is not part of the key.
         let fits =
@@ -784,7 +790,7 @@ impl SessionChainsStepper {
             }
         }
         let (bufs, replay) = self.shapes.last_mut().expect("the shape just used");
-        bufs.start(&all)?;
+        bufs.start(all)?;
         let replayed = replay.uses_graph();
         replay.run(model, || model.grow_session_chains(bufs))?;
         if !replayed {
