@@ -1004,6 +1004,105 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
     assert!(fused::PassKeys::new(&[(0, &[7u32, 7][..])], &dev).is_err());
 }
 
+#[test]
+fn draft_attention_matches_naive_attention_whatever_rows_share_its_pass() {
+    use fused::{SessionTable, TableSession};
+    let Some(dev) = gpu() else { return };
+    for hd in [64, 128] {
+        let shape = test_attn_shape(hd);
+        let (h, kv, cap) = (shape.heads, shape.kv, shape.capacity);
+        let kc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let vc = randn(&dev, &[1, kv, cap, hd], 1.0);
+        let (ks, vs) = (host(&kc), host(&vc));
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Leading runs of one key to past 4000 (16 warps a block), listed slots after them,
+        // and the nodes of a tree after a shared 1000-token prefix.
+        let extras: [Vec<u32>; 9] = [
+            vec![],
+            vec![2100, 2105],
+            vec![3, 10, 4000],
+            vec![],
+            vec![4100, 4101, 4150],
+            vec![1000],
+            vec![1000, 1002],
+            vec![1001, 1004],
+            vec![],
+        ];
+        let leads = [300usize, 2049, 0, 1, 4090, 1000, 1000, 1000, 33];
+        let rows: Vec<(usize, &[u32])> = leads
+            .iter()
+            .zip(&extras)
+            .map(|(l, e)| (*l, e.as_slice()))
+            .collect();
+        let n = rows.len();
+        let keys = fused::PassKeys::new(&rows, &dev).unwrap();
+        let q = randn(&dev, &[1, h, n, hd], 1.0);
+        let qs = host(&q);
+        let got = host(&fused::draft_attention(&q, &kc, &vc, &keys, shape, scale, L).unwrap());
+        for (r, (lead, ex)) in rows.iter().enumerate() {
+            let slots: Vec<usize> = (0..*lead).chain(ex.iter().map(|&e| e as usize)).collect();
+            for head in 0..h {
+                let j = head / (h / kv);
+                let kr: Vec<&[f32]> = slots
+                    .iter()
+                    .map(|&s| &ks[(j * cap + s) * hd..(j * cap + s + 1) * hd])
+                    .collect();
+                let vr: Vec<&[f32]> = slots
+                    .iter()
+                    .map(|&s| &vs[(j * cap + s) * hd..(j * cap + s + 1) * hd])
+                    .collect();
+                let qh = &qs[(head * n + r) * hd..(head * n + r + 1) * hd];
+                let want = naive_attention(qh, &kr, &vr, scale);
+                let at = (r * h + head) * hd;
+                assert_close(
+                    &format!("draft attention hd {hd} row {r} head {head}"),
+                    &got[at..at + hd],
+                    &want,
+                    max_abs(&want).max(0.05),
+                    1.0 / 64.0,
+                );
+            }
+        }
+        // A row beside only the longest row (the same span, so the same warps a block) gets
+        // the bits it gets in the whole pass.
+        let long = 4;
+        for r in 0..n {
+            let pair = [rows[r], rows[long]];
+            let keys2 = fused::PassKeys::new(&pair, &dev).unwrap();
+            let q2 = Tensor::cat(
+                &[q.narrow(2, r, 1).unwrap(), q.narrow(2, long, 1).unwrap()],
+                2,
+            )
+            .unwrap()
+            .contiguous()
+            .unwrap();
+            let two =
+                host(&fused::draft_attention(&q2, &kc, &vc, &keys2, shape, scale, L).unwrap());
+            assert_eq!(
+                two[..h * hd],
+                got[r * h * hd..(r + 1) * h * hd],
+                "hd {hd} row {r}: its bits depend on the rows beside it"
+            );
+        }
+        // The same rows as three sessions of one cache each: the sessions' kernel reads each
+        // row's keys through the table and gives every row the same bits.
+        let layers = vec![(&kc, &vc)];
+        let table_sessions: Vec<TableSession<'_>> = [0..3, 3..6, 6..9]
+            .into_iter()
+            .map(|span| TableSession {
+                layers: layers.clone(),
+                capacity: cap,
+                past: 0,
+                keys: rows[span].to_vec(),
+            })
+            .collect();
+        let table = SessionTable::new(&table_sessions, kv, hd, &dev).unwrap();
+        let stacked =
+            host(&fused::draft_sessions_attention(&q, &table, 0, shape, scale, L).unwrap());
+        assert_eq!(stacked, got, "hd {hd}: the sessions' kernel differs");
+    }
+}
+
 /// Asserts that [`fused::rows_attention`] of `q` over the caches `kv` gives `want` however many
 /// query heads a block takes (1, 2, 4 or 8); `what` names the case in failures.
 fn assert_every_heads_grouping(

@@ -199,6 +199,26 @@ pub fn rows_attention(
     imp::rows_attention(q, k_cache, v_cache, keys, shape, scale, launch)
 }
 
+/// Attention of the `n` rows of a draft's pass in one kernel: the arguments and result of
+/// [`rows_attention`], but each row computed by one block a KV head that walks all its keys,
+/// where the rows attention cuts them into chunks and merges them in a second kernel. A row's
+/// bits depend only on its query, its keys and the launch's span (never on the other rows), but
+/// they are not the exact step's: for passes that only propose tokens (a pre-draft's growth).
+pub fn draft_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    keys: &PassKeys,
+    shape: AttnShape,
+    scale: f32,
+    launch: Launch,
+) -> Result<Tensor> {
+    if !applies(q) || !matches!(shape.head_dim, 64 | 128) {
+        return Err(unfit("draft_attention", &[q]));
+    }
+    imp::draft_attention(q, k_cache, v_cache, keys, shape, scale, launch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

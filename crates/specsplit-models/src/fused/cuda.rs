@@ -757,6 +757,89 @@ pub(super) fn sessions_attention(
     merge_row_parts(&part, keys, s, chunks, l, dev, q)
 }
 
+/// Launches draft_attention.cu's kernel `names` (for head size 64, else 128) for `n` rows with
+/// `args` (the output's address among them): a block a query head and row, its warps set by
+/// the `span` of keys.
+fn launch_draft_attention(
+    names: [&str; 2],
+    args: &[Arg],
+    n: usize,
+    span: usize,
+    s: AttnShape,
+    l: super::Launch,
+    dev: &CudaDevice,
+) -> Result<()> {
+    let warps = super::draft_attention_warps(span);
+    let name = if s.head_dim == 64 { names[0] } else { names[1] };
+    let grid = (s.heads as u32, n as u32, 1);
+    launch_cfg(l.pdl, dev, name, grid, (warps * 32) as u32, 0, args)
+}
+
+pub(super) fn draft_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    keys: &super::PassKeys,
+    s: AttnShape,
+    scale: f32,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let n = keys.rows;
+    check_queries(q, n, s)?;
+    check(keys.end <= s.capacity, || {
+        format!(
+            "rows read slot {} of a {}-slot cache",
+            keys.end - 1,
+            s.capacity
+        )
+    })?;
+    check_cache(k_cache, s)?;
+    check_cache(v_cache, s)?;
+    let y = empty(&[n, s.heads * s.head_dim], DType::BF16, q)?;
+    let mut args = pointers(&[q, k_cache, v_cache, &keys.meta, &keys.extra, &y])?;
+    args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra].map(|v| I(v as i32)));
+    args.push(F(scale));
+    let names = [
+        "specsplit_draft_attention_bf16_hd64",
+        "specsplit_draft_attention_bf16_hd128",
+    ];
+    launch_draft_attention(names, &args, n, keys.max_len, s, l, cuda(q)?)?;
+    Ok(y)
+}
+
+pub(super) fn draft_sessions_attention(
+    q: &Tensor,
+    table: &super::SessionTable,
+    layer: usize,
+    s: AttnShape,
+    scale: f32,
+    l: super::Launch,
+) -> Result<Tensor> {
+    let keys = &table.keys;
+    let n = keys.rows;
+    check_queries(q, n, s)?;
+    check_table(table, layer, s)?;
+    let y = empty(&[n, s.heads * s.head_dim], DType::BF16, q)?;
+    let mut args = pointers(&[
+        q,
+        &table.rows,
+        &table.caches,
+        &table.capacities,
+        &keys.meta,
+        &keys.extra,
+        &y,
+    ])?;
+    args.extend([s.heads, s.kv, n, keys.max_extra].map(|v| I(v as i32)));
+    args.push(F(scale));
+    args.extend([layer, table.sessions].map(|v| I(v as i32)));
+    let names = [
+        "specsplit_draft_sessions_attention_bf16_hd64",
+        "specsplit_draft_sessions_attention_bf16_hd128",
+    ];
+    launch_draft_attention(names, &args, n, keys.max_len, s, l, cuda(q)?)?;
+    Ok(y)
+}
+
 pub(super) fn silu_mul(gate_up: &Tensor, l: super::Launch) -> Result<Tensor> {
     let (rows, two_n) = gate_up.dims2()?;
     check(two_n.is_multiple_of(2), || {

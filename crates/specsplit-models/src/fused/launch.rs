@@ -155,9 +155,35 @@ pub(super) fn bi_col_tiles(m: usize, n: usize, splits: usize) -> usize {
 /// the prefix keys (each row keeps the arithmetic it gets alone, so any value gives the same
 /// bits; at most 8, below 2 a block a row).
 pub const RA_STAGE: usize = 4;
+
+/// The longest span of keys a draft's pass attends with [`draft_attention`](super::draft_attention);
+/// past it, with [`rows_attention`](super::rows_attention). Each block of the draft attention
+/// reads its KV head's keys for one query head, so its reads grow with the span times the query
+/// heads a KV head serves. Measured (`specsplit-bench forward --model random:qwen2.5-0.5b
+/// --contexts 256,1024 --growth-rows 10,20`, H200, 2026-11-28): a pre-draft growth level of 10
+/// chains took 0.985 ms against the rows attention's 1.044 over 256 cached tokens, 1.423 against
+/// 1.169 over 1024.
+pub const DRAFT_ATTENTION_MAX_SPAN: usize = 512;
+
+/// Warps a block of [`draft_attention`](super::draft_attention) takes for rows of at most
+/// `span` keys: one for every two of the span's tiles of 32 keys, at least 1 and at most 16. A
+/// warp then walks about two tiles; this sets the speed, and a row's bits for that span.
+pub fn draft_attention_warps(span: usize) -> usize {
+    span.div_ceil(32).div_ceil(2).clamp(1, 16)
+}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_draft_attention_block_takes_a_warp_for_every_two_tiles_of_its_span() {
+        assert_eq!(draft_attention_warps(1), 1);
+        assert_eq!(draft_attention_warps(64), 1);
+        assert_eq!(draft_attention_warps(65), 2);
+        assert_eq!(draft_attention_warps(512), 8);
+        assert_eq!(draft_attention_warps(1024), 16);
+        assert_eq!(draft_attention_warps(32768), 16);
+    }
 
     #[test]
     fn a_replayed_pass_spans_the_least_power_of_two_from_256_holding_its_keys_in_a_large_cache() {

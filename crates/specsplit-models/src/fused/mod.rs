@@ -19,7 +19,10 @@
 //! dense bf16 pass of at most [`BI_MAX_ROWS`] rows runs while the model's `batch_invariant`
 //! option is on (the default): a token's logits are then bit-identical whether it is decoded
 //! alone or verified among tree nodes, so greedy speculation emits exactly the target-only
-//! output. Every kernel wrapper takes a [`Launch`]: how its kernels are launched.
+//! output. A draft's passes that only propose tokens (a pre-draft's growth, the sessions'
+//! shared chains) attend with [`draft_attention`] instead: one kernel where the rows attention
+//! takes two, and not the exact step's bits. Every kernel wrapper takes a [`Launch`]: how its
+//! kernels are launched.
 //!
 //! The wrappers, by kernel family: `gemv`, `bi_matmul`, `norm`, `rope`, `attention` and
 //! `elementwise` check their operands (`sessions` those of a multi-session pass); `launch` holds the launch-shape rules, `scratch` the
@@ -44,19 +47,24 @@ mod rope;
 mod scratch;
 mod sessions;
 
-pub use attention::{decode_attention, rows_attention, AttnShape, PassKeys, RA_MAX_REP};
+pub use attention::{
+    decode_attention, draft_attention, rows_attention, AttnShape, PassKeys, RA_MAX_REP,
+};
 pub use bi_matmul::{bi_matmul, bi_matmul_fits, cublas_product, BI_MAX_ROWS, WIDE_MAX_ROWS};
 pub use elementwise::{greedy_head, greedy_rows, silu_mul, top_rows};
 pub use gemv::{gemv, gemv_fits, gemv_rows, gemv_rows_fits, GEMV_MAX_ROWS};
-pub use launch::{decode_attention_splits, replay_span, BiTuning, Launch, PDL_AVAILABLE, RA_STAGE};
+pub use launch::{
+    decode_attention_splits, draft_attention_warps, replay_span, BiTuning, Launch,
+    DRAFT_ATTENTION_MAX_SPAN, PDL_AVAILABLE, RA_STAGE,
+};
 pub use norm::add_rmsnorm;
 pub use options::KernelOptions;
 pub use rope::{qkv_rope_cache, qkv_rope_rows, RowSlots};
 #[cfg(feature = "cuda")]
 pub use scratch::{carving, counting, Scratch, ScratchNeed};
 pub use sessions::{
-    address_words, cache_words, qkv_rope_sessions, sessions_attention, RowKeyList, SessionRows,
-    SessionTable, TableSession,
+    address_words, cache_words, draft_sessions_attention, qkv_rope_sessions, sessions_attention,
+    RowKeyList, SessionRows, SessionTable, TableSession,
 };
 
 #[cfg(feature = "cuda")]

@@ -136,3 +136,24 @@ pub(super) fn sessions_attention(
 ) -> Result<Tensor> {
     Err(off())
 }
+pub(super) fn draft_attention(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &super::PassKeys,
+    _: AttnShape,
+    _: f32,
+    _: super::Launch,
+) -> Result<Tensor> {
+    Err(off())
+}
+pub(super) fn draft_sessions_attention(
+    _: &Tensor,
+    _: &super::SessionTable,
+    _: usize,
+    _: AttnShape,
+    _: f32,
+    _: super::Launch,
+) -> Result<Tensor> {
+    Err(off())
+}

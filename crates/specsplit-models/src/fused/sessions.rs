@@ -229,6 +229,11 @@ impl SessionTable {
     pub fn rows(&self) -> usize {
         self.keys.rows
     }
+
+    /// The most keys a row of the pass sees: the keys the attention is launched over.
+    pub fn span(&self) -> usize {
+        self.keys.span()
+    }
 }
 
 /// [`qkv_rope_rows`](super::qkv_rope_rows) over the stacked rows of a pass's sessions in one
@@ -280,6 +285,23 @@ pub fn sessions_attention(
         return Err(unfit("sessions_attention", &[q]));
     }
     imp::sessions_attention(q, table, layer, shape, scale, launch)
+}
+
+/// [`draft_attention`](super::draft_attention) over the stacked rows of a pass's sessions in
+/// one launch: the arguments and result of [`sessions_attention`]; each row's bits those
+/// [`draft_attention`](super::draft_attention) gives its session alone at the same span.
+pub fn draft_sessions_attention(
+    q: &Tensor,
+    table: &SessionTable,
+    layer: usize,
+    shape: AttnShape,
+    scale: f32,
+    launch: Launch,
+) -> Result<Tensor> {
+    if !applies(q) || !matches!(shape.head_dim, 64 | 128) {
+        return Err(unfit("draft_sessions_attention", &[q]));
+    }
+    imp::draft_sessions_attention(q, table, layer, shape, scale, launch)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! upload ([`ChainGrowth::start`]); the chains' tokens and log-probabilities come back in one
 //! `(2·depth, n)` buffer.
 
+use super::stack::RowsAttention;
 use super::Transformer;
 use crate::fused::{self, PassKeys};
 use crate::ModelError;
@@ -245,10 +246,11 @@ impl Transformer {
 
     /// Grows `b.rows()` greedy chains of `b.depth()` tokens below the roots set by
     /// [`ChainGrowth::start`], one pass a level (the fused layers, products through
-    /// `growth_product`: each row's logits those of a
+    /// `growth_product`, the one-kernel draft attention up to
+    /// [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys: each row's logits those of a
     /// [`Transformer::forward_tree`] of the same forest up to bf16 rounding) and one greedy
-    /// head for all its rows (`greedy_level`), with every input
-    /// read on the device, so a captured CUDA graph serves every round: writes each node's K/V
+    /// head for all its rows (`greedy_level`), with every input read on the device, so a
+    /// captured CUDA graph serves every round: writes each node's K/V
     /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
     /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.
     pub fn grow_chains(&self, b: &ChainGrowth, cache: &SessionCache) -> Result<(), ModelError> {
@@ -261,8 +263,10 @@ impl Transformer {
             let (positions, slots) = (b.positions.get(level)?, b.slots.get(level)?);
             let keys = &b.keys[level];
             let slots = fused::RowSlots::Listed(&slots);
-            let (h, head) =
-                self.rows_stack(&layers, &product, &ids, &positions, slots, keys, cache)?;
+            let draft = RowsAttention::Draft;
+            let (h, head) = self.rows_stack(
+                &layers, &product, &ids, &positions, slots, keys, cache, draft,
+            )?;
             let logits = product(&h, head, None)?;
             let head_io = (&b.forced, &b.forced_on, &b.out);
             ids = greedy_level(&logits, head_io, b.depth, level, launch)?;

@@ -3,7 +3,7 @@
 //! with the device buffers they read and write.
 
 use super::linear::Linear;
-use super::stack::FusedLayer;
+use super::stack::{FusedLayer, RowsAttention};
 use super::{ForwardPath, Pass, Transformer};
 use crate::ModelError;
 use candle_core::{DType, Tensor};
@@ -356,6 +356,7 @@ impl Transformer {
             slots,
             &b.keys,
             cache,
+            RowsAttention::Exact,
         )
     }
 

@@ -277,7 +277,8 @@ impl Transformer {
 
     /// Grows each session's greedy chain of `b.depth()` tokens after its feed (set by
     /// [`SessionChains::start`]), one pass a level for all sessions (the fused layers with each
-    /// row's rotary, K/V write and attention on its own session's cache; products of up to
+    /// row's rotary, K/V write and attention on its own session's cache, the one-kernel draft
+    /// attention up to [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys; products of up to
     /// [`fused::GEMV_MAX_ROWS`] rows through the step's GEMV, wider ones through
     /// `growth_product`: each session's logits those of its chain decoded alone up to bf16
     /// rounding) and one greedy head for all rows (`greedy_level`), every input read on the
@@ -318,9 +319,11 @@ impl Transformer {
                     self.rope_interleaved,
                     launch,
                 )?;
-                Ok(fused::sessions_attention(
-                    &q, table, i, shape, scale, launch,
-                )?)
+                Ok(if table.span() <= fused::DRAFT_ATTENTION_MAX_SPAN {
+                    fused::draft_sessions_attention(&q, table, i, shape, scale, launch)?
+                } else {
+                    fused::sessions_attention(&q, table, i, shape, scale, launch)?
+                })
             })?;
             let h = match (level, b.feed) {
                 (0, 2..) => h.index_select(&b.last, 0)?,

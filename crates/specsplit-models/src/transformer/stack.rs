@@ -8,6 +8,16 @@ use crate::ModelError;
 use candle_core::{DType, Tensor};
 use specsplit_core::cache::SessionCache;
 
+/// The attention a pass's rows take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RowsAttention {
+    /// The batch-invariant rows attention: a row gets the exact step's bits.
+    Exact,
+    /// For passes that only propose tokens: the one-kernel draft attention where the keys'
+    /// span is at most [`crate::fused::DRAFT_ATTENTION_MAX_SPAN`], else the rows attention.
+    Draft,
+}
+
 /// A layer's dense weights and biases for [`Transformer::static_step`]'s fused kernels.
 pub(super) struct FusedLayer<'a> {
     layer: &'a Layer,
@@ -35,14 +45,17 @@ impl Transformer {
         rows: &Tensor,
     ) -> Result<Tensor, ModelError> {
         let slots = crate::fused::RowSlots::After(cache.len());
-        let (h, head) = self.rows_stack(layers, product, tokens, positions, slots, keys, cache)?;
+        let exact = RowsAttention::Exact;
+        let (h, head) = self.rows_stack(
+            layers, product, tokens, positions, slots, keys, cache, exact,
+        )?;
         cache.advance(tokens.dim(0)?)?;
         let h = h.index_select(rows, 0)?;
         Ok(product(&h, head, None)?.to_dtype(DType::F32)?)
     }
 
     /// [`Transformer::fused_stack`] of a pass's rows with `product`: rotary at `positions`,
-    /// K/V written at `slots`, and each row's attention over the slots `keys` give it. The
+    /// K/V written at `slots`, and each row's `attention` over the slots `keys` give it. The
     /// final-normed hidden rows and the head; the cache's length is left alone.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rows_stack<'a>(
@@ -54,6 +67,7 @@ impl Transformer {
         slots: crate::fused::RowSlots<'_>,
         keys: &crate::fused::PassKeys,
         cache: &SessionCache,
+        attention: RowsAttention,
     ) -> Result<(Tensor, &'a Tensor), ModelError> {
         use crate::fused;
         let (shape, scale) = self.fused_attn_shape(cache.capacity());
@@ -72,9 +86,13 @@ impl Transformer {
                 self.rope_interleaved,
                 launch,
             )?;
-            Ok(fused::rows_attention(
-                &q, kb, vb, keys, shape, scale, launch,
-            )?)
+            let draft =
+                attention == RowsAttention::Draft && keys.span() <= fused::DRAFT_ATTENTION_MAX_SPAN;
+            Ok(if draft {
+                fused::draft_attention(&q, kb, vb, keys, shape, scale, launch)?
+            } else {
+                fused::rows_attention(&q, kb, vb, keys, shape, scale, launch)?
+            })
         })
     }
 
