@@ -894,6 +894,38 @@ fn naive_attention(q: &[f32], ks: &[&[f32]], vs: &[&[f32]], scale: f32) -> Vec<f
         .collect()
 }
 
+/// Asserts that row `r` of a rows pass's attention output `got` `(n, heads * head_dim)`
+/// matches [`naive_attention`] of every head's query (`qs` `(heads, n, head_dim)`) over the
+/// cached K/V values (host copies of `(1, kv, capacity, head_dim)` caches) at `slots`, within
+/// bf16 rounding; `what` names the row in failures.
+fn assert_row_matches_naive(
+    what: &str,
+    got: &[f32],
+    (qs, n, r): (&[f32], usize, usize),
+    (ks, vs): (&[f32], &[f32]),
+    slots: &[usize],
+    shape: AttnShape,
+    scale: f32,
+) {
+    let (h, kv, cap, hd) = (shape.heads, shape.kv, shape.capacity, shape.head_dim);
+    for head in 0..h {
+        let j = head / (h / kv);
+        let at_slot = |s: usize| (j * cap + s) * hd..(j * cap + s + 1) * hd;
+        let kr: Vec<&[f32]> = slots.iter().map(|&s| &ks[at_slot(s)]).collect();
+        let vr: Vec<&[f32]> = slots.iter().map(|&s| &vs[at_slot(s)]).collect();
+        let qh = &qs[(head * n + r) * hd..(head * n + r + 1) * hd];
+        let want = naive_attention(qh, &kr, &vr, scale);
+        let at = (r * h + head) * hd;
+        assert_close(
+            &format!("{what} head {head}"),
+            &got[at..at + hd],
+            &want,
+            max_abs(&want).max(0.05),
+            1.0 / 64.0,
+        );
+    }
+}
+
 #[test]
 fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
     let Some(dev) = gpu() else { return };
@@ -975,27 +1007,9 @@ fn rows_attention_matches_naive_attention_and_a_row_decoded_alone() {
                 got[r * h * hd..(r + 1) * h * hd],
                 "hd {hd} row {r}: decoded alone differs from the batch"
             );
-            for head in 0..h {
-                let j = head / (h / kv);
-                let kr: Vec<&[f32]> = slots
-                    .iter()
-                    .map(|&s| &ks[(j * cap + s) * hd..(j * cap + s + 1) * hd])
-                    .collect();
-                let vr: Vec<&[f32]> = slots
-                    .iter()
-                    .map(|&s| &vs[(j * cap + s) * hd..(j * cap + s + 1) * hd])
-                    .collect();
-                let qh = &qs[(head * n + r) * hd..(head * n + r + 1) * hd];
-                let want = naive_attention(qh, &kr, &vr, scale);
-                let at = (r * h + head) * hd;
-                assert_close(
-                    &format!("rows attention hd {hd} row {r} head {head}"),
-                    &got[at..at + hd],
-                    &want,
-                    max_abs(&want).max(0.05),
-                    1.0 / 64.0,
-                );
-            }
+            let what = format!("rows attention hd {hd} row {r}");
+            let pass = (qs.as_slice(), n, r);
+            assert_row_matches_naive(&what, &got, pass, (&ks, &vs), &slots, shape, scale);
         }
     }
     // Rows that see nothing, or slots out of order, are refused.
@@ -1041,27 +1055,9 @@ fn draft_attention_matches_naive_attention_whatever_rows_share_its_pass() {
         let got = host(&fused::draft_attention(&q, &kc, &vc, &keys, shape, scale, L).unwrap());
         for (r, (lead, ex)) in rows.iter().enumerate() {
             let slots: Vec<usize> = (0..*lead).chain(ex.iter().map(|&e| e as usize)).collect();
-            for head in 0..h {
-                let j = head / (h / kv);
-                let kr: Vec<&[f32]> = slots
-                    .iter()
-                    .map(|&s| &ks[(j * cap + s) * hd..(j * cap + s + 1) * hd])
-                    .collect();
-                let vr: Vec<&[f32]> = slots
-                    .iter()
-                    .map(|&s| &vs[(j * cap + s) * hd..(j * cap + s + 1) * hd])
-                    .collect();
-                let qh = &qs[(head * n + r) * hd..(head * n + r + 1) * hd];
-                let want = naive_attention(qh, &kr, &vr, scale);
-                let at = (r * h + head) * hd;
-                assert_close(
-                    &format!("draft attention hd {hd} row {r} head {head}"),
-                    &got[at..at + hd],
-                    &want,
-                    max_abs(&want).max(0.05),
-                    1.0 / 64.0,
-                );
-            }
+            let what = format!("draft attention hd {hd} row {r}");
+            let pass = (qs.as_slice(), n, r);
+            assert_row_matches_naive(&what, &got, pass, (&ks, &vs), &slots, shape, scale);
         }
         // A row beside only the longest row (the same span, so the same warps a block) gets
         // the bits it gets in the whole pass.

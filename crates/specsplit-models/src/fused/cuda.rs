@@ -572,6 +572,27 @@ fn merge_row_parts(
     Ok(y)
 }
 
+/// Checks the operands of a rows pass's attention: `keys.rows` queries of shape `s`, caches of
+/// shape `s` and no key past their capacity.
+fn check_rows_pass(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    keys: &super::PassKeys,
+    s: AttnShape,
+) -> Result<()> {
+    check_queries(q, keys.rows, s)?;
+    check(keys.end <= s.capacity, || {
+        format!(
+            "rows read slot {} of a {}-slot cache",
+            keys.end - 1,
+            s.capacity
+        )
+    })?;
+    check_cache(k_cache, s)?;
+    check_cache(v_cache, s)
+}
+
 pub(super) fn rows_attention(
     q: &Tensor,
     k_cache: &Tensor,
@@ -582,16 +603,7 @@ pub(super) fn rows_attention(
     l: super::Launch,
 ) -> Result<Tensor> {
     let n = keys.rows;
-    check_queries(q, n, s)?;
-    check(keys.end <= s.capacity, || {
-        format!(
-            "rows read slot {} of a {}-slot cache",
-            keys.end - 1,
-            s.capacity
-        )
-    })?;
-    check_cache(k_cache, s)?;
-    check_cache(v_cache, s)?;
+    check_rows_pass(q, k_cache, v_cache, keys, s)?;
     let chunks = keys.max_len.div_ceil(CHUNK);
     let hd = s.head_dim;
     let part = empty(&[n, s.heads, chunks, hd + 2], DType::F32, q)?;
@@ -785,16 +797,7 @@ pub(super) fn draft_attention(
     l: super::Launch,
 ) -> Result<Tensor> {
     let n = keys.rows;
-    check_queries(q, n, s)?;
-    check(keys.end <= s.capacity, || {
-        format!(
-            "rows read slot {} of a {}-slot cache",
-            keys.end - 1,
-            s.capacity
-        )
-    })?;
-    check_cache(k_cache, s)?;
-    check_cache(v_cache, s)?;
+    check_rows_pass(q, k_cache, v_cache, keys, s)?;
     let y = empty(&[n, s.heads * s.head_dim], DType::BF16, q)?;
     let mut args = pointers(&[q, k_cache, v_cache, &keys.meta, &keys.extra, &y])?;
     args.extend([s.heads, s.kv, n, s.capacity, keys.max_extra].map(|v| I(v as i32)));
