@@ -200,10 +200,12 @@ pub fn rows_attention(
 }
 
 /// Attention of the `n` rows of a draft's pass in one kernel: the arguments and result of
-/// [`rows_attention`], but each row computed by one block a KV head that walks all its keys,
-/// where the rows attention cuts them into chunks and merges them in a second kernel. A row's
-/// bits depend only on its query, its keys and the launch's span (never on the other rows), but
-/// they are not the exact step's: for passes that only propose tokens (a pre-draft's growth).
+/// [`rows_attention`], but each query head of each row computed by one block that walks all
+/// the row's keys, where the rows attention cuts them into chunks and merges them in a second
+/// kernel. A row's bits depend only on its query, its keys and the launch's span (never on the
+/// other rows), but they are not the exact step's: for passes that only propose tokens (a
+/// pre-draft's growth), over spans of at most
+/// [`DRAFT_ATTENTION_MAX_SPAN`](super::DRAFT_ATTENTION_MAX_SPAN) keys, where it is the faster.
 pub fn draft_attention(
     q: &Tensor,
     k_cache: &Tensor,
