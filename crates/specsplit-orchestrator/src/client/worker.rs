@@ -159,6 +159,7 @@ pub(super) fn known(limit: usize) -> usize {
 }
 
 /// The times a worker reported for one request (0 where it sent no telemetry).
+#[derive(Debug, Clone, Copy, Default)]
 pub(super) struct ServerTimes {
     pub(super) wall_ms: f64,
     pub(super) model_ms: f64,

@@ -103,9 +103,7 @@ impl Run<'_> {
             Ok::<_, OrchestratorError>(Drafted {
                 tree: tree.tree,
                 ms,
-                server_ms: server.wall_ms,
-                model_ms: server.model_ms,
-                one_off_setup: server.one_off_setup,
+                server,
             })
         };
         let waited = || t0.elapsed().as_secs_f64() * 1e3;
@@ -177,13 +175,7 @@ impl Run<'_> {
                     )],
                     _ => answer.predrafts,
                 };
-                Ok(PreDrafts {
-                    trees,
-                    ms,
-                    server_ms: server.wall_ms,
-                    model_ms: server.model_ms,
-                    one_off_setup: server.one_off_setup,
-                })
+                Ok(PreDrafts { trees, ms, server })
             };
             tokio::time::timeout_at(until.into(), call)
                 .await

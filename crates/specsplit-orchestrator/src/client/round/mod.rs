@@ -16,7 +16,7 @@ use specsplit_core::tree::{TokenTree, TreeLimits};
 use specsplit_core::tree::full_tree_size;
 
 use super::tree::{first_child_path, fit_tree_widths, subtree};
-use super::worker::known;
+use super::worker::{known, ServerTimes};
 use super::{Orchestrator, OrchestratorError};
 use crate::adaptive::{resize_widths, DepthController, DraftBackoff, SpeedGovernor};
 use crate::online_choice::{OnlineChoice, PlayedRound};
@@ -29,13 +29,10 @@ struct Drafted {
     tree: TokenTree,
     /// Time the round waited for it.
     ms: f64,
-    /// Wall time the draft worker reported for the request (0 for a pre-drafted tree).
-    server_ms: f64,
-    /// Of that, the time it reported in its model.
-    model_ms: f64,
-    /// The draft worker reported one-off setup in drafting it (told to the target, whose load
-    /// gate then does not price the round's depth by it).
-    one_off_setup: bool,
+    /// What the draft worker reported for the request: its times (0 for a pre-drafted tree)
+    /// and whether drafting it included one-off setup (told to the target, whose load gate
+    /// then does not price the round's depth by it).
+    server: ServerTimes,
 }
 
 impl Drafted {
@@ -44,9 +41,7 @@ impl Drafted {
         Self {
             tree: TokenTree::new(),
             ms,
-            server_ms: 0.0,
-            model_ms: 0.0,
-            one_off_setup: false,
+            server: ServerTimes::default(),
         }
     }
 }
@@ -67,12 +62,8 @@ struct PreDrafts {
     trees: Vec<(usize, u32, TokenTree)>,
     /// Wall time of the request.
     ms: f64,
-    /// Wall time the draft worker reported for it.
-    server_ms: f64,
-    /// Of that, the time it reported in its model.
-    model_ms: f64,
-    /// The draft worker reported one-off setup in the request.
-    one_off_setup: bool,
+    /// What the draft worker reported for it.
+    server: ServerTimes,
 }
 
 /// A pre-draft's task: `Err(())` when the draft deadline passed first.
@@ -492,7 +483,7 @@ impl<'a> Run<'a> {
             Some(pre) if !pre.tree.is_empty() => {
                 // Never deeper than what may still be emitted.
                 round.drafted.tree = subtree(&pre.tree, None, round.widths.len());
-                round.drafted.one_off_setup = pre.one_off_setup;
+                round.drafted.server.one_off_setup = pre.server.one_off_setup;
                 round.overlap_hit = Some(true);
             }
             pre => match self.draft(round.no, &round.widths).await {
@@ -632,7 +623,9 @@ impl<'a> Run<'a> {
         drafted: &Drafted,
         pre: Option<&PreDraftInFlight>,
     ) -> Result<Option<Verdict>, OrchestratorError> {
-        let verdict = self.verify(&drafted.tree, drafted.one_off_setup).await;
+        let verdict = self
+            .verify(&drafted.tree, drafted.server.one_off_setup)
+            .await;
         if !matches!(verdict, Ok(Some(_))) {
             if let Some(p) = pre {
                 p.task.abort();
@@ -709,7 +702,7 @@ impl<'a> Run<'a> {
         match answer {
             Ok(Ok(d)) => {
                 self.backoff.succeed();
-                (out.server_ms, out.model_ms) = (d.server_ms, d.model_ms);
+                (out.server_ms, out.model_ms) = (d.server.wall_ms, d.server.model_ms);
                 let j = v.accepted.len();
                 let on_path = pre.path.get(..j) == Some(&v.accepted_nodes[..]);
                 let tree = d
@@ -744,8 +737,11 @@ impl<'a> Run<'a> {
                 out.hit = Some(hit);
                 self.next_tree = Some(Drafted {
                     tree: tree.unwrap_or_default(),
-                    one_off_setup: d.one_off_setup,
-                    ..Drafted::none(0.0)
+                    server: ServerTimes {
+                        one_off_setup: d.server.one_off_setup,
+                        ..ServerTimes::default()
+                    },
+                    ms: 0.0,
                 });
             }
             Ok(Err(e)) => self.draft_error(round, &e),
@@ -812,10 +808,10 @@ impl<'a> Run<'a> {
             accepted: verdict.verified.accepted.len(),
             emitted,
             draft_ms: round.drafted.ms,
-            draft_server_ms: round.drafted.server_ms,
+            draft_server_ms: round.drafted.server.wall_ms,
             verify_ms: verdict.ms,
             verify_server_ms: verdict.server.wall_ms,
-            draft_model_ms: round.drafted.model_ms,
+            draft_model_ms: round.drafted.server.model_ms,
             verify_model_ms: verdict.server.model_ms,
             round_ms,
             overlap_hit: round.overlap_hit,
