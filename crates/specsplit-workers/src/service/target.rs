@@ -124,7 +124,7 @@ impl TargetWorker {
         let continued = matches!(request.prefix, Prefix::Delta { .. });
         let in_flight = self.load_gate().map(|g| {
             // A draft that made a CUDA graph took longer than drafting costs.
-            if matches!(request.prefix, Prefix::Delta { .. }) && !r.draft_one_off_setup {
+            if continued && !r.draft_one_off_setup {
                 g.observe_request(&r.session_id, draft_depth, start);
             }
             g.enter()
