@@ -583,7 +583,15 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "identical_to_target_only": ratio(identical as f64, gens.len().min(reference.len()) as f64),
         "output_digest": output_digest(gens),
     });
-    merge(row, predraft)
+    // Where a round after the first spends its time.
+    let steady_phases = json!({
+        "steady_verify_ms": steady_mean(&|r| r.verify_ms),
+        "steady_verify_server_ms": steady_mean(&|r| r.verify_server_ms),
+        "steady_predraft_model_ms": steady_mean(&|r| r.predraft_model_ms),
+        "steady_predraft_server_ms": steady_mean(&|r| r.predraft_server_ms),
+        "steady_predraft_wait_ms": steady_mean(&|r| r.predraft_wait_ms),
+    });
+    merge(merge(row, predraft), steady_phases)
 }
 
 /// The share of pre-drafts (of rounds that ran one and got its answer) that held the
@@ -948,6 +956,17 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
                 num(&agg, "steady_verify_model_ms_max"),
                 num(&agg, "steady_round_overhead_ms"),
                 num(&agg, "ttft_ms"),
+            );
+            eprintln!(
+                "    a round after the first: {:.3} ms; verify {:.3} ms (server {:.3}, model \
+                 {:.3}), pre-draft beside it {:.3} ms (model {:.3}), waited {:.3} ms",
+                num(&agg, "steady_round_ms"),
+                num(&agg, "steady_verify_ms"),
+                num(&agg, "steady_verify_server_ms"),
+                num(&agg, "steady_verify_model_ms"),
+                num(&agg, "steady_predraft_server_ms"),
+                num(&agg, "steady_predraft_model_ms"),
+                num(&agg, "steady_predraft_wait_ms"),
             );
             if r.kind == "chain" && r.choice == DrafterChoice::Model {
                 match best.iter_mut().find(|b| b.0 == r.pipeline) {

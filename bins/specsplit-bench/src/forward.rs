@@ -11,9 +11,11 @@ use specsplit_core::cache::SessionCache;
 use specsplit_core::mask::TreeMask;
 use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::TokenTree;
+use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::loader::{load_model, LoadOptions};
 use specsplit_models::step::{DecodeStepper, ExactStepper};
 use specsplit_models::transformer::Transformer;
+use specsplit_models::SessionPass;
 use specsplit_workers::engine_session::SessionEngine;
 use specsplit_workers::launch::{parse_device, parse_dtype};
 use specsplit_workers::target::{Prefix, TargetEngine};
@@ -37,6 +39,8 @@ pub struct ForwardSettings {
     pub trees: Vec<usize>,
     /// Chains grown at once below a forest's roots (pre-draft passes).
     pub growth_rows: Vec<usize>,
+    /// Sessions verified together in one multi-session pass.
+    pub sessions: Vec<usize>,
     /// Timed iterations per measurement.
     pub iters: usize,
     /// Untimed iterations before them.
@@ -58,6 +62,9 @@ const STATIC_CHAIN: usize = 8;
 
 /// Levels of each timed chain growth.
 const GROWTH_DEPTH: usize = 4;
+
+/// Chain tokens below each session's new token in the multi-session verify passes.
+const SESSION_CHAIN: usize = 4;
 
 /// Prefill chunk: long prefixes are written in pieces to bound the attention scratch.
 const PREFILL_CHUNK: usize = 512;
@@ -342,6 +349,33 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 "exact_step_tok_s": ex_tok_s,
                 "exact_step_roofline_pct": 100.0 * ex_tok_s / roof_kv,
             });
+            // (a''') the target's verify pass of a chain draft as the worker runs it: a new
+            // token and the chain below it, replayed from the stepper's graph for that row count.
+            for &k in &s.chains {
+                let n = k + 1;
+                if l + n > cache.capacity() || !stepper.chain_fits(m, n) {
+                    continue;
+                }
+                let chain: Vec<u32> = (0..n).map(|_| rng.token(cfg.vocab_size, &[])).collect();
+                let ms = time_ms(s.iters, s.warmup.max(2), || {
+                    stepper.step_chain(m, &chain, &mut cache)?;
+                    cache.truncate(l)?;
+                    dev.synchronize()?;
+                    Ok(())
+                })?;
+                let ec = util::summarize(&ms);
+                eprintln!(
+                    "  exact chain {n:>2} rows: {:.3} ms ({:.3}x the exact step)",
+                    ec.median,
+                    ec.median / ex.median
+                );
+                rows.push(row(json!({
+                    "context": l, "kind": "exact_chain", "tokens": n, "depth": k,
+                    "median_ms": ec.median, "p10_ms": ec.p10, "p90_ms": ec.p90,
+                    "mean_ms": ec.mean, "iters": ms.len(),
+                    "cuda_graph": stepper.chain_graphs().contains(&n),
+                })));
+            }
         }
         let mut summary = json!({
             "context": l, "decode_tok_s": tok_s, "roofline_tok_s": roof_kv,
@@ -443,6 +477,64 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 "context": l, "kind": kind, "tokens": tree.len(), "depth": tree.max_depth() + 1,
                 "median_ms": sm.median, "p10_ms": sm.p10, "p90_ms": sm.p90, "mean_ms": sm.mean,
                 "iters": ms.len(), "tok_per_s": tree.len() as f64 / (sm.median / 1e3),
+            })));
+        }
+
+        // (c') several sessions' verify rounds (a new token and a chain of SESSION_CHAIN) in one
+        // multi-session pass, as the target's batched verification runs them: each session
+        // its own cache of the same capacity holding the same prefix.
+        for &ns in &s.sessions {
+            let n = 1 + SESSION_CHAIN;
+            if ns == 0 || l + n > cache.capacity() {
+                continue;
+            }
+            let mut caches = (0..ns)
+                .map(|_| m.new_cache(cache.capacity()))
+                .collect::<Result<Vec<_>, _>>()?;
+            for c in &mut caches {
+                prefill(m, c, &prefix[..l])?;
+            }
+            let ids: Vec<u32> = (0..n).map(|_| rng.token(cfg.vocab_size, &[])).collect();
+            let chain = TokenTree::chain(&ids);
+            let mask = TreeMask::new(&chain);
+            let positions = mask.positions(l);
+            let want: Vec<u32> = (0..n as u32).collect();
+            let mut enqueue_ms = Vec::new();
+            let ms = time_ms(s.iters, s.warmup.max(2), || {
+                let t = Instant::now();
+                let mut parts: Vec<SessionPass<'_>> = caches
+                    .iter_mut()
+                    .map(|cache| SessionPass {
+                        tokens: chain.tokens(),
+                        positions: &positions,
+                        tree: TreeRows {
+                            mask: &mask,
+                            prefix: l,
+                            first_row: 0,
+                        },
+                        cache,
+                        rows: &want,
+                    })
+                    .collect();
+                m.forward_sessions(&mut parts)?;
+                enqueue_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                for c in &mut caches {
+                    c.truncate(l)?;
+                }
+                dev.synchronize()?;
+                Ok(())
+            })?;
+            let sp = util::summarize(&ms);
+            let enqueue = util::summarize(&enqueue_ms[s.warmup.max(2).min(enqueue_ms.len())..]);
+            eprintln!(
+                "  sessions pass {ns:>2} x {n} rows: {:.3} ms (host until it returns {:.3} ms)",
+                sp.median, enqueue.median
+            );
+            rows.push(row(json!({
+                "context": l, "kind": "sessions_pass", "tokens": ns * n, "depth": SESSION_CHAIN,
+                "sessions": ns,
+                "median_ms": sp.median, "p10_ms": sp.p10, "p90_ms": sp.p90, "mean_ms": sp.mean,
+                "iters": ms.len(), "host_enqueue_median_ms": enqueue.median,
             })));
         }
 
@@ -551,6 +643,8 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "iters": s.iters,
             "warmup": s.warmup,
             "timing": "median/p10/p90 wall ms of one forward incl. input upload and tree-mask build, then O(1) cache.truncate and device.synchronize()",
+            "sessions_pass": "Transformer::forward_sessions of `sessions` sessions' verify rounds (a new token and a chain of `depth` each, every session its own cache holding the same prefix) as one multi-session pass, then O(1) truncates and device.synchronize(); host_enqueue_median_ms: host time until it returned",
+            "exact_chain": "ExactStepper::step_chain of `tokens` rows (a new token and a chain of `depth`) replayed from its graph for that row count, then O(1) cache.truncate and device.synchronize(): the verify pass of a chain draft without the engine's host work",
             "engine_round": "TargetEngine::verify of the sequence plus one new token (two taken in turn, so the model runs every time) and a chain of `depth` random tokens (depth 0 = a plain decoding step): wall ms, the model time it reports and its host time until the pass was enqueued; the greedy verdict is copied back, the accepted path compacted",
             "tree_shape": "balanced: 4 roots, 4 children each, then 2 per node, filled level by level to exactly N nodes",
         },

@@ -189,6 +189,11 @@ struct ForwardArgs {
     /// replays; timed per level, chains of 4) [default: 1,2,5,10,16; quick: 2,10].
     #[arg(long, value_delimiter = ',')]
     growth_rows: Option<Vec<usize>>,
+    /// Sessions whose verify rounds (a new token and a chain of 4 each) run as one
+    /// multi-session pass, as the target's batched verification runs them [default: 2,4;
+    /// quick: 2].
+    #[arg(long, value_delimiter = ',')]
+    sessions: Option<Vec<usize>>,
     /// Timed iterations per measurement [default: 20; quick: 5].
     #[arg(long)]
     iters: Option<usize>,
@@ -399,6 +404,7 @@ fn forward(a: ForwardArgs) -> Result<()> {
         chains: pick(a.chains, q, vec![1, 4, 16], vec![1, 2, 4, 8, 16, 32, 64]),
         trees: pick(a.trees, q, vec![16, 64], vec![16, 32, 64]),
         growth_rows: pick(a.growth_rows, q, vec![2, 10], vec![1, 2, 5, 10, 16]),
+        sessions: pick(a.sessions, q, vec![2], vec![2, 4]),
         iters: pick(a.iters, q, 5, 20),
         warmup: pick(a.warmup, q, 2, 5),
         bw_mib: pick(a.bw_mib, q, 64, if cuda { 1024 } else { 256 }),
