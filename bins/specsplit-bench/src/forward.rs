@@ -13,8 +13,8 @@ use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::TokenTree;
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::loader::{load_model, LoadOptions};
-use specsplit_models::step::{DecodeStepper, ExactStepper};
-use specsplit_models::transformer::Transformer;
+use specsplit_models::step::{DecodeStepper, ExactStepper, SessionRowsStepper};
+use specsplit_models::transformer::{SessionChainRows, Transformer};
 use specsplit_models::SessionPass;
 use specsplit_workers::engine_session::SessionEngine;
 use specsplit_workers::launch::{parse_device, parse_dtype};
@@ -536,6 +536,36 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                 "median_ms": sp.median, "p10_ms": sp.p10, "p90_ms": sp.p90, "mean_ms": sp.mean,
                 "iters": ms.len(), "host_enqueue_median_ms": enqueue.median,
             })));
+            // The same pass replayed from the target's graph of that shape.
+            if m.session_rows_fit(cache.capacity(), ns, n) {
+                let mut stepper = SessionRowsStepper::new();
+                let ms = time_ms(s.iters, s.warmup.max(2), || {
+                    let parts: Vec<SessionChainRows<'_>> = caches
+                        .iter()
+                        .map(|cache| SessionChainRows {
+                            cache,
+                            tokens: chain.tokens(),
+                        })
+                        .collect();
+                    stepper.pass(m, &parts, cache.capacity())?;
+                    dev.synchronize()?;
+                    Ok(())
+                })?;
+                let sg = util::summarize(&ms);
+                eprintln!(
+                    "  sessions pass {ns:>2} x {n} rows from its graph: {:.3} ms ({:.2}x the \
+                     eager pass)",
+                    sg.median,
+                    sg.median / sp.median
+                );
+                rows.push(row(json!({
+                    "context": l, "kind": "sessions_graph", "tokens": ns * n,
+                    "depth": SESSION_CHAIN, "sessions": ns,
+                    "median_ms": sg.median, "p10_ms": sg.p10, "p90_ms": sg.p90,
+                    "mean_ms": sg.mean, "iters": ms.len(),
+                    "cuda_graph": stepper.uses_graph(ns, n, cache.capacity()),
+                })));
+            }
         }
 
         // (d) whole verification rounds as the target worker runs them: the previous round's
@@ -644,6 +674,7 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "warmup": s.warmup,
             "timing": "median/p10/p90 wall ms of one forward incl. input upload and tree-mask build, then O(1) cache.truncate and device.synchronize()",
             "sessions_pass": "Transformer::forward_sessions of `sessions` sessions' verify rounds (a new token and a chain of `depth` each, every session its own cache holding the same prefix) as one multi-session pass, then O(1) truncates and device.synchronize(); host_enqueue_median_ms: host time until it returned",
+            "sessions_graph": "the `sessions_pass` rounds through the target's SessionRowsStepper: one pass replayed from the CUDA graph of its shape (sessions, rows, capacity), then device.synchronize()",
             "exact_chain": "ExactStepper::step_chain of `tokens` rows (a new token and a chain of `depth`) replayed from its graph for that row count, then O(1) cache.truncate and device.synchronize(): the verify pass of a chain draft without the engine's host work",
             "engine_round": "TargetEngine::verify of the sequence plus one new token (two taken in turn, so the model runs every time) and a chain of `depth` random tokens (depth 0 = a plain decoding step): wall ms, the model time it reports and its host time until the pass was enqueued; the greedy verdict is copied back, the accepted path compacted",
             "tree_shape": "balanced: 4 roots, 4 children each, then 2 per node, filled level by level to exactly N nodes",

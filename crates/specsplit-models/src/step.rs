@@ -7,8 +7,9 @@
 //! keys: in a cache more than twice as large as its sequence a pass's attention is launched
 //! over the least power of two from 256 slots that holds its keys ([`fused::replay_span`]),
 //! not over the whole cache. [`SessionChainsStepper`] replays
-//! [`Transformer::grow_session_chains`], the chains of several sessions grown together, whose
-//! graphs read the caches through a table and so belong to no cache.
+//! [`Transformer::grow_session_chains`], the chains of several sessions grown together, and
+//! [`SessionRowsStepper`] [`Transformer::session_rows`], several sessions' verify passes of a
+//! chain each; their graphs read the caches through a table and so belong to no cache.
 //!
 //! The graph bakes in the addresses of the weights, of the cache's buffers and of the step's
 //! own buffers, so a stepper belongs to one cache for that cache's whole life at one capacity:
@@ -21,7 +22,8 @@ use specsplit_core::cache::SessionCache;
 
 use crate::fused;
 use crate::transformer::{
-    ChainGrowth, ExactRows, SessionChain, SessionChains, StaticStep, Transformer, CHAIN_FEED_MAX,
+    ChainGrowth, ExactRows, SessionChain, SessionChainRows, SessionChains, SessionRows, StaticStep,
+    Transformer, CHAIN_FEED_MAX,
 };
 use crate::ModelError;
 
@@ -819,5 +821,87 @@ impl SessionChainsStepper {
     /// Host time spent so far in growths that made a shape, ran it eagerly or captured it.
     pub fn making_time(&self) -> std::time::Duration {
         self.making
+    }
+}
+
+/// The most shapes a [`SessionRowsStepper`] keeps graphs of (the least recently used goes
+/// first).
+const MAX_SESSION_ROWS_SHAPES: usize = 32;
+
+/// Several sessions' verify passes of a chain each ([`Transformer::session_rows`]), replayed
+/// from a graph captured per shape (sessions, rows a session, largest capacity). The graph
+/// reads each session's cache addresses from the table [`SessionRows::start`] writes, so one
+/// graph serves any caches of at most its capacity; a new shape runs once eagerly and is
+/// captured the next time.
+#[derive(Default)]
+pub struct SessionRowsStepper {
+    /// By use, the least recent first.
+    shapes: Vec<(SessionRows, Replay)>,
+    /// Shapes made so far (each one's buffers, eager run and capture).
+    made: u64,
+}
+
+impl SessionRowsStepper {
+    /// A stepper with no graphs yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Runs `parts`' rows (every part the same number) as one pass over buffers (and a graph)
+    /// for caches of `capacity` slots, at least every part's cache's; returns the
+    /// `(sessions · rows, vocab)` f32 logits, session by session (the stepper's own buffer,
+    /// overwritten by the next pass of that shape). Writes each row's K/V at its slot; the
+    /// caches' lengths are left alone.
+    pub fn pass(
+        &mut self,
+        model: &Transformer,
+        parts: &[SessionChainRows<'_>],
+        capacity: usize,
+    ) -> Result<Tensor, ModelError> {
+        let n = parts.len();
+        let rows = parts.first().map_or(0, |p| p.tokens.len());
+        if !model.session_rows_fit(capacity, n, rows) {
+            return Err(ModelError::Unsupported(format!(
+                "no pass of {n} sessions of {rows} rows for this model"
+            )));
+        }
+        specsplit_core::device::bind_to_thread(model.device())?;
+        let fits =
+            |b: &SessionRows| b.sessions() == n && b.rows() == rows && b.capacity() == capacity;
+        match self.shapes.iter().position(|(b, _)| fits(b)) {
+            Some(at) => {
+                // The most recently used goes last.
+                let used = self.shapes.remove(at);
+                self.shapes.push(used);
+            }
+            None => {
+                if self.shapes.len() == MAX_SESSION_ROWS_SHAPES {
+                    self.shapes.remove(0);
+                }
+                let bufs = model.session_rows_buffers(n, rows, capacity)?;
+                self.shapes.push((bufs, Replay::default()));
+                self.made += 1;
+            }
+        }
+        let (bufs, replay) = self.shapes.last_mut().expect("the shape just used");
+        bufs.start(parts)?;
+        replay.run(model, || model.session_rows(bufs))?;
+        Ok(bufs.logits.clone())
+    }
+
+    /// Whether a pass of `sessions` sessions of `rows` rows over caches of `capacity` slots
+    /// replays a captured graph.
+    pub fn uses_graph(&self, sessions: usize, rows: usize, capacity: usize) -> bool {
+        self.shapes.iter().any(|(b, r)| {
+            b.sessions() == sessions
+                && b.rows() == rows
+                && b.capacity() == capacity
+                && r.uses_graph()
+        })
+    }
+
+    /// Shapes made so far: each costs an eager pass and a capture.
+    pub fn shapes_made(&self) -> u64 {
+        self.made
     }
 }

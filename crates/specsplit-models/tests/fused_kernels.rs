@@ -9,8 +9,10 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use specsplit_core::cache::SessionCache;
 use specsplit_models::config::ModelConfig;
 use specsplit_models::fused::{self, AttnShape, KernelOptions};
-use specsplit_models::step::{DecodeStepper, ExactStepper, SessionChainsStepper};
-use specsplit_models::transformer::{SessionChain, Transformer};
+use specsplit_models::step::{
+    DecodeStepper, ExactStepper, SessionChainsStepper, SessionRowsStepper,
+};
+use specsplit_models::transformer::{SessionChain, SessionChainRows, Transformer};
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -2067,6 +2069,84 @@ fn sessions_pass_matches_each_session_alone_bit_for_bit() {
             }
         }
     }
+}
+
+#[test]
+fn session_rows_replay_each_sessions_chain_as_alone_bit_for_bit() {
+    let Some(dev) = gpu() else { return };
+    let m = small_model("qwen2.5-0.5b", 31, &dev);
+    let layers = m.config().num_hidden_layers;
+    let u = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+    let chain = |n: usize| (0..n).map(|i| i.checked_sub(1)).collect::<Vec<_>>();
+    // Caches of different lengths and capacities; one shape of five rows a session, and one of
+    // a row a session (plain decoding steps).
+    let mut stepper = SessionRowsStepper::new();
+    for rows in [5usize, 1] {
+        let set: Vec<GpuSession> = [(1, 40), (2, 17), (3, 230)]
+            .iter()
+            .map(|&(seed, prompt)| GpuSession::new(seed, prompt, chain(rows), 0))
+            .collect();
+        let every: Vec<u32> = (0..rows as u32).collect();
+        let alone: Vec<(Vec<Vec<f32>>, CacheBits)> = set
+            .iter()
+            .map(|s| {
+                let mut cache = s.cache(&m);
+                let mask = s.mask();
+                let (tokens, positions) = s.inputs();
+                let logits = m
+                    .forward_tree(
+                        &u(&tokens),
+                        &u(&positions),
+                        s.tree(&mask, 0),
+                        &mut cache,
+                        &u(&every),
+                    )
+                    .unwrap();
+                (logits.to_vec2().unwrap(), cache_bits(&cache, layers))
+            })
+            .collect();
+        // Fresh caches every pass (new addresses), in three orders: the first pass runs
+        // eagerly, the second is captured, the third replays the graph.
+        for (k, order) in [[0usize, 1, 2], [2, 1, 0], [1, 2, 0]].iter().enumerate() {
+            let mut caches: Vec<SessionCache> = order.iter().map(|&i| set[i].cache(&m)).collect();
+            let capacity = caches.iter().map(|c| c.capacity()).max().unwrap();
+            let inputs: Vec<_> = order.iter().map(|&i| set[i].inputs().0).collect();
+            let parts: Vec<SessionChainRows<'_>> = caches
+                .iter()
+                .zip(&inputs)
+                .map(|(cache, tokens)| SessionChainRows { cache, tokens })
+                .collect();
+            let logits = stepper.pass(&m, &parts, capacity).unwrap();
+            drop(parts);
+            assert_eq!(stepper.uses_graph(3, rows, capacity), k >= 1, "pass {k}");
+            let got: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+            for (j, &i) in order.iter().enumerate() {
+                let what = format!("{rows} rows, pass {k}, session {i} of {order:?}");
+                assert_eq!(
+                    got[j * rows..(j + 1) * rows],
+                    alone[i].0[..],
+                    "{what}: logits"
+                );
+                caches[j].advance(rows).unwrap();
+                assert_eq!(cache_bits(&caches[j], layers), alone[i].1, "{what}: K/V");
+            }
+        }
+    }
+    assert_eq!(stepper.shapes_made(), 2);
+    // A part of the wrong length is refused.
+    let cache = GpuSession::new(4, 20, chain(5), 0).cache(&m);
+    let parts = [
+        SessionChainRows {
+            cache: &cache,
+            tokens: &[1, 2, 3],
+        },
+        SessionChainRows {
+            cache: &cache,
+            tokens: &[1, 2],
+        },
+    ];
+    let e = stepper.pass(&m, &parts, cache.capacity()).unwrap_err();
+    assert!(e.to_string().contains("session rows 1"), "{e}");
 }
 
 #[test]

@@ -11,8 +11,8 @@ use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::TokenTree;
 use specsplit_core::verify::{self, Verdict};
 use specsplit_models::cpu_attention::TreeRows;
-use specsplit_models::step::ExactStepper;
-use specsplit_models::transformer::Transformer;
+use specsplit_models::step::{ExactStepper, SessionRowsStepper};
+use specsplit_models::transformer::{SessionChainRows, Transformer};
 use specsplit_models::SessionPass;
 
 use crate::engine_session::{
@@ -173,6 +173,9 @@ pub struct TargetEngine {
     device_timing: bool,
     /// Per verification pass when `device_timing`.
     device_times: std::sync::Mutex<Vec<PassTiming>>,
+    /// Several sessions' chain verifications in one pass, replayed from CUDA graphs where
+    /// `exact_steps` holds ([`TargetEngine::pass_sessions`]).
+    session_rows: std::sync::Mutex<SessionRowsStepper>,
 }
 
 impl SessionEngine for TargetEngine {
@@ -208,6 +211,7 @@ impl TargetEngine {
             spares: Arc::new(Spares::new(crate::spare::DEFAULT_SPARE_SESSIONS)),
             device_timing: false,
             device_times: std::sync::Mutex::new(Vec::new()),
+            session_rows: std::sync::Mutex::new(SessionRowsStepper::new()),
         }
     }
 
@@ -438,6 +442,9 @@ impl TargetEngine {
         members: &mut [(&mut TargetSession, &PreparedRound, &TokenTree)],
     ) -> Result<Vec<Tensor>, EngineError> {
         specsplit_core::device::bind_to_thread(self.model.device())?;
+        if let Some(out) = self.pass_session_chains(members)? {
+            return Ok(out);
+        }
         // What each member runs: its combined chain+tree, mask, positions and wanted rows.
         struct Rows {
             member: usize,
@@ -512,6 +519,62 @@ impl TargetEngine {
                 }
             })
             .collect()
+    }
+
+    /// [`TargetEngine::pass_sessions`] from a CUDA graph of the shape
+    /// ([`SessionRowsStepper`]) where every member verifies a chain of the same length below
+    /// one new token and the model takes the pass; `None` (nothing run) otherwise. Each
+    /// member's logits are copied out of the stepper's buffer, which its next pass overwrites.
+    fn pass_session_chains(
+        &self,
+        members: &mut [(&mut TargetSession, &PreparedRound, &TokenTree)],
+    ) -> Result<Option<Vec<Tensor>>, EngineError> {
+        let rows = members.first().map_or(0, |(_, _, tree)| 1 + tree.len());
+        let chains = members.iter().all(|(_, round, tree)| {
+            round.tail().len() == 1 && 1 + tree.len() == rows && is_chain(tree)
+        });
+        let capacity = members
+            .iter()
+            .map(|(s, _, _)| s.cache.capacity())
+            .max()
+            .unwrap_or(0);
+        if !self.exact_steps
+            || members.len() < 2
+            || !chains
+            || !self.model.session_rows_fit(capacity, members.len(), rows)
+        {
+            return Ok(None);
+        }
+        let tokens: Vec<Vec<u32>> = members
+            .iter()
+            .map(|(_, round, tree)| {
+                let mut t = Vec::with_capacity(rows);
+                t.extend_from_slice(round.tail());
+                t.extend((0..tree.len()).map(|i| tree.token(i)));
+                t
+            })
+            .collect();
+        for (s, round, _) in members.iter_mut() {
+            s.cache.truncate(round.pass_start)?;
+        }
+        let logits = {
+            let parts: Vec<SessionChainRows<'_>> = members
+                .iter()
+                .zip(&tokens)
+                .map(|((s, _, _), tokens)| SessionChainRows {
+                    cache: &s.cache,
+                    tokens,
+                })
+                .collect();
+            let mut stepper = self.session_rows.lock().unwrap_or_else(|e| e.into_inner());
+            stepper.pass(&self.model, &parts, capacity)?
+        };
+        let mut out = Vec::with_capacity(members.len());
+        for (i, (s, _, _)) in members.iter_mut().enumerate() {
+            s.cache.advance(rows)?;
+            out.push(logits.narrow(0, i * rows, rows)?.copy()?);
+        }
+        Ok(Some(out))
     }
 
     /// The last phase: the verdict from the pass's `logits`, then the cache keeps only the

@@ -14,6 +14,7 @@ mod linear;
 mod load;
 mod plan;
 mod session_chains;
+mod session_rows;
 mod sessions;
 mod stack;
 
@@ -21,6 +22,7 @@ pub use forest::ChainGrowth;
 pub use graph::{ExactRows, StaticStep};
 pub use plan::{ForwardPath, Pass};
 pub use session_chains::{SessionChain, SessionChains, CHAIN_FEED_MAX};
+pub use session_rows::{SessionChainRows, SessionRows};
 pub use sessions::SessionPass;
 
 use crate::config::ModelConfig;
