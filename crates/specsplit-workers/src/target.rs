@@ -557,6 +557,8 @@ impl TargetEngine {
         for (s, round, _) in members.iter_mut() {
             s.cache.truncate(round.pass_start)?;
         }
+        // Held until the logits are copied out of the stepper's buffer.
+        let mut stepper = self.session_rows.lock().unwrap_or_else(|e| e.into_inner());
         let logits = {
             let parts: Vec<SessionChainRows<'_>> = members
                 .iter()
@@ -566,7 +568,6 @@ impl TargetEngine {
                     tokens,
                 })
                 .collect();
-            let mut stepper = self.session_rows.lock().unwrap_or_else(|e| e.into_inner());
             stepper.pass(&self.model, &parts, capacity)?
         };
         let mut out = Vec::with_capacity(members.len());
@@ -574,6 +575,7 @@ impl TargetEngine {
             s.cache.advance(rows)?;
             out.push(logits.narrow(0, i * rows, rows)?.copy()?);
         }
+        drop(stepper);
         Ok(Some(out))
     }
 
