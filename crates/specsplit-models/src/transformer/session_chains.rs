@@ -13,6 +13,7 @@
 //! come back in one `(2·depth, sessions)` buffer.
 
 use super::forest::{greedy_level, growth_product};
+use super::sessions::cache_table_words;
 use super::Transformer;
 use crate::fused::{self, PassKeys, SessionTable};
 use crate::ModelError;
@@ -97,7 +98,6 @@ impl SessionChains {
                 chains.len()
             )));
         }
-        let mut caches = Vec::with_capacity(n);
         for (i, c) in chains.iter().enumerate() {
             let (len, cap, fed) = (c.cache.len(), c.cache.capacity(), c.feed.len());
             let bad = if !(1..=f).contains(&fed) {
@@ -129,15 +129,15 @@ impl SessionChains {
             if let Some(why) = bad {
                 return Err(ModelError::Input(format!("session chain {i} {why}")));
             }
-            let layers = (0..self.layers)
-                .map(|l| c.cache.buffers(l))
-                .collect::<Result<Vec<_>, _>>()?;
-            caches.push((cap, layers));
         }
-        let shaped: Vec<_> = caches.iter().map(|(c, l)| (*c, l.as_slice())).collect();
-        let words = fused::cache_words(&shaped, self.kv, self.head_dim)?;
+        let caches: Vec<&SessionCache> = chains.iter().map(|c| c.cache).collect();
         let mut io = Vec::with_capacity(self.io.elem_count());
-        io.extend(words);
+        io.extend(cache_table_words(
+            &caches,
+            self.layers,
+            self.kv,
+            self.head_dim,
+        )?);
         // The first level: each session's feed after its pads.
         let pads = |c: &SessionChain<'_>| f - c.feed.len();
         for c in chains {
@@ -145,7 +145,7 @@ impl SessionChains {
             io.extend_from_slice(c.feed);
         }
         io.extend((0..n).map(|i| (f * i + f - 1) as u32));
-        io.extend(caches.iter().map(|(c, _)| *c as u32));
+        io.extend(caches.iter().map(|c| c.capacity() as u32));
         // The slot (= position) of session i's row at level l (0: its last fed token).
         let slot = |c: &SessionChain<'_>, l: usize| c.cache.len() + c.feed.len() - 1 + l;
         let pad_slot = |c: &SessionChain<'_>| slot(c, d);

@@ -10,6 +10,7 @@
 //! rows, vocab)` buffer. Each row gets the bits of its session's pass alone
 //! ([`Transformer::forward_sessions`] runs the same kernels eagerly).
 
+use super::sessions::cache_table_words;
 use super::Transformer;
 use crate::fused::{self, PassKeys, SessionTable};
 use crate::ModelError;
@@ -74,7 +75,6 @@ impl SessionRows {
                 parts.len()
             )));
         }
-        let mut caches = Vec::with_capacity(n);
         for (i, p) in parts.iter().enumerate() {
             let (len, cap) = (p.cache.len(), p.cache.capacity());
             let bad = if p.tokens.len() != r {
@@ -96,16 +96,16 @@ impl SessionRows {
             if let Some(why) = bad {
                 return Err(ModelError::Input(format!("session rows {i} {why}")));
             }
-            let layers = (0..self.layers)
-                .map(|l| p.cache.buffers(l))
-                .collect::<Result<Vec<_>, _>>()?;
-            caches.push((cap, layers));
         }
-        let shaped: Vec<_> = caches.iter().map(|(c, l)| (*c, l.as_slice())).collect();
-        let words = fused::cache_words(&shaped, self.kv, self.head_dim)?;
+        let caches: Vec<&SessionCache> = parts.iter().map(|p| p.cache).collect();
         let mut io = Vec::with_capacity(self.io.elem_count());
-        io.extend(words);
-        io.extend(caches.iter().map(|(c, _)| *c as u32));
+        io.extend(cache_table_words(
+            &caches,
+            self.layers,
+            self.kv,
+            self.head_dim,
+        )?);
+        io.extend(caches.iter().map(|c| c.capacity() as u32));
         for p in parts {
             io.extend_from_slice(p.tokens);
         }

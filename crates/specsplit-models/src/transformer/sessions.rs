@@ -34,6 +34,27 @@ pub struct SessionPass<'a> {
     pub rows: &'a [u32],
 }
 
+/// The words of a device session table's cache addresses ([`crate::fused::cache_words`]) for
+/// the K/V buffers of `caches`' first `layers` layers, each cache at its capacity.
+pub(super) fn cache_table_words(
+    caches: &[&SessionCache],
+    layers: usize,
+    kv: usize,
+    head_dim: usize,
+) -> Result<Vec<u32>, ModelError> {
+    let buffers = caches
+        .iter()
+        .map(|c| {
+            let layers = (0..layers)
+                .map(|l| c.buffers(l))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((c.capacity(), layers))
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let shaped: Vec<_> = buffers.iter().map(|(c, l)| (*c, l.as_slice())).collect();
+    Ok(crate::fused::cache_words(&shaped, kv, head_dim)?)
+}
+
 /// How sessions go through the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Group {
