@@ -683,6 +683,32 @@ impl ExactStepper {
     }
 }
 
+/// The shape of `shapes` (least recently used first) that `fits`, moved last; else a new one
+/// from `make`, the least recently used dropped first where `most` are kept. Returns it and
+/// whether it was made.
+fn recent_shape<B>(
+    shapes: &mut Vec<(B, Replay)>,
+    most: usize,
+    fits: impl Fn(&B) -> bool,
+    make: impl FnOnce() -> Result<B, ModelError>,
+) -> Result<(&mut (B, Replay), bool), ModelError> {
+    let made = match shapes.iter().position(|(b, _)| fits(b)) {
+        Some(at) => {
+            let used = shapes.remove(at);
+            shapes.push(used);
+            false
+        }
+        None => {
+            if shapes.len() == most {
+                shapes.remove(0);
+            }
+            shapes.push((make()?, Replay::default()));
+            true
+        }
+    };
+    Ok((shapes.last_mut().expect("the shape just used"), made))
+}
+
 /// The most shapes a [`SessionChainsStepper`] keeps graphs of (the least recently used goes
 /// first).
 const MAX_SESSION_CHAIN_SHAPES: usize = 32;
@@ -776,22 +802,11 @@ impl SessionChainsStepper {
         // Every shape is made with the same feed width, so it is not part of the key.
         let fits =
             |b: &SessionChains| b.sessions() == n && b.depth() == depth && b.capacity() == capacity;
-        match self.shapes.iter().position(|(b, _)| fits(b)) {
-            Some(at) => {
-                // The most recently used goes last.
-                let used = self.shapes.remove(at);
-                self.shapes.push(used);
-            }
-            None => {
-                if self.shapes.len() == MAX_SESSION_CHAIN_SHAPES {
-                    self.shapes.remove(0);
-                }
-                let bufs = model.session_chain_buffers(n, depth, CHAIN_FEED_MAX, capacity)?;
-                self.shapes.push((bufs, Replay::default()));
-                self.made += 1;
-            }
-        }
-        let (bufs, replay) = self.shapes.last_mut().expect("the shape just used");
+        let ((bufs, replay), made) =
+            recent_shape(&mut self.shapes, MAX_SESSION_CHAIN_SHAPES, fits, || {
+                model.session_chain_buffers(n, depth, CHAIN_FEED_MAX, capacity)
+            })?;
+        self.made += u64::from(made);
         bufs.start(all)?;
         let replayed = replay.uses_graph();
         replay.run(model, || model.grow_session_chains(bufs))?;
@@ -868,22 +883,11 @@ impl SessionRowsStepper {
         specsplit_core::device::bind_to_thread(model.device())?;
         let fits =
             |b: &SessionRows| b.sessions() == n && b.rows() == rows && b.capacity() == capacity;
-        match self.shapes.iter().position(|(b, _)| fits(b)) {
-            Some(at) => {
-                // The most recently used goes last.
-                let used = self.shapes.remove(at);
-                self.shapes.push(used);
-            }
-            None => {
-                if self.shapes.len() == MAX_SESSION_ROWS_SHAPES {
-                    self.shapes.remove(0);
-                }
-                let bufs = model.session_rows_buffers(n, rows, capacity)?;
-                self.shapes.push((bufs, Replay::default()));
-                self.made += 1;
-            }
-        }
-        let (bufs, replay) = self.shapes.last_mut().expect("the shape just used");
+        let ((bufs, replay), made) =
+            recent_shape(&mut self.shapes, MAX_SESSION_ROWS_SHAPES, fits, || {
+                model.session_rows_buffers(n, rows, capacity)
+            })?;
+        self.made += u64::from(made);
         bufs.start(parts)?;
         replay.run(model, || model.session_rows(bufs))?;
         Ok(bufs.logits.clone())
