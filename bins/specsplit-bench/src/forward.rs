@@ -13,8 +13,10 @@ use specsplit_core::sampling::SamplingParams;
 use specsplit_core::tree::TokenTree;
 use specsplit_models::cpu_attention::TreeRows;
 use specsplit_models::loader::{load_model, LoadOptions};
-use specsplit_models::step::{DecodeStepper, ExactStepper, SessionRowsStepper};
-use specsplit_models::transformer::{SessionChainRows, Transformer};
+use specsplit_models::step::{
+    DecodeStepper, ExactStepper, SessionChainsStepper, SessionRowsStepper,
+};
+use specsplit_models::transformer::{SessionChain, SessionChainRows, Transformer};
 use specsplit_models::SessionPass;
 use specsplit_workers::engine_session::SessionEngine;
 use specsplit_workers::launch::{parse_device, parse_dtype};
@@ -566,6 +568,80 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
                     "cuda_graph": stepper.uses_graph(ns, n, cache.capacity()),
                 })));
             }
+            // The same sessions' draft chains grown together as the draft worker grows them:
+            // each session feeds two tokens (the last accepted and the bonus), then a chain of
+            // SESSION_CHAIN, one graph-replayed pass a level, the chains copied to the host.
+            let feed = [
+                rng.token(cfg.vocab_size, &[]),
+                rng.token(cfg.vocab_size, &[]),
+            ];
+            if l + feed.len() + SESSION_CHAIN <= cache.capacity()
+                && m.session_chains_fit(cache.capacity(), ns)
+            {
+                let mut stepper = SessionChainsStepper::new();
+                let ms = time_ms(s.iters, s.warmup.max(2), || {
+                    let chains: Vec<SessionChain<'_>> = caches
+                        .iter()
+                        .map(|cache| SessionChain {
+                            cache,
+                            feed: &feed,
+                            forced: &[],
+                        })
+                        .collect();
+                    let out = stepper.grow(m, &chains, SESSION_CHAIN, cache.capacity())?;
+                    out.to_vec2::<f32>()?;
+                    Ok(())
+                })?;
+                let sc = util::summarize(&ms);
+                eprintln!(
+                    "  session chains {ns:>2} x (feed {} + {SESSION_CHAIN} levels) grown together: \
+                     {:.3} ms ({:.3} ms a level)",
+                    feed.len(),
+                    sc.median,
+                    sc.median / SESSION_CHAIN as f64
+                );
+                rows.push(row(json!({
+                    "context": l, "kind": "session_chains", "tokens": ns * SESSION_CHAIN,
+                    "depth": SESSION_CHAIN, "sessions": ns, "feed": feed.len(),
+                    "median_ms": sc.median, "p10_ms": sc.p10, "p90_ms": sc.p90,
+                    "mean_ms": sc.mean, "iters": ms.len(),
+                    "cuda_graph": stepper.uses_graph(ns, SESSION_CHAIN, cache.capacity()),
+                })));
+            }
+        }
+        // One session's draft chain alone, as the draft worker grows it: the two fed tokens in
+        // one pass of its step's graphs, then one replayed step a level, the chain copied back.
+        if !s.sessions.is_empty() && l + 2 + SESSION_CHAIN <= cache.capacity() {
+            let feed = [
+                rng.token(cfg.vocab_size, &[]),
+                rng.token(cfg.vocab_size, &[]),
+            ];
+            let mut stepper = DecodeStepper::new(m, cache.capacity())?;
+            let ms = time_ms(s.iters, s.warmup.max(2), || {
+                stepper.feed(m, &cache, &feed, l)?;
+                let out = Tensor::zeros(SESSION_CHAIN, DType::U32, &dev)?;
+                out.slice_set(&stepper.buffers().next, 0, 0)?;
+                for j in 1..SESSION_CHAIN {
+                    stepper.step(m, &cache)?;
+                    out.slice_set(&stepper.buffers().next, 0, j)?;
+                }
+                out.to_vec1::<u32>()?;
+                Ok(())
+            })?;
+            let ca = util::summarize(&ms);
+            eprintln!(
+                "  chain alone (feed {} + {SESSION_CHAIN} levels): {:.3} ms ({:.3} ms a level)",
+                feed.len(),
+                ca.median,
+                ca.median / SESSION_CHAIN as f64
+            );
+            rows.push(row(json!({
+                "context": l, "kind": "chain_alone", "tokens": SESSION_CHAIN,
+                "depth": SESSION_CHAIN, "sessions": 1, "feed": feed.len(),
+                "median_ms": ca.median, "p10_ms": ca.p10, "p90_ms": ca.p90,
+                "mean_ms": ca.mean, "iters": ms.len(),
+                "cuda_graph": stepper.uses_graph(),
+            })));
         }
 
         // (d) whole verification rounds as the target worker runs them: the previous round's
@@ -675,6 +751,8 @@ pub fn run(s: &ForwardSettings) -> Result<()> {
             "timing": "median/p10/p90 wall ms of one forward incl. input upload and tree-mask build, then O(1) cache.truncate and device.synchronize()",
             "sessions_pass": "Transformer::forward_sessions of `sessions` sessions' verify rounds (a new token and a chain of `depth` each, every session its own cache holding the same prefix) as one multi-session pass, then O(1) truncates and device.synchronize(); host_enqueue_median_ms: host time until it returned",
             "sessions_graph": "the `sessions_pass` rounds through the target's SessionRowsStepper: one pass replayed from the CUDA graph of its shape (sessions, rows, capacity), then device.synchronize()",
+            "session_chains": "SessionChainsStepper::grow of `sessions` sessions' draft chains (each feeding `feed` tokens, then `depth` levels) over their own caches holding the same prefix, replayed from the graph of its shape, then the chains copied to the host: a draft worker's chains grown together",
+            "chain_alone": "one session's draft chain as the draft worker grows it alone: DecodeStepper::feed of `feed` tokens, then `depth` - 1 replayed steps, the chain copied to the host",
             "exact_chain": "ExactStepper::step_chain of `tokens` rows (a new token and a chain of `depth`) replayed from its graph for that row count, then O(1) cache.truncate and device.synchronize(): the verify pass of a chain draft without the engine's host work",
             "engine_round": "TargetEngine::verify of the sequence plus one new token (two taken in turn, so the model runs every time) and a chain of `depth` random tokens (depth 0 = a plain decoding step): wall ms, the model time it reports and its host time until the pass was enqueued; the greedy verdict is copied back, the accepted path compacted",
             "tree_shape": "balanced: 4 roots, 4 children each, then 2 per node, filled level by level to exactly N nodes",

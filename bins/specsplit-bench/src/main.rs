@@ -190,8 +190,9 @@ struct ForwardArgs {
     #[arg(long, value_delimiter = ',')]
     growth_rows: Option<Vec<usize>>,
     /// Sessions whose verify rounds (a new token and a chain of 4 each) run as one
-    /// multi-session pass, as the target's batched verification runs them [default: 2,4;
-    /// quick: 2].
+    /// multi-session pass, as the target's batched verification runs them, and whose draft
+    /// chains (two fed tokens, then 4 levels) grow together, as the draft worker grows them
+    /// (beside one session's chain grown alone) [default: 2,4; quick: 2].
     #[arg(long, value_delimiter = ',')]
     sessions: Option<Vec<usize>>,
     /// Timed iterations per measurement [default: 20; quick: 5].

@@ -278,10 +278,10 @@ impl Transformer {
     /// Grows each session's greedy chain of `b.depth()` tokens after its feed (set by
     /// [`SessionChains::start`]), one pass a level for all sessions (the fused layers with each
     /// row's rotary, K/V write and attention on its own session's cache, the one-kernel draft
-    /// attention up to [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys; products of up to
-    /// [`fused::GEMV_MAX_ROWS`] rows through the step's GEMV, wider ones through
-    /// `growth_product`: each session's logits those of its chain decoded alone up to bf16
-    /// rounding) and one greedy head for all rows (`greedy_level`), every input read on the
+    /// attention up to [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys; the products of one row
+    /// through the step's GEMV, of up to [`fused::GEMV_MAX_ROWS`] rows through the
+    /// batch-invariant product, wider ones through `growth_product`: each session's logits
+    /// those of its chain decoded alone up to bf16 rounding) and one greedy head for all rows (`greedy_level`), every input read on the
     /// device, so a
     /// captured CUDA graph serves every round whatever the caches: writes each row's K/V at its
     /// slot (the caches' lengths are left alone) and the chains' tokens and log-probabilities
@@ -296,12 +296,15 @@ impl Transformer {
         }
         let layers = self.fused_layers()?;
         let launch = self.kernels.launch();
-        let product = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| {
-            if x.dim(0)? <= fused::GEMV_MAX_ROWS {
-                fused::gemv_rows(x, w, bias, launch)
-            } else {
-                growth_product(x, w, bias, launch)
-            }
+        // The step's GEMV reads each weight once for all rows, but its time grows with the rows:
+        // at the Qwen2.5 0.5B shape on an H200 a pass's products took 0.84 ms for one row, 1.05
+        // for two and 1.50 for four, the batch-invariant product 0.88–0.89 for one to four
+        // (`specsplit-bench kernels --shape qwen2.5-0.5b --rows 1,2,3,4,8 --contexts 256
+        // --rows-pass`, 2026-11-28).
+        let product = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| match x.dim(0)? {
+            1 => fused::gemv_rows(x, w, bias, launch),
+            n if n <= fused::GEMV_MAX_ROWS => fused::bi_matmul(x, w, bias, launch),
+            _ => growth_product(x, w, bias, launch),
         };
         let (shape, scale) = self.fused_attn_shape(b.capacity);
         let mut ids = b.roots.clone();
