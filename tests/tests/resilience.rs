@@ -568,9 +568,12 @@ impl DraftService for SetupDraft {
     }
 }
 
-/// A target worker that records, of each verify request with a draft tree, whether it says
-/// the draft included one-off setup.
-struct SetupTarget(TargetWorker, Arc<Mutex<Vec<bool>>>);
+/// Of each verify request: whether it says the draft included one-off setup (`None` without a
+/// draft tree) and how deep its session drafts by itself.
+type SeenRounds = Arc<Mutex<Vec<(Option<bool>, u32)>>>;
+
+/// A target worker that records [`SeenRounds`].
+struct SetupTarget(TargetWorker, SeenRounds);
 
 #[tonic::async_trait]
 impl TargetService for SetupTarget {
@@ -579,9 +582,8 @@ impl TargetService for SetupTarget {
         r: Request<VerifyRequest>,
     ) -> Result<Response<VerifyResponse>, Status> {
         let m = r.get_ref();
-        if !m.draft_tree.is_empty() {
-            self.1.lock().unwrap().push(m.draft_one_off_setup);
-        }
+        let setup = (!m.draft_tree.is_empty()).then_some(m.draft_one_off_setup);
+        self.1.lock().unwrap().push((setup, m.draft_depth_limit));
         let answer = self.0.verify_drafts(r).await?;
         assert!(!answer.get_ref().telemetry.as_ref().unwrap().one_off_setup);
         Ok(answer)
@@ -600,13 +602,13 @@ impl TargetService for SetupTarget {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drafts_one_off_setup_reaches_the_target_with_the_round_it_drafted() {
+async fn a_drafts_one_off_setup_and_its_sessions_own_depth_reach_the_target_with_each_round() {
     for (setup, pipeline) in [
         (true, Pipeline::Sequential),
         (false, Pipeline::Sequential),
         (true, Pipeline::Overlapped),
     ] {
-        let seen: Arc<Mutex<Vec<bool>>> = Arc::default();
+        let seen: SeenRounds = Arc::default();
         let (tcfg, dcfg) = (config(MODEL, true), config(MODEL, false));
         let t = SetupTarget(
             launch::target_worker(&tcfg, launch::load(&tcfg).unwrap()),
@@ -620,9 +622,22 @@ async fn a_drafts_one_off_setup_reaches_the_target_with_the_round_it_drafted() {
         orch.generate(&prompts(2, 3, 500)[1], &spec(12, pipeline), |_| {})
             .await
             .unwrap();
-        let seen = seen.lock().unwrap().clone();
-        assert!(seen.len() >= 2, "{pipeline:?}: {seen:?}");
-        assert!(seen.iter().all(|&s| s == setup), "{pipeline:?}: {seen:?}");
+        let rounds = std::mem::take(&mut *seen.lock().unwrap());
+        let drafted: Vec<bool> = rounds.iter().filter_map(|s| s.0).collect();
+        assert!(drafted.len() >= 2, "{pipeline:?}: {rounds:?}");
+        assert!(
+            drafted.iter().all(|&s| s == setup),
+            "{pipeline:?}: {rounds:?}"
+        );
+        // Every round, drafted or not, tells the configured depth (3), however deep the end
+        // of the generation let it draft; a target-only generation tells none.
+        assert!(rounds.iter().all(|s| s.1 == 3), "{pipeline:?}: {rounds:?}");
+        orch.generate(&prompts(2, 3, 500)[0], &ar(6), |_| {})
+            .await
+            .unwrap();
+        let rounds = std::mem::take(&mut *seen.lock().unwrap());
+        assert!(!rounds.is_empty());
+        assert!(rounds.iter().all(|&s| s == (None, 0)), "{rounds:?}");
         for s in servers {
             s.abort();
         }

@@ -583,6 +583,11 @@ fn load_bench(a: LoadArgs) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // The in-process workers' logs, where RUST_LOG asks for them (e.g.
+    // `RUST_LOG=specsplit_workers::load_gate=debug`: each change of the target's load advice).
+    if std::env::var_os("RUST_LOG").is_some() {
+        specsplit_workers::cli::init_logging("text");
+    }
     match Cli::parse().command {
         Command::Forward(a) => forward(a),
         Command::E2e(a) => e2e(*a),

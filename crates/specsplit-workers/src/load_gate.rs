@@ -282,6 +282,21 @@ impl LoadGate {
         );
     }
 
+    /// Notes how deep a session drafts by itself (`limit`, as its orchestrator told it; 0: not
+    /// told): the advice goes no deeper than the deepest of these within [`DEEPEST_MEMORY`].
+    /// Where it is told, the shallower rounds that the end of a generation forces (no deeper
+    /// than the tokens it may still emit) do not hold every session's advice down.
+    pub fn observe_depth_limit(&mut self, limit: usize) {
+        if limit == 0 {
+            return;
+        }
+        let now = Instant::now();
+        self.deepest = match self.deepest {
+            Some((d, at)) if now.duration_since(at) <= DEEPEST_MEMORY && d > limit => Some((d, at)),
+            _ => Some((limit, now)),
+        };
+    }
+
     /// The cycle (seconds) a session's rounds of `depth` measured within [`GAP_MEMORY`] at
     /// load level `level`, and how many rounds stand for it.
     fn measured_cycle(&self, depth: usize, level: usize, now: Instant) -> Option<(f64, usize)> {
@@ -463,6 +478,38 @@ impl LoadGate {
     /// its round's gap between passes (the shallowest of equals);
     /// `None` before the gate has measured enough passes and verdicts to say.
     pub fn advise(&self, batch_sessions: usize) -> Option<usize> {
+        let mut best = (0, f64::NEG_INFINITY);
+        self.each_depth(batch_sessions, |d| {
+            if d.rate > best.1 {
+                best = (d.depth, d.rate);
+            }
+        })?;
+        Some(best.0)
+    }
+
+    /// What [`LoadGate::advise`] weighed for `batch_sessions` sessions, one entry a depth
+    /// (`None` where it gives no advice): for the worker's debug log when the advice changes.
+    pub fn explain(&self, batch_sessions: usize) -> Option<String> {
+        let alpha = self.acceptance()?;
+        let mut out = format!("batch {batch_sessions}, acceptance {alpha:.3}:");
+        self.each_depth(batch_sessions, |d| {
+            let from = match d.measured {
+                Some(n) => format!("{n} rounds measured"),
+                None => "modelled".into(),
+            };
+            out.push_str(&format!(
+                " depth {} {:.2} ms a round ({from}) {:.1} tok/s;",
+                d.depth,
+                d.secs * 1e3,
+                d.rate
+            ));
+        })?;
+        Some(out)
+    }
+
+    /// Calls `f` with every depth the gate weighs for `batch_sessions` sessions, in order
+    /// (`None`, calling nothing, before it has measured enough passes and verdicts).
+    fn each_depth(&self, batch_sessions: usize, mut f: impl FnMut(Weighed)) -> Option<()> {
         if self.passes < MIN_PASSES {
             return None;
         }
@@ -473,33 +520,51 @@ impl LoadGate {
         let b = batch_sessions.max(1) as f64;
         let level = load_level(batch_sessions);
         let now = Instant::now();
-        let mut best = (0, f64::NEG_INFINITY);
         let mut expected = 0.0;
         let mut term = 1.0;
         let top = self
             .deepest
             .filter(|&(d, at)| d > 0 && now.duration_since(at) <= DEEPEST_MEMORY)
             .map_or(self.max_depth, |(d, _)| d.min(self.max_depth));
-        for d in 0..=top {
+        for depth in 0..=top {
             expected += term;
             term *= alpha;
-            let modelled = pass_at(&pts, b * (d + 1) as f64) + gaps.at(d);
+            let modelled = pass_at(&pts, b * (depth + 1) as f64) + gaps.at(depth);
             // One round measured alone may have stalled (a graph captured at its first use):
             // it can only make its depth look better than the model does, never worse.
-            let secs = match self.measured_cycle(d, level, now) {
+            let measured = self.measured_cycle(depth, level, now);
+            let secs = match measured {
                 Some((c, 1)) => c.min(modelled),
                 Some((c, _)) => c,
                 None => modelled,
             };
             let rate = b * expected / secs.max(f64::MIN_POSITIVE);
             // A draft must beat none by the margin (see DRAFT_MARGIN).
-            let rate = if d == 0 { rate * DRAFT_MARGIN } else { rate };
-            if rate > best.1 {
-                best = (d, rate);
-            }
+            let rate = if depth == 0 {
+                rate * DRAFT_MARGIN
+            } else {
+                rate
+            };
+            f(Weighed {
+                depth,
+                secs,
+                measured: measured.map(|(_, n)| n),
+                rate,
+            });
         }
-        Some(best.0)
+        Some(())
     }
+}
+
+/// One depth as [`LoadGate::advise`] weighs it.
+struct Weighed {
+    depth: usize,
+    /// A round's time, measured or modelled.
+    secs: f64,
+    /// The rounds measured that stand for it (`None`: modelled).
+    measured: Option<usize>,
+    /// Tokens a second of the batch (depth 0's times the margin).
+    rate: f64,
 }
 
 /// A [`LoadGate`] shared by a target's concurrent requests, with the count of verify requests
@@ -631,6 +696,7 @@ impl LoadAdvisor {
         let batch = self.in_flight().max(active);
         self.batch.store(batch, Ordering::Relaxed);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        g.observe_depth_limit(round.depth_limit);
         g.observe_pass(round.rows, round.time);
         if round.depth > 0 {
             g.observe_verdict(round.depth, round.accepted);
@@ -639,6 +705,14 @@ impl LoadAdvisor {
             g.observe_cycle(round.depth, now.saturating_duration_since(last), batch);
         }
         let advice = g.advise(batch);
+        if advice != g.last_advice && tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(
+                "load advice {:?} (was {:?}); {}",
+                advice,
+                g.last_advice,
+                g.explain(batch).unwrap_or_default()
+            );
+        }
         // What observe_cycle needs to tell rounds the advice capped from shallower ones.
         g.last_advice = advice;
         advice
@@ -688,6 +762,9 @@ pub struct GateRound<'a> {
     /// stall, which every session of a shared pass feels at once, would price its depth for
     /// the whole memory of the gate.
     pub one_off_setup: bool,
+    /// How deep the session drafts by itself, as its orchestrator tells it (0: not told): the
+    /// depth it would have drafted but for the advice and the end of its generation.
+    pub depth_limit: usize,
 }
 
 #[cfg(test)]
@@ -812,6 +889,7 @@ mod tests {
             accepted: 1,
             continued: true,
             one_off_setup: false,
+            depth_limit: 0,
         };
         assert_eq!(a.observe_and_advise(round), None);
     }
@@ -922,6 +1000,7 @@ mod tests {
             accepted: depth,
             continued: true,
             one_off_setup: false,
+            depth_limit: 0,
         };
         // Free drafts and 20 ms passes: the deepest depth.
         let advice = a.observe_and_advise(round(0));
@@ -966,6 +1045,7 @@ mod tests {
                 accepted: 4,
                 continued,
                 one_off_setup,
+                depth_limit: 0,
             };
             let sessions = ["a", "b", "c", "d"];
             for s in sessions {
@@ -1009,6 +1089,45 @@ mod tests {
         g.deepest = Some((4, Instant::now() - DEEPEST_MEMORY * 2));
         g.observe_cycle(2, Duration::from_millis(25), 1);
         assert!(g.advise(1).unwrap() > 4, "{:?}", g.advise(1));
+    }
+
+    #[test]
+    fn a_generations_last_rounds_do_not_cap_the_advice_where_the_depth_limit_is_told() {
+        // Free drafts and 20 ms passes: the deepest depth the sessions draft. A round as the
+        // advisor records it: the session's limit (0: not told), its cycle, then the advice.
+        let round = |g: &mut LoadGate, depth, limit| {
+            g.observe_depth_limit(limit);
+            g.observe_cycle(depth, Duration::from_millis(20), 2);
+            let advice = g.advise(2);
+            g.last_advice = advice;
+            advice
+        };
+        let mut told = gate(8, 1..=600, |_| 0.02);
+        let mut untold = gate(8, 1..=600, |_| 0.02);
+        assert_eq!(told.advise(2), Some(8));
+        // Sessions that draft 6 deep by themselves.
+        assert_eq!(round(&mut told, 6, 6), Some(6));
+        assert_eq!(round(&mut untold, 6, 0), Some(6));
+        // Rounds as deep as the advice say nothing new: what the sessions drafted by
+        // themselves grows old.
+        for g in [&mut told, &mut untold] {
+            g.deepest = Some((6, Instant::now() - DEEPEST_MEMORY * 2));
+        }
+        // Then a generation ends: its last rounds draft no deeper than the tokens it may still
+        // emit, 2 and 1. Told the session's own depth, the gate keeps advising it; inferring
+        // it from the drafted depth, those rounds cap every session's advice, and the rounds
+        // the cap holds down keep it.
+        assert_eq!(round(&mut told, 2, 6), Some(6));
+        assert_eq!(round(&mut told, 1, 6), Some(6));
+        assert_eq!(round(&mut untold, 2, 0), Some(2));
+        assert_eq!(round(&mut untold, 1, 0), Some(2));
+        assert_eq!(round(&mut untold, 2, 0), Some(2));
+        // A deeper limit told lifts the cap at once; a shallower one lasts while it is the
+        // deepest told within the memory.
+        assert_eq!(round(&mut told, 6, 8), Some(8));
+        assert_eq!(round(&mut told, 3, 3), Some(8));
+        told.deepest = Some((8, Instant::now() - DEEPEST_MEMORY * 2));
+        assert_eq!(round(&mut told, 3, 3), Some(3));
     }
 
     #[test]

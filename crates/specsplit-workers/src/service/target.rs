@@ -172,6 +172,7 @@ impl TargetWorker {
                 accepted: v.accepted_tokens.len(),
                 continued,
                 one_off_setup: one_off_setup || r.draft_one_off_setup,
+                depth_limit: r.draft_depth_limit as usize,
             })
         });
         drop(in_flight);

@@ -902,6 +902,16 @@ impl<'a> Run<'a> {
         self.deadline.is_some_and(|d| Instant::now() >= d)
     }
 
+    /// How deep this generation drafts by itself, as its verify requests tell the target's load
+    /// gate: its current depth before the target's advice and the end of the generation cap a
+    /// round (0 for target-only generations).
+    fn depth_limit(&self) -> u32 {
+        match self.cfg.mode {
+            Mode::Spec => u32::try_from(self.widths.len()).unwrap_or(u32::MAX),
+            Mode::Ar => 0,
+        }
+    }
+
     /// The most tree nodes and levels the target accepts after the current sequence.
     fn target_room(&self) -> (usize, usize) {
         let t = &self.o.target_limits;

@@ -55,6 +55,7 @@ impl Run<'_> {
                 session_secret: self.secret.to_string(),
                 return_logprobs: self.cfg.logprobs,
                 draft_one_off_setup,
+                draft_depth_limit: self.depth_limit(),
                 ..Default::default()
             };
             self.request_no += 1;
