@@ -522,16 +522,23 @@ impl TargetEngine {
     }
 
     /// [`TargetEngine::pass_sessions`] from a CUDA graph of the shape
-    /// ([`SessionRowsStepper`]) where every member verifies a chain of the same length below
-    /// one new token and the model takes the pass; `None` (nothing run) otherwise. Each
-    /// member's logits are copied out of the stepper's buffer, which its next pass overwrites.
+    /// ([`SessionRowsStepper`]) where every member verifies a chain (or nothing) below one new
+    /// token, each session's cache has room for the longest, and the model takes the pass;
+    /// `None` (nothing run) otherwise. A shorter chain is padded to the longest with copies of
+    /// its last token: the pad rows come after the member's own, which never see them (each
+    /// row attends to its session's slots up to its own, and no product mixes rows), and their
+    /// K/V land past the slots its cache keeps. Each member's logits (its own rows) are copied
+    /// out of the stepper's buffer, which its next pass overwrites.
     fn pass_session_chains(
         &self,
         members: &mut [(&mut TargetSession, &PreparedRound, &TokenTree)],
     ) -> Result<Option<Vec<Tensor>>, EngineError> {
-        let rows = members.first().map_or(0, |(_, _, tree)| 1 + tree.len());
-        let chains = members.iter().all(|(_, round, tree)| {
-            round.tail().len() == 1 && 1 + tree.len() == rows && is_chain(tree)
+        let own: Vec<usize> = members.iter().map(|(_, _, tree)| 1 + tree.len()).collect();
+        let rows = own.iter().copied().max().unwrap_or(0);
+        let fits = members.iter().all(|(s, round, tree)| {
+            round.tail().len() == 1
+                && is_chain(tree)
+                && round.pass_start + rows <= s.cache.capacity()
         });
         let capacity = members
             .iter()
@@ -540,7 +547,7 @@ impl TargetEngine {
             .unwrap_or(0);
         if !self.exact_steps
             || members.len() < 2
-            || !chains
+            || !fits
             || !self.model.session_rows_fit(capacity, members.len(), rows)
         {
             return Ok(None);
@@ -551,6 +558,8 @@ impl TargetEngine {
                 let mut t = Vec::with_capacity(rows);
                 t.extend_from_slice(round.tail());
                 t.extend((0..tree.len()).map(|i| tree.token(i)));
+                let last = t[t.len() - 1];
+                t.resize(rows, last);
                 t
             })
             .collect();
@@ -571,9 +580,9 @@ impl TargetEngine {
             stepper.pass(&self.model, &parts, capacity)?
         };
         let mut out = Vec::with_capacity(members.len());
-        for (i, (s, _, _)) in members.iter_mut().enumerate() {
-            s.cache.advance(rows)?;
-            out.push(logits.narrow(0, i * rows, rows)?.copy()?);
+        for (i, ((s, _, _), &n)) in members.iter_mut().zip(&own).enumerate() {
+            s.cache.advance(n)?;
+            out.push(logits.narrow(0, i * rows, n)?.copy()?);
         }
         drop(stepper);
         Ok(Some(out))
