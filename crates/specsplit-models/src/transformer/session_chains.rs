@@ -281,8 +281,8 @@ impl Transformer {
     /// attention up to [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys; the products of one row
     /// through the step's GEMV, of up to [`fused::GEMV_MAX_ROWS`] rows through the
     /// batch-invariant product, wider ones through `growth_product`: each session's logits
-    /// those of its chain decoded alone up to bf16 rounding) and one greedy head for all rows (`greedy_level`), every input read on the
-    /// device, so a
+    /// those of its chain decoded alone up to bf16 rounding) and one greedy head for all rows
+    /// (`greedy_level`), every input read on the device, so a
     /// captured CUDA graph serves every round whatever the caches: writes each row's K/V at its
     /// slot (the caches' lengths are left alone) and the chains' tokens and log-probabilities
     /// to `b.out`. Fails unless [`Transformer::session_chains_fit`] holds.
