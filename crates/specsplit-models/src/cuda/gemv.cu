@@ -20,16 +20,23 @@ __device__ __forceinline__ void gemv_load4(const uint4* __restrict__ wr, int i, 
 
 // Adds the group's weight words times the same words of each of the R rows of x (k8 words a
 // row) to that row's four sums, word u to sum u: every word where FULL, else those below k8.
+// Every row's words are loaded before any is summed, so that their loads are in flight
+// together rather than one after another.
 template <int R, bool FULL>
 __device__ __forceinline__ void gemv_add4(const uint4 (&w)[4], const uint4* __restrict__ xr,
                                           int k8, int i, float (&a)[4][R]) {
+    uint4 xv[R][4];
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-        const uint4* xj = xr + (size_t)j * k8;
+    for (int j = 0; j < R; ++j)
 #pragma unroll
         for (int u = 0; u < 4; ++u)
-            if (FULL || i + u * WARP < k8) a[u][j] += dot8(w[u], __ldg(xj + i + u * WARP));
-    }
+            xv[j][u] = FULL || i + u * WARP < k8 ? __ldg(xr + (size_t)j * k8 + i + u * WARP)
+                                                 : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (FULL || i + u * WARP < k8) a[u][j] += dot8(w[u], xv[j][u]);
 }
 
 template <int R>

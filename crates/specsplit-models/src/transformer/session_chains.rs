@@ -297,9 +297,9 @@ impl Transformer {
         let layers = self.fused_layers()?;
         let launch = self.kernels.launch();
         // The step's GEMV reads each weight once for all rows, but its time grows with the rows:
-        // at the Qwen2.5 0.5B shape on an H200 a pass's products took 0.84 ms for one row, 1.05
-        // for two and 1.50 for four, the batch-invariant product 0.88–0.89 for one to four
-        // (`specsplit-bench kernels --shape qwen2.5-0.5b --rows 1,2,3,4,8 --contexts 256
+        // at the Qwen2.5 0.5B shape on an H200 a pass's products took 0.79 ms for one row, 0.99
+        // for two and 1.27 for four, the batch-invariant product 0.89–0.90 for one to four
+        // (`specsplit-bench kernels --shape qwen2.5-0.5b --rows 1,2,3,4 --contexts 256
         // --rows-pass`, 2026-11-28).
         let product = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| match x.dim(0)? {
             1 => fused::gemv_rows(x, w, bias, launch),
