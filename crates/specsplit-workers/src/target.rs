@@ -533,8 +533,11 @@ impl TargetEngine {
         &self,
         members: &mut [(&mut TargetSession, &PreparedRound, &TokenTree)],
     ) -> Result<Option<Vec<Tensor>>, EngineError> {
-        let own: Vec<usize> = members.iter().map(|(_, _, tree)| 1 + tree.len()).collect();
-        let rows = own.iter().copied().max().unwrap_or(0);
+        let rows = members
+            .iter()
+            .map(|(_, _, tree)| 1 + tree.len())
+            .max()
+            .unwrap_or(0);
         let fits = members.iter().all(|(s, round, tree)| {
             round.tail().len() == 1
                 && is_chain(tree)
@@ -580,9 +583,10 @@ impl TargetEngine {
             stepper.pass(&self.model, &parts, capacity)?
         };
         let mut out = Vec::with_capacity(members.len());
-        for (i, ((s, _, _), &n)) in members.iter_mut().zip(&own).enumerate() {
-            s.cache.advance(n)?;
-            out.push(logits.narrow(0, i * rows, n)?.copy()?);
+        for (i, (s, _, tree)) in members.iter_mut().enumerate() {
+            let own = 1 + tree.len();
+            s.cache.advance(own)?;
+            out.push(logits.narrow(0, i * rows, own)?.copy()?);
         }
         drop(stepper);
         Ok(Some(out))
