@@ -560,6 +560,69 @@ fn top_rows_give_each_rows_largest_logits_best_first_with_the_logsumexp() {
     assert!(fused::top_rows(&l, 5, L).is_err());
 }
 
+#[test]
+fn argmax_rows_pick_what_the_host_argmax_picks_across_several_matrices() {
+    let Some(dev) = gpu() else { return };
+    let vocab = 151_936usize;
+    // Three matrices of 1, 5 and 2 rows: ties at the maximum (the lower index wins), a maximum
+    // in the last and in the first slot, NaN beside it, and rows with no logit above -inf.
+    let mut mats: Vec<Vec<f32>> = Vec::new();
+    for (m, rows) in [1usize, 5, 2].into_iter().enumerate() {
+        let mut data: Vec<f32> = (0..rows * vocab)
+            .map(|i| (((i + 7919 * m) as f32 * 0.618).fract() - 0.5) * 8.0)
+            .collect();
+        for r in 0..rows {
+            let row = &mut data[r * vocab..(r + 1) * vocab];
+            match (m + r) % 5 {
+                0 => {
+                    row[vocab - 3] = 9.0;
+                    row[(r * 37 + 11) % (vocab - 3)] = 9.0;
+                }
+                1 => row[vocab - 1] = 9.5,
+                2 => {
+                    row[0] = 9.0;
+                    row[1] = f32::NAN;
+                }
+                3 => row.fill(f32::NEG_INFINITY),
+                _ => {
+                    row.fill(f32::NEG_INFINITY);
+                    row[vocab / 2] = f32::NAN;
+                }
+            }
+        }
+        mats.push(data);
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        let ts: Vec<Tensor> = mats
+            .iter()
+            .map(|d| {
+                Tensor::from_vec(d.clone(), (d.len() / vocab, vocab), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            })
+            .collect();
+        let refs: Vec<&Tensor> = ts.iter().collect();
+        let got: Vec<u32> = fused::argmax_rows(&refs, L).unwrap().to_vec1().unwrap();
+        let want: Vec<u32> = ts
+            .iter()
+            .flat_map(|t| {
+                let h = host(t);
+                h.chunks(vocab)
+                    .map(specsplit_core::sampling::argmax)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(got, want, "{dtype:?}");
+        assert_eq!(got.len(), 8);
+    }
+    // Matrices of different vocabularies, or none, are refused.
+    let a = Tensor::zeros((1, 10), DType::F32, &dev).unwrap();
+    let b = Tensor::zeros((1, 11), DType::F32, &dev).unwrap();
+    assert!(fused::argmax_rows(&[&a, &b], L).is_err());
+    assert!(fused::argmax_rows(&[], L).is_err());
+}
+
 fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in row.iter().enumerate() {

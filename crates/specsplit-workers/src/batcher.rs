@@ -170,6 +170,7 @@ fn run_pass(engine: &TargetEngine, counters: &PassCounters, mut members: Vec<Job
             members.pop().expect("one member"),
             logits,
             (1, rows),
+            None,
         );
         return;
     }
@@ -182,8 +183,20 @@ fn run_pass(engine: &TargetEngine, counters: &PassCounters, mut members: Vec<Job
     };
     match logits {
         Ok(logits) => {
+            // The greedy members' argmaxes with one copy from the device for all of them.
+            let greedy: Vec<&candle_core::Tensor> = members
+                .iter()
+                .zip(&logits)
+                .filter(|(m, _)| m.request.params.is_greedy())
+                .map(|(_, l)| l)
+                .collect();
+            let mut argmaxes = engine.argmaxes(&greedy).ok().map(Vec::into_iter);
             for (m, l) in members.into_iter().zip(logits) {
-                finish(engine, m, Ok(l), (sessions, rows));
+                let argmax = match &mut argmaxes {
+                    Some(a) if m.request.params.is_greedy() => a.next(),
+                    _ => None,
+                };
+                finish(engine, m, Ok(l), (sessions, rows), argmax);
             }
         }
         Err(e) => {
@@ -194,19 +207,20 @@ fn run_pass(engine: &TargetEngine, counters: &PassCounters, mut members: Vec<Job
                 let logits = engine.pass(&mut m.session, &m.round, &m.request.tree);
                 counters.pass(1);
                 let rows = m.rows();
-                finish(engine, m, logits, (1, rows));
+                finish(engine, m, logits, (1, rows), None);
             }
         }
     }
 }
 
 /// Finishes `m`'s round with the logits of its pass (of `sessions` sessions and `rows` rows)
-/// and answers it.
+/// and their argmaxes where already copied from the device, and answers it.
 fn finish(
     engine: &TargetEngine,
     mut m: Job,
     logits: Result<candle_core::Tensor, EngineError>,
     (sessions, rows): (usize, usize),
+    argmax: Option<Vec<u32>>,
 ) {
     let out = logits.and_then(|l| {
         engine.finish(
@@ -216,6 +230,7 @@ fn finish(
             &l,
             &m.request.params,
             m.request.logprobs,
+            argmax,
         )
     });
     let _ = m.answer.send(out.map(|outcome| BatchedOutcome {

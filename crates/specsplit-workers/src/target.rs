@@ -11,6 +11,7 @@ use specsplit_core::sampling::{self, SamplingParams};
 use specsplit_core::tree::TokenTree;
 use specsplit_core::verify::{self, Verdict};
 use specsplit_models::cpu_attention::TreeRows;
+use specsplit_models::fused::{self, Launch};
 use specsplit_models::step::{ExactStepper, SessionRowsStepper};
 use specsplit_models::transformer::{SessionChainRows, Transformer};
 use specsplit_models::SessionPass;
@@ -291,7 +292,7 @@ impl TargetEngine {
     ) -> Result<VerifyOutcome, EngineError> {
         let round = self.prepare(s, prefix, tree)?;
         let logits = self.pass(s, &round, tree)?;
-        self.finish(s, round, tree, &logits, params, logprobs)
+        self.finish(s, round, tree, &logits, params, logprobs, None)
     }
 
     /// The first phase of a verification round: checks `prefix` and `tree` against the
@@ -593,7 +594,10 @@ impl TargetEngine {
     }
 
     /// The last phase: the verdict from the pass's `logits`, then the cache keeps only the
-    /// accepted path and the session the logits after it.
+    /// accepted path and the session the logits after it. `argmax`: each row's argmax of
+    /// `logits` where the caller already has them ([`TargetEngine::argmaxes`]), for a greedy
+    /// verdict without another copy from the device.
+    #[allow(clippy::too_many_arguments)]
     pub fn finish(
         &self,
         s: &mut TargetSession,
@@ -602,6 +606,7 @@ impl TargetEngine {
         logits: &Tensor,
         params: &SamplingParams,
         logprobs: bool,
+        argmax: Option<Vec<u32>>,
     ) -> Result<VerifyOutcome, EngineError> {
         let PreparedRound {
             keep,
@@ -613,7 +618,7 @@ impl TargetEngine {
         } = round;
         let enqueue_time = started.elapsed();
         timer.enqueued(self.model.device());
-        let verdict = self.decide(tree, logits, params, &mut s.rng)?;
+        let verdict = self.decide(tree, logits, params, &mut s.rng, argmax)?;
         let model_time = started.elapsed();
         if let Some(device_ms) = timer.device_ms() {
             self.keep_timing(PassTiming {
@@ -743,17 +748,55 @@ impl TargetEngine {
         })
     }
 
-    /// The verdict from the logits rows: greedy compares device-side argmaxes (one small copy),
-    /// sampling copies the rows and runs lossless multi-step speculative sampling.
+    /// Each row's argmax of each of `logits` (`(rows, vocab)` matrices of one model's pass),
+    /// with one copy from the device for all of them: on CUDA through
+    /// [`fused::argmax_rows`], each row spread over many blocks (the lowest index among equal
+    /// maxima, as [`specsplit_core::sampling::argmax`] picks on the host), elsewhere through
+    /// the tensor's own argmax.
+    pub fn argmaxes(&self, logits: &[&Tensor]) -> Result<Vec<Vec<u32>>, EngineError> {
+        if logits.is_empty() {
+            return Ok(Vec::new());
+        }
+        if !logits[0].device().is_cuda() {
+            return logits
+                .iter()
+                .map(|l| Ok(l.argmax(D::Minus1)?.to_vec1()?))
+                .collect();
+        }
+        let flat: Vec<u32> = fused::argmax_rows(logits, Launch::DEFAULT)?.to_vec1()?;
+        let mut rest = flat.as_slice();
+        let mut out = Vec::with_capacity(logits.len());
+        for l in logits {
+            let (head, tail) = rest.split_at(l.dims2()?.0);
+            out.push(head.to_vec());
+            rest = tail;
+        }
+        Ok(out)
+    }
+
+    /// The verdict from the logits rows: greedy compares argmaxes copied from the device
+    /// (`argmax` where the caller has them), sampling copies the rows and runs lossless
+    /// multi-step speculative sampling.
     fn decide(
         &self,
         tree: &TokenTree,
         logits: &Tensor,
         params: &SamplingParams,
         rng: &mut ChaCha8Rng,
+        argmax: Option<Vec<u32>>,
     ) -> Result<Verdict, EngineError> {
         if params.is_greedy() {
-            let next: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            let next = match argmax {
+                Some(next) => next,
+                None => self.argmaxes(&[logits])?.pop().unwrap_or_default(),
+            };
+            if next.len() != tree.len() + 1 {
+                return Err(EngineError::Tensor(candle_core::Error::Msg(format!(
+                    "{} argmaxes for a tree of {} nodes",
+                    next.len(),
+                    tree.len()
+                ))));
+            }
             if tree.is_empty() {
                 return Ok(Verdict {
                     accepted_nodes: vec![],

@@ -155,6 +155,21 @@ extern "C" __global__ void specsplit_greedy_rows_finish(
     }
 }
 
+// Combines the parts of specsplit_greedy_head_part_* for each row (one warp a row, grid rows):
+// ids[r] = the lowest index holding the row's maximum, or 0 where no logit of the row exceeds
+// -inf (NaN never wins), as the host's `sampling::argmax` picks.
+extern "C" __global__ void specsplit_argmax_rows_finish(const float* __restrict__ part,
+                                                        int blocks, int v,
+                                                        uint32_t* __restrict__ ids) {
+    pdl_enter();
+    const int r = blockIdx.x;
+    part += (size_t)3 * blocks * r;
+    float bv, s;
+    int bi;
+    head_combine(part, blocks, false, bv, bi, s);
+    if (threadIdx.x == 0) ids[r] = bi < v ? (uint32_t)bi : 0u;
+}
+
 // One round of the top-w of each row (one warp a row, grid rows), after a round of
 // specsplit_greedy_head_part_f32 over the same logits: writes the row's maximum's lowest index
 // (as f32) to out[r * (2 w + 1) + j] and the maximum to out[.. + w + j]; in round 0 also the

@@ -873,17 +873,24 @@ fn head_blocks(vocab: usize) -> usize {
 /// [`head_blocks`] blocks a row, each writing its maximum, the lowest index holding it and its
 /// exp-sum to `part` (`3 * blocks` floats a row), for one warp a row to combine.
 fn head_parts(x: &Tensor, part: &Tensor, blocks: usize, l: super::Launch) -> Result<()> {
+    let rows = x.dims2()?.0;
+    check(part.elem_count() >= rows * 3 * blocks, || {
+        format!("greedy head parts {:?} for {rows} rows", part.dims())
+    })?;
+    head_parts_at(x, ptr(part)?, blocks, l)
+}
+
+/// [`head_parts`] into the parts at device address `part`, which holds `3 * blocks` floats for
+/// each row of `x`.
+fn head_parts_at(x: &Tensor, part: u64, blocks: usize, l: super::Launch) -> Result<()> {
     let (rows, vocab) = x.dims2()?;
     let name = match x.dtype() {
         DType::BF16 => "specsplit_greedy_head_part_bf16",
         DType::F32 => "specsplit_greedy_head_part_f32",
         d => return Err(Error::Msg(format!("greedy head over {d:?} logits"))),
     };
-    check(part.elem_count() >= rows * 3 * blocks, || {
-        format!("greedy head parts {:?} for {rows} rows", part.dims())
-    })?;
     let chunk = vocab.div_ceil(blocks);
-    let args = [P(ptr(x)?), I(vocab as i32), I(chunk as i32), P(ptr(part)?)];
+    let args = [P(ptr(x)?), I(vocab as i32), I(chunk as i32), P(part)];
     launch_2d(
         l.pdl,
         cuda(x)?,
@@ -923,6 +930,52 @@ pub(super) fn greedy_head(
     args.push(I(blocks as i32));
     args.extend(pointers(&[next, logprob, token, pos])?);
     launch(l.pdl, dev, "specsplit_greedy_head_finish", 1, 32, &args)
+}
+
+pub(super) fn argmax_rows(logits: &[&Tensor], l: super::Launch) -> Result<Tensor> {
+    let Some(first) = logits.first() else {
+        return Err(Error::Msg("the argmax of no logits".into()));
+    };
+    let vocab = first.dims2()?.1;
+    let mut total = 0;
+    for x in logits {
+        let (rows, v) = x.dims2()?;
+        check(
+            v == vocab && x.dtype() == first.dtype() && x.device().same_device(first.device()),
+            || format!("argmax of {:?} beside {:?}", x.dims(), first.dims()),
+        )?;
+        total += rows;
+    }
+    let dev = cuda(first)?;
+    let blocks = head_blocks(vocab);
+    let part = empty(&[total.max(1) * 3 * blocks], DType::F32, first)?;
+    let ids = empty(&[total], DType::U32, first)?;
+    let (part_at, ids_at) = (ptr(&part)?, ptr(&ids)?);
+    let mut row = 0;
+    for x in logits {
+        let rows = x.dims2()?.0;
+        if rows == 0 {
+            continue;
+        }
+        let part_row = part_at + (row * 3 * blocks * std::mem::size_of::<f32>()) as u64;
+        head_parts_at(x, part_row, blocks, l)?;
+        let args = [
+            P(part_row),
+            I(blocks as i32),
+            I(vocab as i32),
+            P(ids_at + (row * std::mem::size_of::<u32>()) as u64),
+        ];
+        launch(
+            l.pdl,
+            dev,
+            "specsplit_argmax_rows_finish",
+            rows as u32,
+            32,
+            &args,
+        )?;
+        row += rows;
+    }
+    Ok(ids)
 }
 
 pub(super) fn greedy_rows(

@@ -1,5 +1,5 @@
-//! The SwiGLU gate, the greedy head of the one-token step, that of a chain growth's rows, and
-//! the top logits of a few rows.
+//! The SwiGLU gate, the greedy head of the one-token step, that of a chain growth's rows, the
+//! argmax of rows, and the top logits of a few rows.
 
 use super::{applies, imp, unfit, Launch};
 use candle_core::{DType, Result, Tensor};
@@ -47,6 +47,24 @@ pub fn greedy_rows(
         return Err(unfit("greedy_rows", &[logits]));
     }
     imp::greedy_rows(logits, forced, forced_on, tok, lp, launch)
+}
+
+/// The index of the largest logit of every row of each of `logits` (each `(rows, vocab)`, bf16
+/// or f32 on CUDA, all of one vocabulary, dtype and device), in order, as one `(total rows,)`
+/// u32 tensor: the lowest index among equal maxima, 0 for a row with no logit above -inf (NaN
+/// never wins), as [`specsplit_core::sampling::argmax`] picks on the host. Two launches a
+/// matrix, each row spread over many blocks, so that one copy to the host serves them all.
+pub fn argmax_rows(logits: &[&Tensor], launch: Launch) -> Result<Tensor> {
+    let fits = |t: &Tensor| {
+        cfg!(feature = "cuda")
+            && t.device().is_cuda()
+            && matches!(t.dtype(), DType::BF16 | DType::F32)
+            && t.rank() == 2
+    };
+    if logits.is_empty() || !logits.iter().all(|t| fits(t)) {
+        return Err(unfit("argmax_rows", logits));
+    }
+    imp::argmax_rows(logits, launch)
 }
 
 /// The `width` largest logits of each row of `logits` `(rows, vocab)` (bf16 or f32 on CUDA),

@@ -51,7 +51,7 @@ pub use attention::{
     decode_attention, draft_attention, rows_attention, AttnShape, PassKeys, RA_MAX_REP,
 };
 pub use bi_matmul::{bi_matmul, bi_matmul_fits, cublas_product, BI_MAX_ROWS, WIDE_MAX_ROWS};
-pub use elementwise::{greedy_head, greedy_rows, silu_mul, top_rows};
+pub use elementwise::{argmax_rows, greedy_head, greedy_rows, silu_mul, top_rows};
 pub use gemv::{gemv, gemv_fits, gemv_rows, gemv_rows_fits, GEMV_MAX_ROWS};
 pub use launch::{
     decode_attention_splits, draft_attention_warps, replay_span, BiTuning, Launch,

@@ -89,6 +89,9 @@ pub(super) fn silu_mul(_: &Tensor, _: super::Launch) -> Result<Tensor> {
 pub(super) fn top_rows(_: &Tensor, _: usize, _: super::Launch) -> Result<Tensor> {
     Err(off())
 }
+pub(super) fn argmax_rows(_: &[&Tensor], _: super::Launch) -> Result<Tensor> {
+    Err(off())
+}
 pub(super) fn greedy_rows(
     _: &Tensor,
     _: &Tensor,
