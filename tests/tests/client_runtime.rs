@@ -1,13 +1,14 @@
-//! The orchestrator's own runtime thread and the workers' server threads: generations through
-//! them match target-only decoding whatever runtime the caller is on, a generation dropped
-//! midway and its orchestrator leave no thread behind, and stopped workers leave none either.
+//! The orchestrator's own runtime threads and the workers' server threads: generations through
+//! them, one at a time or several at once over the client threads, match target-only decoding
+//! whatever runtime the caller is on, a generation dropped midway and its orchestrator leave no
+//! thread behind, and stopped workers leave none either.
 //!
 //! One test in this file: it counts the process's threads by name.
 
 use std::time::{Duration, Instant};
 
 use specsplit_e2e::{config, prompts, start_draft, start_target};
-use specsplit_orchestrator::{GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{ConnectOptions, GenerateConfig, Mode, Orchestrator, Pipeline};
 
 const MODEL: &str = "random:tiny:7";
 
@@ -43,11 +44,17 @@ async fn client_and_server_threads_generate_exactly_and_stop_cleanly() {
     let target = start_target(&config(MODEL, true)).await;
     let draft = start_draft(&config(MODEL, false)).await;
     assert_eq!(settles(SERVER, 2).await, 2, "one server thread per worker");
-    let orch = Orchestrator::connect(Some(&draft.url), &target.url)
+    let opts = ConnectOptions {
+        client_threads: 2,
+        ..Default::default()
+    };
+    let orch = Orchestrator::connect_with_options(Some(&draft.url), &target.url, &opts)
         .await
         .unwrap();
-    assert_eq!(threads_named(CLIENT), 1, "one client runtime thread");
+    assert_eq!(threads_named(CLIENT), 2, "two client runtime threads");
+    assert_eq!(orch.client_threads(), 2);
     let vocab = orch.vocab_size() as u32;
+    let mut references = Vec::new();
     for prompt in prompts(3, 3, vocab.min(500)) {
         let ar = GenerateConfig {
             mode: Mode::Ar,
@@ -70,13 +77,35 @@ async fn client_and_server_threads_generate_exactly_and_stop_cleanly() {
             assert_eq!(g.token_ids, reference.token_ids, "{pipeline:?}");
             assert_eq!(streamed, g.token_ids);
         }
+        references.push((prompt, reference.token_ids));
+    }
+    // Three generations at once run over both client threads, each as it ran alone.
+    let cfg = GenerateConfig {
+        max_tokens: 16,
+        widths: vec![1, 1, 1],
+        ..Default::default()
+    };
+    let runs = references
+        .iter()
+        .map(|(prompt, _)| orch.generate(prompt, &cfg, |_| {}));
+    let (a, b, c) = {
+        let mut runs = runs;
+        let (a, b, c) = (
+            runs.next().unwrap(),
+            runs.next().unwrap(),
+            runs.next().unwrap(),
+        );
+        tokio::join!(a, b, c)
+    };
+    for ((_, want), got) in references.iter().zip([a, b, c]) {
+        assert_eq!(&got.unwrap().token_ids, want);
     }
 
-    // A clone keeps the thread; a generation dropped after its first round, then every
-    // orchestrator dropped, stop it.
+    // A clone keeps the threads; a generation dropped after its first round, then every
+    // orchestrator dropped, stop them.
     let other = orch.clone();
     drop(orch);
-    assert_eq!(threads_named(CLIENT), 1);
+    assert_eq!(threads_named(CLIENT), 2);
     let cfg = GenerateConfig {
         max_tokens: 100_000,
         widths: vec![1, 1, 1],
@@ -97,7 +126,7 @@ async fn client_and_server_threads_generate_exactly_and_stop_cleanly() {
     assert_eq!(
         settles(CLIENT, 0).await,
         0,
-        "the client runtime thread outlived its users"
+        "a client runtime thread outlived its users"
     );
 
     // Stopped workers' server threads end too.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use specsplit_orchestrator::{
-    ClientSpin, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
+    ClientSpin, ConnectOptions, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
 };
 use specsplit_workers::batcher::{BatchLimits, VerifyBatcher};
 use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
@@ -73,8 +73,10 @@ pub struct LoadSettings {
     pub rpc_timeout_ms: u64,
     /// Seed of the pseudo-random prompts.
     pub seed: u64,
-    /// When the orchestrator's client runtime busy-polls.
+    /// When the orchestrator's client runtimes busy-poll.
     pub client_spin: ClientSpin,
+    /// Client runtimes of each orchestrator (0: [`specsplit_orchestrator::default_client_threads`]).
+    pub client_threads: usize,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -354,7 +356,12 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
         widths: vec![1; s.depth],
         ..base.clone()
     };
-    let ar_orch = Arc::new(Orchestrator::connect_with(None, &t_server.addr, s.client_spin).await?);
+    let opts = ConnectOptions {
+        spin: s.client_spin,
+        client_threads: s.client_threads,
+        ..ConnectOptions::default()
+    };
+    let ar_orch = Arc::new(Orchestrator::connect_with_options(None, &t_server.addr, &opts).await?);
 
     // Each prompt alone, target-only: the reference of every measurement.
     eprintln!("{most} prompts alone (target-only) ...");
@@ -398,7 +405,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     let d_batcher = d_worker.batcher().cloned();
     let d_server = spawn_server("draft", move |l, sd| serve_draft(d_worker, l, sd)).await?;
     let spec_orch = Arc::new(
-        Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?,
+        Orchestrator::connect_with_options(Some(&d_server.addr), &t_server.addr, &opts).await?,
     );
 
     let mut rows = Vec::new();
@@ -478,6 +485,11 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "transport": "gRPC over loopback, workers in-process, one target and one draft worker shared by all sessions",
             "greedy": true,
             "work_placement": format!("{:?}", t_exec.placement()).to_lowercase(),
+            "client_spin": s.client_spin,
+            "client_threads": match s.client_threads {
+                0 => specsplit_orchestrator::default_client_threads(),
+                n => n,
+            },
         },
         "rows": rows,
     });
@@ -543,6 +555,7 @@ mod tests {
             rpc_timeout_ms: 30_000,
             seed: 3,
             client_spin: ClientSpin::Never,
+            client_threads: 2,
             out: out.clone(),
             name: "load".into(),
         };

@@ -157,6 +157,10 @@ struct LoadArgs {
     /// never.
     #[arg(long, value_name = "auto|always|never", default_value = "auto")]
     client_spin: ClientSpin,
+    /// Client threads of each orchestrator, each with its own connections to the workers (0:
+    /// one for every four cores, 1 to 8).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    client_threads: usize,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -573,6 +577,7 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         rpc_timeout_ms: a.rpc_timeout_ms,
         seed: a.seed,
         client_spin: a.client_spin,
+        client_threads: a.client_threads,
         out: a.out,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();

@@ -11,6 +11,9 @@ use specsplit_orchestrator::{
 };
 use specsplit_workers::config::{load_section, Secret, WorkerConfig};
 
+/// The most client threads an orchestrator may be configured to run.
+const MAX_CLIENT_THREADS: usize = 64;
+
 /// `--mode`: whether the draft is used.
 #[derive(Clone, Copy, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -181,6 +184,12 @@ pub struct OrchestratorArgs {
     #[arg(long, value_name = "auto|always|never")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) client_spin: Option<ClientSpin>,
+    /// Client threads the orchestrator runs generations on, each with its own connections to
+    /// the workers; a generation takes the one running fewest (0: one for every four cores, 1
+    /// to 8; at most 64).
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) client_threads: Option<usize>,
     /// Log format: text or json (filter with RUST_LOG; default warn).
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -244,6 +253,7 @@ pub struct Settings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) first_round_overlap: Option<bool>,
     pub(crate) client_spin: ClientSpin,
+    pub(crate) client_threads: usize,
     pub(crate) http_listen: String,
     pub(crate) http_max_body_bytes: usize,
     pub(crate) max_concurrent: usize,
@@ -303,6 +313,7 @@ impl Default for Settings {
             spec_probe_rounds: g.spec_probe_rounds,
             first_round_overlap: g.first_round_overlap,
             client_spin: ClientSpin::default(),
+            client_threads: 0,
             http_listen: "127.0.0.1:8000".into(),
             http_max_body_bytes: 1 << 20,
             max_concurrent: 4,
@@ -341,9 +352,26 @@ impl Settings {
             (None, None) => None,
         };
         Ok(ConnectOptions {
-            spin: self.client_spin,
             tls,
             token,
+            ..self.client_options()?
+        })
+    }
+
+    /// How the orchestrator's client runtimes run: their busy-polling and their number
+    /// (checked: at most [`MAX_CLIENT_THREADS`]).
+    pub(crate) fn client_options(&self) -> Result<ConnectOptions> {
+        if self.client_threads > MAX_CLIENT_THREADS {
+            bail!(
+                "client_threads is {} but at most {MAX_CLIENT_THREADS} client threads may run; \
+                 0 picks one for every four cores",
+                self.client_threads
+            );
+        }
+        Ok(ConnectOptions {
+            spin: self.client_spin,
+            client_threads: self.client_threads,
+            ..ConnectOptions::default()
         })
     }
 

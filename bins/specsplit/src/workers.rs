@@ -53,7 +53,8 @@ async fn connect_unchecked(s: &Settings) -> Result<Connected> {
         let on_gpu = s.device.starts_with("cuda");
         let uses_draft = needs_draft || (uses_draft && on_gpu);
         let (ip, d, t, tokenizer) = start_in_process(s, uses_draft).await?;
-        let orch = Orchestrator::connect_with(d.as_deref(), &t, s.client_spin).await?;
+        let orch =
+            Orchestrator::connect_with_options(d.as_deref(), &t, &s.client_options()?).await?;
         return Ok(Connected {
             in_process: Some(ip),
             orch,

@@ -24,7 +24,8 @@ mod verify_cost;
 pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
 pub use bandit::DrafterBandit;
 pub use client::{
-    AuthToken, ClientSpin, ClientTls, ConnectOptions, Orchestrator, OrchestratorError,
+    default_client_threads, AuthToken, ClientSpin, ClientTls, ConnectOptions, Orchestrator,
+    OrchestratorError,
 };
 pub use drafter::{Drafter, DrafterChoice};
 pub use online_choice::{ChoiceMemory, OnlineChoice, PlayedRound};

@@ -18,7 +18,7 @@ use specsplit_proto::target_service_client::TargetServiceClient;
 use specsplit_proto::{EndSessionRequest, PingRequest};
 
 pub use error::OrchestratorError;
-pub use options::{AuthToken, ClientTls, ConnectOptions};
+pub use options::{default_client_threads, AuthToken, ClientTls, ConnectOptions};
 pub use runtime::ClientSpin;
 
 use crate::{GenerateConfig, Generation, Mode};
@@ -29,10 +29,41 @@ use worker::{channel, known, ping, Link, WorkerLimits, MAX_MESSAGE_BYTES};
 /// How long ending a session may take (best effort, after the generation's result is known).
 const END_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// One client runtime and its own channels to the workers.
+struct Lane {
+    rt: Arc<ClientRuntime>,
+    draft: Option<DraftServiceClient<Link>>,
+    target: TargetServiceClient<Link>,
+    /// Generations running on it.
+    live: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a generation live on its lane until dropped.
+struct OnLane(Arc<Lane>);
+
+impl Drop for OnLane {
+    fn drop(&mut self) {
+        self.0
+            .live
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// The index of the lane with the fewest live generations, given each lane's count (the
+/// first of those tied; 0 for none).
+fn least_busy(live: impl IntoIterator<Item = usize>) -> usize {
+    live.into_iter()
+        .enumerate()
+        .min_by_key(|&(i, n)| (n, i))
+        .map_or(0, |(i, _)| i)
+}
+
 /// A connection to a target worker and, for speculative decoding, a draft worker.
 ///
-/// Its gRPC channels and its generations' round loops run on a current-thread runtime on a
-/// thread of its own (see [`ClientRuntime`]), which stops when the last clone is dropped.
+/// Its gRPC channels and its generations' round loops run on current-thread runtimes, each on
+/// a thread of its own with its own channels (see [`ClientRuntime`],
+/// [`ConnectOptions::client_threads`]); a generation runs on the one with the fewest live
+/// generations. They stop when the last clone is dropped.
 #[derive(Clone)]
 pub struct Orchestrator {
     draft: Option<DraftServiceClient<Link>>,
@@ -57,6 +88,8 @@ pub struct Orchestrator {
     /// The target's latest load advice per level of live generations, for a generation's
     /// first round, which has no answer of its own to take it from.
     advice: Arc<advice::AdviceMemory>,
+    /// Every client runtime with its channels; `draft`, `target` and `rt` are one of them.
+    lanes: Arc<Vec<Arc<Lane>>>,
     /// Dropped after the channels (fields drop in order), though either order is safe.
     rt: Arc<ClientRuntime>,
 }
@@ -101,13 +134,67 @@ impl Orchestrator {
     ) -> Result<Self, OrchestratorError> {
         let rt = ClientRuntime::start(opts.spin)?;
         // Connected on the client runtime, so that the channels' tasks are spawned there.
-        let (draft_addr, target_addr) = (draft_addr.map(str::to_string), target_addr.to_string());
-        let (rt2, opts) = (rt.clone(), opts.clone());
-        rt.spawn(async move {
-            Self::connect_here(draft_addr.as_deref(), &target_addr, &opts, rt2).await
-        })
-        .join()
-        .await
+        let (draft, target) = (draft_addr.map(str::to_string), target_addr.to_string());
+        let (rt2, o) = (rt.clone(), opts.clone());
+        let mut orch = rt
+            .spawn(async move { Self::connect_here(draft.as_deref(), &target, &o, rt2).await })
+            .join()
+            .await?;
+        let threads = match opts.client_threads {
+            0 => options::default_client_threads(),
+            n => n,
+        };
+        let mut lanes = (*orch.lanes).clone();
+        for _ in 1..threads {
+            let rt = ClientRuntime::start(opts.spin)?;
+            let (draft, target, o) = (
+                draft_addr.map(str::to_string),
+                target_addr.to_string(),
+                opts.clone(),
+            );
+            let (d, t) = rt
+                .spawn(async move {
+                    let t = channel("target", &target, &o).await?;
+                    let d = match draft {
+                        Some(addr) => Some(channel("draft", &addr, &o).await?),
+                        None => None,
+                    };
+                    Ok((d, t))
+                })
+                .join()
+                .await?;
+            lanes.push(Arc::new(Lane {
+                rt,
+                draft: d.map(draft_client),
+                target: target_client(t),
+                live: Default::default(),
+            }));
+        }
+        orch.lanes = Arc::new(lanes);
+        Ok(orch)
+    }
+
+    /// Client runtimes (threads) this orchestrator runs its generations on.
+    pub fn client_threads(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// This orchestrator on the lane with the fewest live generations, counted live there
+    /// until the returned guard is dropped.
+    fn on_least_busy_lane(&self) -> (Orchestrator, OnLane) {
+        let live = self
+            .lanes
+            .iter()
+            .map(|l| l.live.load(std::sync::atomic::Ordering::Acquire));
+        let lane = self.lanes[least_busy(live)].clone();
+        lane.live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let o = Orchestrator {
+            draft: lane.draft.clone(),
+            target: lane.target.clone(),
+            rt: lane.rt.clone(),
+            ..self.clone()
+        };
+        (o, OnLane(lane))
     }
 
     /// [`Orchestrator::connect_with_options`] on the current runtime, which must be `rt`'s.
@@ -117,17 +204,13 @@ impl Orchestrator {
         opts: &ConnectOptions,
         rt: Arc<ClientRuntime>,
     ) -> Result<Self, OrchestratorError> {
-        let mut target = TargetServiceClient::new(channel("target", target_addr, opts).await?)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let mut target = target_client(channel("target", target_addr, opts).await?);
         let tp = ping("target", target_addr, target.ping(PingRequest {})).await?;
         let mut eos: Vec<u32> = tp.eos_token_ids.iter().map(|&t| t as u32).collect();
         let draft = match draft_addr {
             None => None,
             Some(addr) => {
-                let mut d = DraftServiceClient::new(channel("draft", addr, opts).await?)
-                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                let mut d = draft_client(channel("draft", addr, opts).await?);
                 let dp = ping("draft", addr, d.ping(PingRequest {})).await?;
                 // A model-free draft worker reports no vocabulary (0): it copies token ids it
                 // was sent, and its trees are checked against the target's vocabulary.
@@ -150,6 +233,12 @@ impl Orchestrator {
             Some((d, l)) => (Some(d), Some(l)),
             None => (None, None),
         };
+        let lane = Arc::new(Lane {
+            rt: rt.clone(),
+            draft: draft.clone(),
+            target: target.clone(),
+            live: Default::default(),
+        });
         Ok(Self {
             draft,
             target,
@@ -164,6 +253,7 @@ impl Orchestrator {
             suffix_store: SuffixStore::shared(SuffixConfig::default()),
             choice_memory: Arc::default(),
             advice: Arc::default(),
+            lanes: Arc::new(vec![lane]),
             rt,
         })
     }
@@ -281,20 +371,21 @@ impl Orchestrator {
         // (see `ClientRuntime`), whatever polls the caller. The caller still calls `on_tokens`
         // itself, with every round's tokens, in order, before the result.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Vec<u32>, Vec<f32>)>();
-        let (o, cfg, prompt) = (self.clone(), cfg.clone(), prompt.to_vec());
+        let ((o, on_lane), cfg, prompt) = (self.on_least_busy_lane(), cfg.clone(), prompt.to_vec());
+        let lane = o.clone();
         let (session2, secret2) = (session.clone(), secret.clone());
         // Counted live from here, so that generations started together count each other
         // before their first rounds.
         let live = self.advice.enter();
         let body = async move {
-            let _live = live;
+            let _live = (live, on_lane);
             run_and_end(&o, &session2, &secret2, &cfg, &prompt, move |t, lp| {
                 // The receiver is gone only when the caller was dropped (and aborts us).
                 let _ = tx.send((t.to_vec(), lp.to_vec()));
             })
             .await
         };
-        let task = self.rt.spawn(body);
+        let task = lane.rt.spawn(body);
         let mut on_tokens = on_tokens;
         let (mut passed, mut passed_logprobs) = (Vec::new(), Vec::new());
         // The channel closes when the round loop returns (the sender is dropped with it).
@@ -303,8 +394,8 @@ impl Orchestrator {
             passed_logprobs.extend_from_slice(&lp);
             if !on_tokens(&t, &lp) {
                 task.cancel().await;
-                let o = self.clone();
-                let _ = self
+                let o = lane.clone();
+                let _ = lane
                     .rt
                     .spawn(async move {
                         o.end_sessions(&session, &secret).await;
@@ -362,6 +453,20 @@ async fn run_and_end(
     result
 }
 
+/// A target client over `link` that sends and takes messages up to [`MAX_MESSAGE_BYTES`].
+fn target_client(link: Link) -> TargetServiceClient<Link> {
+    TargetServiceClient::new(link)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// A draft client over `link` that sends and takes messages up to [`MAX_MESSAGE_BYTES`].
+fn draft_client(link: Link) -> DraftServiceClient<Link> {
+    DraftServiceClient::new(link)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
 /// A fresh session secret: 32 random hex digits (128 bits).
 fn new_secret() -> String {
     format!("{:032x}", rand::random::<u128>())
@@ -370,6 +475,15 @@ fn new_secret() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_generation_takes_the_lane_with_the_fewest_live_generations_the_first_of_ties() {
+        assert_eq!(least_busy([2, 1, 1, 3]), 1);
+        assert_eq!(least_busy([2, 2, 1, 3]), 2);
+        assert_eq!(least_busy([0, 0]), 0);
+        assert_eq!(least_busy([4]), 0);
+        assert_eq!(least_busy([]), 0);
+    }
 
     #[test]
     fn secrets_are_fresh_128_bit_hex_strings() {

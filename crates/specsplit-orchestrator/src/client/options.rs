@@ -65,13 +65,27 @@ impl ClientTls {
 }
 
 /// How [`super::Orchestrator::connect_with_options`] connects: the defaults are plaintext
-/// without a token, the client runtime as [`ClientSpin::default`].
+/// without a token, the client runtimes as [`ClientSpin::default`], as many as
+/// [`default_client_threads`].
 #[derive(Debug, Clone, Default)]
 pub struct ConnectOptions {
-    /// How the client runtime busy-polls.
+    /// How the client runtimes busy-poll.
     pub spin: ClientSpin,
+    /// Client runtimes (threads), each with its own connections to the workers; a generation
+    /// runs on the one with the fewest live generations. 0: [`default_client_threads`].
+    pub client_threads: usize,
     /// TLS towards both workers; addresses without a scheme then use `https://`.
     pub tls: Option<ClientTls>,
     /// The bearer token sent with every call to both workers.
     pub token: Option<AuthToken>,
+}
+
+/// The client runtimes an orchestrator starts where [`ConnectOptions::client_threads`] is 0:
+/// one for every four cores this process may use, 1 to 8. One runtime carries every round of
+/// its generations (their requests, answers and round logic) on one thread, which bounds how
+/// many concurrent generations it serves at the workers' pace.
+pub fn default_client_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get() / 4)
+        .clamp(1, 8)
 }
