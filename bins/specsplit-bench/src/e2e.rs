@@ -15,8 +15,8 @@ use specsplit_models::loader::{load_model, LoadOptions, LoadedModel};
 use specsplit_models::tokenizer::ChatFormat;
 use specsplit_models::transformer::Transformer;
 use specsplit_orchestrator::{
-    ClientSpin, DrafterChoice, GenerateConfig, Generation, GenerationStats, Mode, Orchestrator,
-    Pipeline, RoundRecord,
+    ClientSpin, ConnectOptions, DrafterChoice, GenerateConfig, Generation, GenerationStats, Mode,
+    Orchestrator, Pipeline, RoundRecord,
 };
 use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
 use specsplit_workers::launch::{parse_device, parse_dtype};
@@ -83,8 +83,10 @@ pub struct E2eSettings {
     pub warmup: usize,
     /// Whether the first round drafts beside the target's prefill (None = the default rule).
     pub first_round_overlap: Option<bool>,
-    /// When the orchestrator's client runtime busy-polls.
+    /// When the orchestrator's client runtimes busy-poll.
     pub client_spin: ClientSpin,
+    /// Client runtimes of each orchestrator (0: [`specsplit_orchestrator::default_client_threads`]).
+    pub client_threads: usize,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -721,7 +723,12 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
     let meta_models = json!({"target": target.name, "draft": draft.name});
 
     // Target-only baseline; its outputs are the reference continuations.
-    let ar_orch = Orchestrator::connect_with(None, &t_server.addr, s.client_spin).await?;
+    let opts = ConnectOptions {
+        spin: s.client_spin,
+        client_threads: s.client_threads,
+        ..ConnectOptions::default()
+    };
+    let ar_orch = Orchestrator::connect_with_options(None, &t_server.addr, &opts).await?;
     let ar_cfg = GenerateConfig {
         mode: Mode::Ar,
         ..base_cfg.clone()
@@ -814,7 +821,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
         };
         let d_server = start_draft(engine, label.clone()).await?;
         let orch =
-            Orchestrator::connect_with(Some(&d_server.addr), &t_server.addr, s.client_spin).await?;
+            Orchestrator::connect_with_options(Some(&d_server.addr), &t_server.addr, &opts).await?;
         let drafter = if beta.is_some() { "synthetic" } else { "real" };
         let mut best: Vec<(Pipeline, usize, f64)> = Vec::new();
         for r in &runs {
@@ -1027,7 +1034,7 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             "drafters": s.drafters.iter().map(|&d| choice_name(d)).collect::<Vec<_>>(),
             "random_prompts": random,
             "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos, "warmup_passes": s.warmup,
-            "first_round_overlap": s.first_round_overlap, "client_spin": s.client_spin,
+            "first_round_overlap": s.first_round_overlap, "client_spin": s.client_spin, "client_threads": ar_orch.client_threads(),
             "synthetic": !s.betas.is_empty(), "betas": s.betas,
             "synthetic_coverage": (!s.betas.is_empty()).then(|| s.coverage.clone()),
             "candidates": s.candidates,

@@ -356,6 +356,9 @@ struct E2eArgs {
     /// reports a CUDA device), always or never.
     #[arg(long, value_name = "auto|always|never", default_value = "auto")]
     client_spin: ClientSpin,
+    /// Client threads of each orchestrator (0: one for every four cores, 1 to 8).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    client_threads: usize,
     /// Small preset that finishes quickly.
     #[arg(long)]
     quick: bool,
@@ -510,6 +513,7 @@ fn e2e(a: E2eArgs) -> Result<()> {
             .collect(),
         first_round_overlap: a.first_round_overlap,
         client_spin: a.client_spin,
+        client_threads: a.client_threads,
         out: a.out,
         name,
         device_timing: a.device_timing,
