@@ -53,10 +53,8 @@ impl AdviceMemory {
     }
 
     /// The advice for a first round now: the advice last heard at the level of the generations
-    /// live now, capped by any heard at a busier level within [`BUSIER_MEMORY`]; with neither,
-    /// the advice last heard at the nearest quieter level (more load only makes drafting
-    /// dearer: a burst larger than any before would otherwise draft all its prompts at once);
-    /// `None` where nothing was heard.
+    /// live now, capped by any heard at a busier level within [`BUSIER_MEMORY`] (`None`:
+    /// neither).
     pub(crate) fn for_first_round(&self) -> Option<usize> {
         self.first_round_at(Instant::now())
     }
@@ -71,10 +69,8 @@ impl AdviceMemory {
             .filter(|&&(_, t)| now.saturating_duration_since(t) <= BUSIER_MEMORY)
             .map(|&(d, _)| d)
             .min();
-        let quieter = || heard[..at].iter().rev().flatten().map(|&(d, _)| d).next();
         match (own, busier) {
             (Some(a), Some(b)) => Some(a.min(b)),
-            (None, None) => quieter(),
             (a, b) => a.or(b),
         }
     }
@@ -104,8 +100,8 @@ mod tests {
         assert_eq!(m.first_round_at(t), None, "nothing heard yet");
         m.hear_at(Some(4), t);
         let four: Vec<_> = (0..3).map(|_| m.enter()).collect();
-        // Four live, nothing heard at their level: the advice heard alone stands for them.
-        assert_eq!(m.first_round_at(t), Some(4));
+        // Four live: the advice heard alone does not stand for them.
+        assert_eq!(m.first_round_at(t), None);
         m.hear_at(Some(0), t);
         assert_eq!(m.first_round_at(t), Some(0));
         // The busy spell ends; the last generation, alone, hears deep advice.
@@ -123,11 +119,6 @@ mod tests {
         m.hear_at(None, t);
         assert_eq!(m.first_round_at(t + BUSIER_MEMORY * 2), None);
         drop(alone);
-        // A burst busier than any before takes the nearest quieter level's advice: four
-        // generations were advised not to draft, so 32 start without drafting.
-        let burst: Vec<_> = (0..32).map(|_| m.enter()).collect();
-        assert_eq!(m.first_round_at(t + BUSIER_MEMORY * 2), Some(0));
-        drop(burst);
         assert_eq!(m.live.load(Ordering::Relaxed), 0);
     }
 
@@ -151,11 +142,10 @@ mod tests {
         assert_eq!(m.first_round_at(soon), Some(0));
         // Long after it, the quiet level's own advice stands again.
         assert_eq!(m.first_round_at(t + BUSIER_MEMORY * 2), Some(4));
-        // A level with no advice of its own takes a busier level's within the memory, then the
-        // nearest quieter level's.
+        // A level with no advice of its own takes a busier level's within the memory.
         let more: Vec<_> = (0..6).map(|_| m.enter()).collect();
         assert_eq!(m.first_round_at(soon), Some(0));
-        assert_eq!(m.first_round_at(t + BUSIER_MEMORY * 2), Some(4));
+        assert_eq!(m.first_round_at(t + BUSIER_MEMORY * 2), None);
         drop((first, more));
     }
 }
