@@ -763,7 +763,14 @@ impl TargetEngine {
                 .map(|l| Ok(l.argmax(D::Minus1)?.to_vec1()?))
                 .collect();
         }
-        let flat: Vec<u32> = fused::argmax_rows(logits, Launch::DEFAULT)?.to_vec1()?;
+        // The kernel reads each matrix's rows in place: views are copied first (none are in
+        // the passes' own logits).
+        let owned = logits
+            .iter()
+            .map(|l| l.contiguous())
+            .collect::<Result<Vec<_>, _>>()?;
+        let views: Vec<&Tensor> = owned.iter().collect();
+        let flat: Vec<u32> = fused::argmax_rows(&views, Launch::DEFAULT)?.to_vec1()?;
         let mut rest = flat.as_slice();
         let mut out = Vec::with_capacity(logits.len());
         for l in logits {
