@@ -153,9 +153,9 @@ impl Drop for SpinGuard {
     }
 }
 
-/// When an orchestrator's client runtime busy-polls its sockets while an RPC is in flight
-/// instead of sleeping until the kernel wakes it: one wake-up less per RPC, one busy core per
-/// generating client.
+/// When an orchestrator's client runtimes busy-poll their sockets while an RPC is in flight
+/// instead of sleeping until the kernel wakes them: one wake-up less per RPC, one busy core per
+/// client runtime with generations running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ClientSpin {
