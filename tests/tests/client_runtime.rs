@@ -8,7 +8,10 @@
 use std::time::{Duration, Instant};
 
 use specsplit_e2e::{config, prompts, start_draft, start_target};
-use specsplit_orchestrator::{ConnectOptions, GenerateConfig, Mode, Orchestrator, Pipeline};
+use specsplit_orchestrator::{
+    ConnectOptions, GenerateConfig, Mode, Orchestrator, OrchestratorError, Pipeline,
+    MAX_CLIENT_THREADS,
+};
 
 const MODEL: &str = "random:tiny:7";
 
@@ -44,6 +47,19 @@ async fn client_and_server_threads_generate_exactly_and_stop_cleanly() {
     let target = start_target(&config(MODEL, true)).await;
     let draft = start_draft(&config(MODEL, false)).await;
     assert_eq!(settles(SERVER, 2).await, 2, "one server thread per worker");
+    // More client threads than the bound are refused before any starts.
+    let too_many = ConnectOptions {
+        client_threads: MAX_CLIENT_THREADS + 1,
+        ..Default::default()
+    };
+    let refused =
+        Orchestrator::connect_with_options(Some(&draft.url), &target.url, &too_many).await;
+    assert!(
+        matches!(refused, Err(OrchestratorError::Config(ref m)) if m.contains("client_threads")),
+        "{:?}",
+        refused.err()
+    );
+    assert_eq!(threads_named(CLIENT), 0);
     let opts = ConnectOptions {
         client_threads: 2,
         ..Default::default()

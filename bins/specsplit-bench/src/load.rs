@@ -486,10 +486,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "greedy": true,
             "work_placement": format!("{:?}", t_exec.placement()).to_lowercase(),
             "client_spin": s.client_spin,
-            "client_threads": match s.client_threads {
-                0 => specsplit_orchestrator::default_client_threads(),
-                n => n,
-            },
+            "client_threads": ar_orch.client_threads(),
         },
         "rows": rows,
     });

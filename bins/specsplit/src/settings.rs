@@ -11,9 +11,6 @@ use specsplit_orchestrator::{
 };
 use specsplit_workers::config::{load_section, Secret, WorkerConfig};
 
-/// The most client threads an orchestrator may be configured to run.
-const MAX_CLIENT_THREADS: usize = 64;
-
 /// `--mode`: whether the draft is used.
 #[derive(Clone, Copy, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -354,25 +351,18 @@ impl Settings {
         Ok(ConnectOptions {
             tls,
             token,
-            ..self.client_options()?
+            ..self.client_options()
         })
     }
 
-    /// How the orchestrator's client runtimes run: their busy-polling and their number
-    /// (checked: at most [`MAX_CLIENT_THREADS`]).
-    pub(crate) fn client_options(&self) -> Result<ConnectOptions> {
-        if self.client_threads > MAX_CLIENT_THREADS {
-            bail!(
-                "client_threads is {} but at most {MAX_CLIENT_THREADS} client threads may run; \
-                 0 picks one for every four cores",
-                self.client_threads
-            );
-        }
-        Ok(ConnectOptions {
+    /// How the orchestrator's client runtimes run: their busy-polling and their number (the
+    /// orchestrator refuses more than `MAX_CLIENT_THREADS` when it connects).
+    pub(crate) fn client_options(&self) -> ConnectOptions {
+        ConnectOptions {
             spin: self.client_spin,
             client_threads: self.client_threads,
             ..ConnectOptions::default()
-        })
+        }
     }
 
     /// The generation settings.

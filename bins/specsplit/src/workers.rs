@@ -54,7 +54,7 @@ async fn connect_unchecked(s: &Settings) -> Result<Connected> {
         let uses_draft = needs_draft || (uses_draft && on_gpu);
         let (ip, d, t, tokenizer) = start_in_process(s, uses_draft).await?;
         let orch =
-            Orchestrator::connect_with_options(d.as_deref(), &t, &s.client_options()?).await?;
+            Orchestrator::connect_with_options(d.as_deref(), &t, &s.client_options()).await?;
         return Ok(Connected {
             in_process: Some(ip),
             orch,

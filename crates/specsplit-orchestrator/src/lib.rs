@@ -25,7 +25,7 @@ pub use adaptive::{DepthController, DraftBackoff, SpeedGovernor};
 pub use bandit::DrafterBandit;
 pub use client::{
     default_client_threads, AuthToken, ClientSpin, ClientTls, ConnectOptions, Orchestrator,
-    OrchestratorError,
+    OrchestratorError, MAX_CLIENT_THREADS,
 };
 pub use drafter::{Drafter, DrafterChoice};
 pub use online_choice::{ChoiceMemory, OnlineChoice, PlayedRound};

@@ -26,16 +26,54 @@ use round::Run;
 use runtime::ClientRuntime;
 use worker::{channel, known, ping, Link, WorkerLimits, MAX_MESSAGE_BYTES};
 
+/// The most client threads an orchestrator runs ([`ConnectOptions::client_threads`]).
+pub const MAX_CLIENT_THREADS: usize = 64;
+
 /// How long ending a session may take (best effort, after the generation's result is known).
 const END_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// One client runtime and its own channels to the workers.
 struct Lane {
-    rt: Arc<ClientRuntime>,
     draft: Option<DraftServiceClient<Link>>,
     target: TargetServiceClient<Link>,
     /// Generations running on it.
     live: std::sync::atomic::AtomicUsize,
+    /// Dropped after the channels (fields drop in order), though either order is safe.
+    rt: Arc<ClientRuntime>,
+}
+
+impl Lane {
+    /// A new client runtime with its own channels to the workers, connected on it (so that
+    /// the channels' tasks run there).
+    async fn connect(
+        draft_addr: Option<&str>,
+        target_addr: &str,
+        opts: &ConnectOptions,
+    ) -> Result<Lane, OrchestratorError> {
+        let rt = ClientRuntime::start(opts.spin)?;
+        let (draft, target, o) = (
+            draft_addr.map(str::to_string),
+            target_addr.to_string(),
+            opts.clone(),
+        );
+        let (draft, target) = rt
+            .spawn(async move {
+                let t = target_client(channel("target", &target, &o).await?);
+                let d = match draft {
+                    Some(addr) => Some(draft_client(channel("draft", &addr, &o).await?)),
+                    None => None,
+                };
+                Ok((d, t))
+            })
+            .join()
+            .await?;
+        Ok(Lane {
+            draft,
+            target,
+            live: Default::default(),
+            rt,
+        })
+    }
 }
 
 /// Counts a generation live on its lane until dropped.
@@ -66,8 +104,8 @@ fn least_busy(live: impl IntoIterator<Item = usize>) -> usize {
 /// generations. They stop when the last clone is dropped.
 #[derive(Clone)]
 pub struct Orchestrator {
-    draft: Option<DraftServiceClient<Link>>,
-    target: TargetServiceClient<Link>,
+    /// The client runtime and channels this clone's generations run on (one of `lanes`).
+    lane: Arc<Lane>,
     target_addr: String,
     /// The draft's address (empty without a draft).
     draft_addr: String,
@@ -88,10 +126,8 @@ pub struct Orchestrator {
     /// The target's latest load advice per level of live generations, for a generation's
     /// first round, which has no answer of its own to take it from.
     advice: Arc<advice::AdviceMemory>,
-    /// Every client runtime with its channels; `draft`, `target` and `rt` are one of them.
+    /// Every client runtime with its channels.
     lanes: Arc<Vec<Arc<Lane>>>,
-    /// Dropped after the channels (fields drop in order), though either order is safe.
-    rt: Arc<ClientRuntime>,
 }
 
 impl Orchestrator {
@@ -132,44 +168,30 @@ impl Orchestrator {
         target_addr: &str,
         opts: &ConnectOptions,
     ) -> Result<Self, OrchestratorError> {
-        let rt = ClientRuntime::start(opts.spin)?;
-        // Connected on the client runtime, so that the channels' tasks are spawned there.
-        let (draft, target) = (draft_addr.map(str::to_string), target_addr.to_string());
-        let (rt2, o) = (rt.clone(), opts.clone());
-        let mut orch = rt
-            .spawn(async move { Self::connect_here(draft.as_deref(), &target, &o, rt2).await })
-            .join()
-            .await?;
         let threads = match opts.client_threads {
             0 => options::default_client_threads(),
+            n if n > MAX_CLIENT_THREADS => {
+                return Err(OrchestratorError::Config(format!(
+                    "client_threads is {n} but at most {MAX_CLIENT_THREADS} client threads may \
+                     run; 0 picks one for every four cores"
+                )))
+            }
             n => n,
         };
-        let mut lanes = (*orch.lanes).clone();
-        for _ in 1..threads {
-            let rt = ClientRuntime::start(opts.spin)?;
-            let (draft, target, o) = (
-                draft_addr.map(str::to_string),
-                target_addr.to_string(),
-                opts.clone(),
-            );
-            let (d, t) = rt
-                .spawn(async move {
-                    let t = channel("target", &target, &o).await?;
-                    let d = match draft {
-                        Some(addr) => Some(channel("draft", &addr, &o).await?),
-                        None => None,
-                    };
-                    Ok((d, t))
-                })
-                .join()
-                .await?;
-            lanes.push(Arc::new(Lane {
-                rt,
-                draft: d.map(draft_client),
-                target: target_client(t),
-                live: Default::default(),
-            }));
+        let mut lanes = Vec::with_capacity(threads);
+        for _ in 0..threads {
+            lanes.push(Arc::new(
+                Lane::connect(draft_addr, target_addr, opts).await?,
+            ));
         }
+        // The first lane's channels check the workers and learn what they serve.
+        let lane = lanes[0].clone();
+        let (draft, target) = (draft_addr.map(str::to_string), target_addr.to_string());
+        let rt = lane.rt.clone();
+        let mut orch = rt
+            .spawn(async move { Self::check_here(draft.as_deref(), &target, lane).await })
+            .join()
+            .await?;
         orch.lanes = Arc::new(lanes);
         Ok(orch)
     }
@@ -189,28 +211,25 @@ impl Orchestrator {
         let lane = self.lanes[least_busy(live)].clone();
         lane.live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let o = Orchestrator {
-            draft: lane.draft.clone(),
-            target: lane.target.clone(),
-            rt: lane.rt.clone(),
+            lane: lane.clone(),
             ..self.clone()
         };
         (o, OnLane(lane))
     }
 
-    /// [`Orchestrator::connect_with_options`] on the current runtime, which must be `rt`'s.
-    async fn connect_here(
+    /// Pings the workers over `lane`'s channels (on its runtime, the current one), checks that
+    /// their vocabularies match, and makes the orchestrator of what they report.
+    async fn check_here(
         draft_addr: Option<&str>,
         target_addr: &str,
-        opts: &ConnectOptions,
-        rt: Arc<ClientRuntime>,
+        lane: Arc<Lane>,
     ) -> Result<Self, OrchestratorError> {
-        let mut target = target_client(channel("target", target_addr, opts).await?);
+        let mut target = lane.target.clone();
         let tp = ping("target", target_addr, target.ping(PingRequest {})).await?;
         let mut eos: Vec<u32> = tp.eos_token_ids.iter().map(|&t| t as u32).collect();
-        let draft = match draft_addr {
-            None => None,
-            Some(addr) => {
-                let mut d = draft_client(channel("draft", addr, opts).await?);
+        let draft_limits = match (draft_addr, &lane.draft) {
+            (Some(addr), Some(d)) => {
+                let mut d = d.clone();
                 let dp = ping("draft", addr, d.ping(PingRequest {})).await?;
                 // A model-free draft worker reports no vocabulary (0): it copies token ids it
                 // was sent, and its trees are checked against the target's vocabulary.
@@ -226,22 +245,12 @@ impl Orchestrator {
                         eos.push(t as u32);
                     }
                 }
-                Some((d, WorkerLimits::of(&dp)))
+                Some(WorkerLimits::of(&dp))
             }
+            _ => None,
         };
-        let (draft, draft_limits) = match draft {
-            Some((d, l)) => (Some(d), Some(l)),
-            None => (None, None),
-        };
-        let lane = Arc::new(Lane {
-            rt: rt.clone(),
-            draft: draft.clone(),
-            target: target.clone(),
-            live: Default::default(),
-        });
         Ok(Self {
-            draft,
-            target,
+            lane: lane.clone(),
             target_addr: target_addr.to_string(),
             draft_addr: draft_addr.unwrap_or_default().to_string(),
             target_model: tp.model_name.clone(),
@@ -254,7 +263,6 @@ impl Orchestrator {
             choice_memory: Arc::default(),
             advice: Arc::default(),
             lanes: Arc::new(vec![lane]),
-            rt,
         })
     }
 
@@ -262,11 +270,12 @@ impl Orchestrator {
     /// both answer, each within the connect timeout (5 s).
     pub async fn ping(&self) -> Result<(), OrchestratorError> {
         let o = self.clone();
-        self.rt
+        self.lane
+            .rt
             .spawn(async move {
-                let mut target = o.target.clone();
+                let mut target = o.lane.target.clone();
                 ping("target", &o.target_addr, target.ping(PingRequest {})).await?;
-                if let Some(d) = &o.draft {
+                if let Some(d) = &o.lane.draft {
                     let mut d = d.clone();
                     ping("draft", &o.draft_addr, d.ping(PingRequest {})).await?;
                 }
@@ -348,7 +357,7 @@ impl Orchestrator {
                 "the prompt holds no tokens".into(),
             ));
         }
-        if cfg.mode == Mode::Spec && cfg.drafter.needs_draft_worker() && self.draft.is_none() {
+        if cfg.mode == Mode::Spec && cfg.drafter.needs_draft_worker() && self.lane.draft.is_none() {
             return Err(OrchestratorError::Config(
                 "speculative mode with the model drafter needs a draft worker address \
                  (the ngram, suffix and auto drafters need none)"
@@ -385,7 +394,7 @@ impl Orchestrator {
             })
             .await
         };
-        let task = lane.rt.spawn(body);
+        let task = lane.lane.rt.spawn(body);
         let mut on_tokens = on_tokens;
         let (mut passed, mut passed_logprobs) = (Vec::new(), Vec::new());
         // The channel closes when the round loop returns (the sender is dropped with it).
@@ -396,6 +405,7 @@ impl Orchestrator {
                 task.cancel().await;
                 let o = lane.clone();
                 let _ = lane
+                    .lane
                     .rt
                     .spawn(async move {
                         o.end_sessions(&session, &secret).await;
@@ -425,10 +435,10 @@ impl Orchestrator {
             session_id: session.to_string(),
             session_secret: secret.to_string(),
         };
-        let mut target = self.target.clone();
+        let mut target = self.lane.target.clone();
         let on_target = tokio::time::timeout(END_SESSION_TIMEOUT, target.end_session(end.clone()));
         let on_draft = async {
-            if let Some(d) = &self.draft {
+            if let Some(d) = &self.lane.draft {
                 let mut d = d.clone();
                 let _ = tokio::time::timeout(END_SESSION_TIMEOUT, d.end_session(end)).await;
             }

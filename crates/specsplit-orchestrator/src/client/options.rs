@@ -72,7 +72,8 @@ pub struct ConnectOptions {
     /// How the client runtimes busy-poll.
     pub spin: ClientSpin,
     /// Client runtimes (threads), each with its own connections to the workers; a generation
-    /// runs on the one with the fewest live generations. 0: [`default_client_threads`].
+    /// runs on the one with the fewest live generations. 0: [`default_client_threads`]; at
+    /// most [`super::MAX_CLIENT_THREADS`] (more are refused at connect).
     pub client_threads: usize,
     /// TLS towards both workers; addresses without a scheme then use `https://`.
     pub tls: Option<ClientTls>,

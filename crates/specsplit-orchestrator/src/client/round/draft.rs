@@ -209,7 +209,7 @@ async fn draft_call(
     limits: &TreeLimits,
     outcomes: Option<OutcomeSet>,
 ) -> Result<(DraftAnswer, f64, ServerTimes), OrchestratorError> {
-    let Some(draft) = &o.draft else {
+    let Some(draft) = &o.lane.draft else {
         return Err(OrchestratorError::Config("no draft worker".into()));
     };
     let req = DraftRequest {
@@ -229,13 +229,17 @@ async fn draft_call(
     let mut req = tonic::Request::new(req);
     req.set_timeout(until.saturating_duration_since(t0));
     let mut d = draft.clone();
-    let r =
-        o.rt.in_flight(d.generate_drafts(req))
-            .await
-            .map_err(rpc("draft"))?
-            .into_inner();
+    let r = o
+        .lane
+        .rt
+        .in_flight(d.generate_drafts(req))
+        .await
+        .map_err(rpc("draft"))?
+        .into_inner();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    o.rt.observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
+    o.lane
+        .rt
+        .observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
     let server = ServerTimes::of(r.telemetry.as_ref());
     let bad = |e| OrchestratorError::Protocol(format!("draft worker sent a bad tree: {e}"));
     // An answer to an outcome set carries its trees as pre-drafts only; a pre-draft whose

@@ -251,7 +251,7 @@ impl<'a> Run<'a> {
                     .lock()
                     .map(|m| m.clone())
                     .unwrap_or_default();
-                OnlineChoice::new(o.draft.is_some(), &memory)
+                OnlineChoice::new(o.lane.draft.is_some(), &memory)
             }),
             ngram: NgramDrafter::default(),
             suffix: SuffixDrafter::new(

@@ -67,9 +67,9 @@ impl Run<'_> {
                 None => req.prompt_token_ids = self.seq.iter().map(|&t| t as i32).collect(),
             }
             let t0 = Instant::now();
-            let mut target = self.o.target.clone();
+            let mut target = self.o.lane.target.clone();
             let until = self.bounded(t0 + rpc_timeout);
-            let call = self.o.rt.in_flight(target.verify_drafts(req));
+            let call = self.o.lane.rt.in_flight(target.verify_drafts(req));
             let answer = match tokio::time::timeout_at(until.into(), call).await {
                 Ok(a) => a,
                 Err(_) if self.past_deadline() => return Ok(None),
@@ -95,6 +95,7 @@ impl Run<'_> {
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     let r = r.into_inner();
                     self.o
+                        .lane
                         .rt
                         .observe_device(r.telemetry.as_ref().map(|t| t.device.as_str()));
                     let server = ServerTimes::of(r.telemetry.as_ref());
