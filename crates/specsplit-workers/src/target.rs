@@ -80,7 +80,8 @@ pub struct VerifyOutcome {
 pub struct PreparedRound {
     /// Cached tokens kept from before the round.
     keep: usize,
-    /// The round's new tokens (all of them; every one but the last is in the cache already).
+    /// The round's new tokens (all of them; those before the pass's tail are in the cache
+    /// already).
     new: Vec<u32>,
     /// Whether a cached prefix was reused.
     cache_hit: bool,
@@ -95,9 +96,10 @@ pub struct PreparedRound {
 }
 
 impl PreparedRound {
-    /// The new tokens the round's pass runs: the last one, if any.
+    /// The new tokens the round's pass runs: the last one of a single new token, none where
+    /// the preparation ran them all (a prompt's prefill) or there are none.
     fn tail(&self) -> &[u32] {
-        &self.new[self.new.len().saturating_sub(1)..]
+        &self.new[(self.pass_start - self.keep).min(self.new.len())..]
     }
 
     /// Rows the round's pass runs: its last new token and the tree's nodes.
@@ -376,9 +378,11 @@ impl TargetEngine {
         })
     }
 
-    /// A long uncached tail (the prompt) is prefilled causally first, so the combined
-    /// chain+tree mask of the pass stays small: every new token but the last goes through the
-    /// model after `keep` cached ones. Returns the cache's length after it.
+    /// Several new tokens (a prompt) go through the model causally in one pass after `keep`
+    /// cached ones, alone, and the logits after the last become the session's pending logits
+    /// (the round's row 0), so that the round's pass holds only its tree. Every mode takes its
+    /// first token after a prompt from this pass, so speculative and target-only decoding
+    /// agree; one new token is left to the round's pass. Returns the cache's length after it.
     fn prefill_head(
         &self,
         s: &mut TargetSession,
@@ -391,14 +395,15 @@ impl TargetEngine {
         let dev = self.model.device();
         // One pass (not `Transformer::prefill`'s chunks): at the 7B shape the chunked
         // prefill of a 127-token prompt took 27.6 ms against 19.0–19.4 ms in one pass
-        // (target-only TTFT, H100, 2026-11-25, `specsplit-bench e2e`).
-        let head = &new[..new.len() - 1];
-        let ids = Tensor::new(head, dev)?;
-        let pos: Vec<u32> = (keep as u32..(keep + head.len()) as u32).collect();
+        // (target-only TTFT, H100, 2026-11-25, `specsplit-bench e2e`); and the prompt's last
+        // token in it rather than in a pass of its own saves that pass (a 7B step).
+        let ids = Tensor::new(new, dev)?;
+        let pos: Vec<u32> = (keep as u32..(keep + new.len()) as u32).collect();
         let pos = Tensor::new(pos.as_slice(), dev)?;
-        let rows = Tensor::new(&[0u32], dev)?;
-        self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
-        Ok(keep + head.len())
+        let rows = Tensor::new(&[new.len() as u32 - 1], dev)?;
+        let logits = self.model.forward(&ids, &pos, None, &mut s.cache, &rows)?;
+        s.last_logits = Some(logits.get(0)?);
+        Ok(keep + new.len())
     }
 
     /// Marks the start of `round`'s pass after a wait since its preparation: the round's model
@@ -416,6 +421,10 @@ impl TargetEngine {
     pub fn abandon(&self, s: &mut TargetSession, round: &PreparedRound) {
         // Within the cache's length: prepare truncated it to `keep` and only appended since.
         let _ = s.cache.truncate(round.keep);
+        // Pending logits a prefill left belong to tokens the session no longer holds.
+        if !round.new.is_empty() {
+            s.last_logits = None;
+        }
     }
 
     /// The second phase, for one session alone: the round's pass over its last new token and
@@ -495,9 +504,13 @@ impl TargetEngine {
                     rows: &r.want,
                 })
                 .collect();
-            let logits = self.model.forward_sessions(&mut parts)?;
-            for (r, l) in runs.iter().zip(logits) {
-                passed[r.member] = Some(l);
+            // Members with nothing to run (a prompt's first round without a tree) answer from
+            // their pending logits alone.
+            if !parts.is_empty() {
+                let logits = self.model.forward_sessions(&mut parts)?;
+                for (r, l) in runs.iter().zip(logits) {
+                    passed[r.member] = Some(l);
+                }
             }
         }
         members
