@@ -64,6 +64,9 @@ pub struct RoundRecord {
     /// Time the round waited, after its verify call returned, for the pre-draft of the next
     /// round that ran beside it, in ms (0 when none ran).
     pub predraft_wait_ms: f64,
+    /// Wall time of that pre-draft's call as the orchestrator saw it, from its request to its
+    /// answer, in ms (0 when none ran).
+    pub predraft_ms: f64,
     /// Wall time the draft worker reported for that pre-draft, in ms (0 when none ran).
     pub predraft_server_ms: f64,
     /// Of that, its model time, in ms (0 when none ran).
@@ -261,6 +264,7 @@ mod tests {
             round_ms: 12.0,
             overlap_hit: hit,
             predraft_wait_ms: 0.0,
+            predraft_ms: 0.0,
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
             no_draft: None,

@@ -7,7 +7,8 @@
 //! orchestrator drafts the next chain (and waits for a draft worker the other sessions share)
 //! and sends it. [`LoadGate::advise`] picks the `d` in `0..=max` that maximises
 //! `B·E(d) / (T(B·(d+1)) + G(d))`, `T` the pass time the gate has measured at that row count
-//! and `G` the gap it has measured after answers at that depth. Where `T` is flat in the rows
+//! (in rounds that continue a sequence: a new prompt's round spends its time on the prompt's
+//! prefill too) and `G` the gap it has measured after answers at that depth. Where `T` is flat in the rows
 //! (a latency-bound pass) and drafting is cheap the deepest draft wins; where `T` grows
 //! linearly from the first row (compute-bound), or drafting costs more than it saves, no draft
 //! pays; in between the depth falls as the batch grows.
@@ -697,7 +698,13 @@ impl LoadAdvisor {
         self.batch.store(batch, Ordering::Relaxed);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         g.observe_depth_limit(round.depth_limit);
-        g.observe_pass(round.rows, round.time);
+        // A new prompt's round spends its model time on the prompt's prefill too (a pass of
+        // another kind: a causal product over the prompt's rows, and no tree); priced as a
+        // verify pass of its rows, it would make large passes look cheap, and the gate draft
+        // where drafting loses.
+        if round.continued {
+            g.observe_pass(round.rows, round.time);
+        }
         if round.depth > 0 {
             g.observe_verdict(round.depth, round.accepted);
         }
@@ -748,7 +755,7 @@ pub struct GateRound<'a> {
     pub session: &'a str,
     /// Rows of the pass the round ran in (all its sessions'), and its own preparation's.
     pub rows: usize,
-    /// The round's model time.
+    /// The round's model time. Only a continuing round's (see `continued`) prices a pass.
     pub time: Duration,
     /// The depth of the round's draft (0: none).
     pub depth: usize,
@@ -1028,6 +1035,37 @@ mod tests {
             "1.15 times as much: within the margin"
         );
         assert_eq!(advice(0.9), Some(0), "less than none");
+    }
+
+    #[test]
+    fn a_new_prompts_round_does_not_price_a_pass() {
+        // Verify passes: 10 ms up to 16 rows, then 1 ms a row more.
+        let t = |r: f64| 0.010 + (r - 16.0).max(0.0) * 0.001;
+        let a = LoadAdvisor::with_gate(gate(4, [4, 8, 16, 32], t));
+        let predicted = |a: &LoadAdvisor| a.gate.lock().unwrap().pass_secs(144.0).unwrap();
+        let before = predicted(&a);
+        assert!((before - t(144.0)).abs() < 1e-9);
+        // Rounds of 128-token prompts beside 16 rows of others, their model time a prefill's
+        // (6 ms, far below a verify pass of 144 rows).
+        let round = |session, continued| GateRound {
+            session,
+            rows: 144,
+            time: Duration::from_millis(6),
+            depth: 0,
+            accepted: 0,
+            continued,
+            one_off_setup: false,
+            depth_limit: 0,
+        };
+        for s in ["a", "b", "c"] {
+            a.observe_and_advise(round(s, false));
+        }
+        assert_eq!(predicted(&a), before);
+        // The same rounds continuing a sequence are verify passes, and priced.
+        for s in ["a", "b", "c"] {
+            a.observe_and_advise(round(s, true));
+        }
+        assert!(predicted(&a) < 0.5 * before);
     }
 
     #[test]

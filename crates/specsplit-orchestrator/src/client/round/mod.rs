@@ -88,6 +88,8 @@ struct PreDraftInFlight {
 struct PreDraftResult {
     /// Time the round waited for it after its verify call returned.
     wait_ms: f64,
+    /// Wall time of its call as the orchestrator saw it.
+    ms: f64,
     /// Wall time the draft worker reported for it.
     server_ms: f64,
     /// Of that, the time it reported in its model.
@@ -702,7 +704,7 @@ impl<'a> Run<'a> {
         match answer {
             Ok(Ok(d)) => {
                 self.backoff.succeed();
-                (out.server_ms, out.model_ms) = (d.server.wall_ms, d.server.model_ms);
+                (out.ms, out.server_ms, out.model_ms) = (d.ms, d.server.wall_ms, d.server.model_ms);
                 let j = v.accepted.len();
                 let on_path = pre.path.get(..j) == Some(&v.accepted_nodes[..]);
                 let tree = d
@@ -816,6 +818,7 @@ impl<'a> Run<'a> {
             round_ms,
             overlap_hit: round.overlap_hit,
             predraft_wait_ms: predraft.wait_ms,
+            predraft_ms: predraft.ms,
             predraft_server_ms: predraft.server_ms,
             predraft_model_ms: predraft.model_ms,
             predraft_candidates: predraft.candidates,
