@@ -591,6 +591,7 @@ fn aggregate(gens: &[Generation], depth: usize, reference: &[Generation]) -> Val
         "steady_verify_server_ms": steady_mean(&|r| r.verify_server_ms),
         "steady_predraft_model_ms": steady_mean(&|r| r.predraft_model_ms),
         "steady_predraft_ms": steady_mean(&|r| r.predraft_ms),
+        "steady_predraft_lag_ms": steady_mean(&|r| r.predraft_lag_ms),
         "steady_predraft_server_ms": steady_mean(&|r| r.predraft_server_ms),
         "steady_predraft_wait_ms_median": steady_median(&|r| r.predraft_wait_ms),
         "steady_predraft_waited_share": ratio(
@@ -972,13 +973,15 @@ pub async fn run(s: &E2eSettings) -> Result<()> {
             );
             eprintln!(
                 "    a round after the first: {:.3} ms; verify {:.3} ms (server {:.3}, model \
-                 {:.3}), pre-draft beside it {:.3} ms (server {:.3}, model {:.3}), waited \
-                 {:.3} ms (median {:.3}; more than 0.05 ms in {:.0}% of rounds)",
+                 {:.3}), pre-draft beside it {:.3} ms (sent {:.3} ms after the verify; server \
+                 {:.3}, model {:.3}), waited {:.3} ms (median {:.3}; more than 0.05 ms in {:.0}% \
+                 of rounds)",
                 num(&agg, "steady_round_ms"),
                 num(&agg, "steady_verify_ms"),
                 num(&agg, "steady_verify_server_ms"),
                 num(&agg, "steady_verify_model_ms"),
                 num(&agg, "steady_predraft_ms"),
+                num(&agg, "steady_predraft_lag_ms"),
                 num(&agg, "steady_predraft_server_ms"),
                 num(&agg, "steady_predraft_model_ms"),
                 num(&agg, "steady_predraft_wait_ms"),

@@ -67,6 +67,9 @@ pub struct RoundRecord {
     /// Wall time of that pre-draft's call as the orchestrator saw it, from its request to its
     /// answer, in ms (0 when none ran).
     pub predraft_ms: f64,
+    /// When that pre-draft's call started after the round's verify call started, in ms
+    /// (negative: before; 0 when none ran).
+    pub predraft_lag_ms: f64,
     /// Wall time the draft worker reported for that pre-draft, in ms (0 when none ran).
     pub predraft_server_ms: f64,
     /// Of that, its model time, in ms (0 when none ran).
@@ -265,6 +268,7 @@ mod tests {
             overlap_hit: hit,
             predraft_wait_ms: 0.0,
             predraft_ms: 0.0,
+            predraft_lag_ms: 0.0,
             predraft_server_ms: 0.0,
             predraft_model_ms: 0.0,
             no_draft: None,

@@ -99,7 +99,7 @@ impl Run<'_> {
             None,
         );
         let call = async move {
-            let (tree, ms, server) = call.await?;
+            let (tree, ms, _, server) = call.await?;
             Ok::<_, OrchestratorError>(Drafted {
                 tree: tree.tree,
                 ms,
@@ -155,7 +155,7 @@ impl Run<'_> {
         let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
         tokio::spawn(async move {
             let call = async {
-                let (answer, ms, server) = draft_call(
+                let (answer, ms, sent, server) = draft_call(
                     &o,
                     &sess,
                     &secret,
@@ -175,7 +175,12 @@ impl Run<'_> {
                     )],
                     _ => answer.predrafts,
                 };
-                Ok(PreDrafts { trees, ms, server })
+                Ok(PreDrafts {
+                    trees,
+                    ms,
+                    sent,
+                    server,
+                })
             };
             tokio::time::timeout_at(until.into(), call)
                 .await
@@ -194,7 +199,7 @@ pub(super) struct DraftAnswer {
 /// Asks the draft worker for a tree of `widths` after `seq`, as request `request_no` of the
 /// session, or for the pre-drafts of `outcomes` when given (then `seq` holds the committed
 /// sequence and the path under verification), and checks the trees it sends against `limits`;
-/// with the call's wall time and the worker's reported wall and model times, in ms. The
+/// with the call's wall time in ms, when it was sent, and the worker's reported times. The
 /// request carries `until` as its deadline (`grpc-timeout`), so that a worker stops drafting
 /// a tree nobody waits for any more.
 #[allow(clippy::too_many_arguments)]
@@ -208,7 +213,7 @@ async fn draft_call(
     widths: &[usize],
     limits: &TreeLimits,
     outcomes: Option<OutcomeSet>,
-) -> Result<(DraftAnswer, f64, ServerTimes), OrchestratorError> {
+) -> Result<(DraftAnswer, f64, Instant, ServerTimes), OrchestratorError> {
     let Some(draft) = &o.lane.draft else {
         return Err(OrchestratorError::Config("no draft worker".into()));
     };
@@ -263,5 +268,5 @@ async fn draft_call(
         }
         predrafts.push((p.accepted_length as usize, p.token_id as u32, t));
     }
-    Ok((DraftAnswer { tree, predrafts }, ms, server))
+    Ok((DraftAnswer { tree, predrafts }, ms, t0, server))
 }

@@ -62,6 +62,8 @@ struct PreDrafts {
     trees: Vec<(usize, u32, TokenTree)>,
     /// Wall time of the request.
     ms: f64,
+    /// When it was sent.
+    sent: Instant,
     /// What the draft worker reported for it.
     server: ServerTimes,
 }
@@ -90,6 +92,8 @@ struct PreDraftResult {
     wait_ms: f64,
     /// Wall time of its call as the orchestrator saw it.
     ms: f64,
+    /// When its call started after the round's verify call started, in ms (negative: before).
+    lag_ms: f64,
     /// Wall time the draft worker reported for it.
     server_ms: f64,
     /// Of that, the time it reported in its model.
@@ -210,6 +214,14 @@ fn draft_model_free(
     (tree, ms_since(t0))
 }
 
+/// Milliseconds from `earlier` to `later` (negative where `later` is the earlier).
+fn signed_ms(later: Instant, earlier: Instant) -> f64 {
+    match later.checked_duration_since(earlier) {
+        Some(d) => d.as_secs_f64() * 1e3,
+        None => -(earlier.duration_since(later).as_secs_f64() * 1e3),
+    }
+}
+
 /// Milliseconds since `t`.
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -316,7 +328,7 @@ impl<'a> Run<'a> {
             // The tokens go out before the wait for a pre-draft running beside the verify.
             let lp = &verdict.verified.logprobs;
             on_tokens(&emitted, &lp[..emitted.len().min(lp.len())]);
-            let predraft = self.reconcile(round.no, pre, &verdict.verified).await?;
+            let predraft = self.reconcile(round.no, pre, &verdict).await?;
             let prefill = self.advance(&emitted, &verdict.verified);
             self.record(round, &verdict, predraft, emitted, prefill);
             if let Some(stop) = stop_now {
@@ -688,8 +700,9 @@ impl<'a> Run<'a> {
         &mut self,
         round: usize,
         pre: Option<PreDraftInFlight>,
-        v: &Verified,
+        verdict: &Verdict,
     ) -> Result<PreDraftResult, OrchestratorError> {
+        let v = &verdict.verified;
         let mut out = PreDraftResult::default();
         let Some(pre) = pre else {
             return Ok(out);
@@ -705,6 +718,7 @@ impl<'a> Run<'a> {
             Ok(Ok(d)) => {
                 self.backoff.succeed();
                 (out.ms, out.server_ms, out.model_ms) = (d.ms, d.server.wall_ms, d.server.model_ms);
+                out.lag_ms = signed_ms(d.sent, verdict.sent);
                 let j = v.accepted.len();
                 let on_path = pre.path.get(..j) == Some(&v.accepted_nodes[..]);
                 let tree = d
@@ -819,6 +833,7 @@ impl<'a> Run<'a> {
             overlap_hit: round.overlap_hit,
             predraft_wait_ms: predraft.wait_ms,
             predraft_ms: predraft.ms,
+            predraft_lag_ms: predraft.lag_ms,
             predraft_server_ms: predraft.server_ms,
             predraft_model_ms: predraft.model_ms,
             predraft_candidates: predraft.candidates,

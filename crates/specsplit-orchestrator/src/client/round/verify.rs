@@ -23,6 +23,8 @@ pub(super) struct Verdict {
     pub(super) verified: Verified,
     /// The request's wall time as the client saw it.
     pub(super) ms: f64,
+    /// When the request was sent.
+    pub(super) sent: Instant,
     /// The times the target reported for it.
     pub(super) server: ServerTimes,
 }
@@ -102,6 +104,7 @@ impl Run<'_> {
                     return Ok(Some(Verdict {
                         verified: Verified::from_response(&r, tree, self.cfg.logprobs)?,
                         ms,
+                        sent: t0,
                         server,
                     }));
                 }
