@@ -315,6 +315,10 @@ impl<'a> Run<'a> {
             }
             self.fit_to_target(&mut round);
             let pre = self.predraft_beside_verify(&mut round);
+            if pre.is_some() {
+                // The pre-draft's request goes out first: it runs longer than the verify.
+                tokio::task::yield_now().await;
+            }
             let Some(verdict) = self.verify_beside(&round.drafted, pre.as_ref()).await? else {
                 break StopReason::Deadline;
             };
