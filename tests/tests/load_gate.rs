@@ -21,10 +21,13 @@ fn primed(max_depth: usize) -> LoadGate {
 
 /// Greedy generations of a same-weights pair under a target whose gate advises at most
 /// `max_depth`: each round after the first drafts no deeper than advised (none where advised
-/// 0), and every output equals target-only decoding.
+/// 0), and every output equals target-only decoding. Every generation ends its session, which
+/// the gate then no longer counts in the load.
 async fn check(max_depth: usize) {
-    let target = start_target_with(&config("random:tiny:7", true), |w| {
-        w.with_load_gate(Some(Arc::new(LoadAdvisor::with_gate(primed(max_depth)))))
+    let advisor = Arc::new(LoadAdvisor::with_gate(primed(max_depth)));
+    let gate = advisor.clone();
+    let target = start_target_with(&config("random:tiny:7", true), move |w| {
+        w.with_load_gate(Some(gate))
     })
     .await;
     let draft = start_draft(&config("random:tiny:7", false)).await;
@@ -61,6 +64,7 @@ async fn check(max_depth: usize) {
             }
         }
     }
+    assert_eq!(advisor.sessions_remembered(), 0, "every session ended");
     target.stop().await;
     draft.stop().await;
 }
@@ -89,8 +93,15 @@ async fn the_setting_switches_the_advice() {
         let orch = Orchestrator::connect(Some(&draft.url), &target.url)
             .await
             .unwrap();
-        // A prefill of other rows than a verify's: the gate needs two row counts to advise.
+        // Target-only rounds first: passes of other rows than a verify's (the gate needs two
+        // row counts to advise, and prices no pass by a prompt's prefill).
         let prompt: Vec<u32> = (3..43).collect();
+        let ar = GenerateConfig {
+            mode: Mode::Ar,
+            max_tokens: 10,
+            ..Default::default()
+        };
+        orch.generate(&prompt, &ar, |_| {}).await.unwrap();
         let cfg = GenerateConfig {
             mode: Mode::Spec,
             pipeline: Pipeline::Sequential,

@@ -607,6 +607,23 @@ impl LoadAdvisor {
         }
     }
 
+    /// Forgets `session`, which ended: it no longer counts in the batch (it would for
+    /// [`ACTIVE_WINDOW`] after its last answer), and a later session of that id starts afresh.
+    pub fn forget(&self, session: &str) {
+        self.answered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(session);
+    }
+
+    /// Sessions whose last answer the advisor remembers (ended ones are forgotten).
+    pub fn sessions_remembered(&self) -> usize {
+        self.answered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
     /// Records that `session`'s next round, drafted to `depth`, arrived at `arrived`: its gap
     /// since the session's last answer. Call it for a session's later rounds only (a new
     /// prompt follows a pause, not a draft).
@@ -1035,6 +1052,28 @@ mod tests {
             "1.15 times as much: within the margin"
         );
         assert_eq!(advice(0.9), Some(0), "less than none");
+    }
+
+    #[test]
+    fn ended_sessions_do_not_count_in_the_batch() {
+        let a = LoadAdvisor::new(4);
+        let t = Instant::now();
+        for s in ["a", "b", "c", "d"] {
+            a.note_answer(s, t, 4, true);
+        }
+        // Four sessions end; four new ones start at once, as a client's next batch does.
+        for s in ["a", "b", "c", "d"] {
+            a.forget(s);
+        }
+        let mut active = 0;
+        for s in ["e", "f", "g", "h"] {
+            active = a.note_answer(s, t + Duration::from_millis(5), 0, false).0;
+        }
+        assert_eq!(active, 4, "not the eight answered within the window");
+        // Forgotten, a session of the same id starts afresh: no cycle from its old answer.
+        a.forget("e");
+        let (active, last) = a.note_answer("e", t + Duration::from_millis(9), 4, true);
+        assert_eq!((active, last), (4, None));
     }
 
     #[test]

@@ -241,6 +241,10 @@ impl<E: SessionEngine> Worker<E> {
         ])?;
         let secret = SessionSecret::parse(&r.session_secret)?;
         let was_active = self.drop_session(&r.session_id, secret.as_ref())?;
+        // An ended session no longer counts in the load the target's gate advises for.
+        if let Some(g) = self.load_gate() {
+            g.forget(&r.session_id);
+        }
         Ok(EndSessionResponse {
             session_id: r.session_id,
             was_active,
