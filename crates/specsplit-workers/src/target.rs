@@ -76,7 +76,8 @@ pub struct VerifyOutcome {
 }
 
 /// A verification round between [`TargetEngine::prepare`] and [`TargetEngine::finish`]: the
-/// session's cache holds the kept prefix and every new token but the last.
+/// session's cache holds the kept prefix and the new tokens its preparation ran (all of a
+/// prompt's; none of a single new token, which the round's pass runs).
 pub struct PreparedRound {
     /// Cached tokens kept from before the round.
     keep: usize,
