@@ -8,10 +8,10 @@
 //! and sends it. [`LoadGate::advise`] picks the `d` in `0..=max` that maximises
 //! `B·E(d) / (T(B·(d+1)) + G(d))`, `T` the pass time the gate has measured at that row count
 //! (in rounds that continue a sequence: a new prompt's round spends its time on the prompt's
-//! prefill too) and `G` the gap it has measured after answers at that depth. Where `T` is flat in the rows
-//! (a latency-bound pass) and drafting is cheap the deepest draft wins; where `T` grows
-//! linearly from the first row (compute-bound), or drafting costs more than it saves, no draft
-//! pays; in between the depth falls as the batch grows.
+//! prefill too) and `G` the gap it has measured after answers at that depth. Where `T` is flat
+//! in the rows (a latency-bound pass) and drafting is cheap the deepest draft wins; where `T`
+//! grows linearly from the first row (compute-bound), or drafting costs more than it saves, no
+//! draft pays; in between the depth falls as the batch grows.
 //!
 //! That model misses how sessions fall out of step in a shared pass: a session still drafting
 //! when the next pass starts waits for the one after. So the gate also measures what each depth

@@ -157,8 +157,9 @@ impl TargetWorker {
         self.metrics()
             .observe_verification(draft_tokens, v.accepted_tokens.len());
         let max_draft_depth = self.load_gate().and_then(|g| {
-            // A round's model time is its own preparation (a prompt's prefill) and its pass,
-            // which a shared pass spends on all its sessions' rows.
+            // A round's model time is its own preparation (new tokens before its pass's: a
+            // prompt's prefill, which the gate does not price as a pass) and its pass, which a
+            // shared pass spends on all its sessions' rows.
             let own_pass = 1 + draft_tokens;
             let rows = match pass_rows {
                 Some(p) => p + out.tokens_processed.saturating_sub(own_pass),
