@@ -77,6 +77,9 @@ pub struct LoadSettings {
     pub client_spin: ClientSpin,
     /// Client runtimes of each orchestrator (0: [`specsplit_orchestrator::default_client_threads`]).
     pub client_threads: usize,
+    /// Whether a speculative generation's first round drafts beside the target's prefill
+    /// (`None`: the pipeline's default, see [`GenerateConfig::overlaps_first_round`]).
+    pub first_round_overlap: Option<bool>,
     /// Output directory.
     pub out: PathBuf,
     /// Base name of the output files.
@@ -354,6 +357,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
         mode: Mode::Spec,
         pipeline: s.pipeline,
         widths: vec![1; s.depth],
+        first_round_overlap: s.first_round_overlap,
         ..base.clone()
     };
     let opts = ConnectOptions {
@@ -487,6 +491,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "work_placement": format!("{:?}", t_exec.placement()).to_lowercase(),
             "client_spin": s.client_spin,
             "client_threads": ar_orch.client_threads(),
+            "first_round_overlap": spec_cfg.overlaps_first_round(),
         },
         "rows": rows,
     });
@@ -553,6 +558,7 @@ mod tests {
             seed: 3,
             client_spin: ClientSpin::Never,
             client_threads: 2,
+            first_round_overlap: None,
             out: out.clone(),
             name: "load".into(),
         };

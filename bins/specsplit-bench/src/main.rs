@@ -161,6 +161,10 @@ struct LoadArgs {
     /// one for every four cores, 1 to 8).
     #[arg(long, value_name = "N", default_value_t = 0)]
     client_threads: usize,
+    /// Draft a speculative generation's first round beside the target's prefill: true or
+    /// false (default: with the overlapped and pre-draft pipelines only).
+    #[arg(long, value_name = "BOOL")]
+    first_round_overlap: Option<bool>,
     /// Output directory.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -582,6 +586,7 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         seed: a.seed,
         client_spin: a.client_spin,
         client_threads: a.client_threads,
+        first_round_overlap: a.first_round_overlap,
         out: a.out,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
