@@ -607,21 +607,20 @@ impl LoadAdvisor {
         }
     }
 
+    /// The sessions' last answers, locked (a panic elsewhere leaves them usable).
+    fn answered(&self) -> std::sync::MutexGuard<'_, HashMap<String, Answered>> {
+        self.answered.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Forgets `session`, which ended: it no longer counts in the batch (it would for
     /// [`ACTIVE_WINDOW`] after its last answer), and a later session of that id starts afresh.
     pub fn forget(&self, session: &str) {
-        self.answered
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(session);
+        self.answered().remove(session);
     }
 
     /// Sessions whose last answer the advisor remembers (ended ones are forgotten).
     pub fn sessions_remembered(&self) -> usize {
-        self.answered
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len()
+        self.answered().len()
     }
 
     /// Records that `session`'s next round, drafted to `depth`, arrived at `arrived`: its gap
@@ -629,7 +628,7 @@ impl LoadAdvisor {
     /// prompt follows a pause, not a draft).
     pub fn observe_request(&self, session: &str, depth: usize, arrived: Instant) {
         let last = {
-            let answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+            let answered = self.answered();
             answered.get(session).copied().filter(|a| a.measures(depth))
         };
         if let Some(gap) = last.and_then(|a| arrived.checked_duration_since(a.at)) {
@@ -649,7 +648,7 @@ impl LoadAdvisor {
         depth: usize,
         continued: bool,
     ) -> (usize, Option<Instant>) {
-        let mut answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        let mut answered = self.answered();
         if answered.len() >= MAX_REMEMBERED_SESSIONS && !answered.contains_key(session) {
             answered.retain(|_, a| at.saturating_duration_since(a.at) <= MAX_ROUND_GAP);
             if answered.len() >= MAX_REMEMBERED_SESSIONS {

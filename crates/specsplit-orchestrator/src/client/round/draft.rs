@@ -99,11 +99,11 @@ impl Run<'_> {
             None,
         );
         let call = async move {
-            let (tree, ms, _, server) = call.await?;
+            let a = call.await?;
             Ok::<_, OrchestratorError>(Drafted {
-                tree: tree.tree,
-                ms,
-                server,
+                tree: a.tree,
+                ms: a.ms,
+                server: a.server,
             })
         };
         let waited = || t0.elapsed().as_secs_f64() * 1e3;
@@ -155,7 +155,7 @@ impl Run<'_> {
         let until = self.bounded(Instant::now() + Duration::from_millis(cfg.draft_timeout_ms));
         tokio::spawn(async move {
             let call = async {
-                let (answer, ms, sent, server) = draft_call(
+                let answer = draft_call(
                     &o,
                     &sess,
                     &secret,
@@ -177,9 +177,9 @@ impl Run<'_> {
                 };
                 Ok(PreDrafts {
                     trees,
-                    ms,
-                    sent,
-                    server,
+                    ms: answer.ms,
+                    sent: answer.sent,
+                    server: answer.server,
                 })
             };
             tokio::time::timeout_at(until.into(), call)
@@ -190,18 +190,23 @@ impl Run<'_> {
 }
 
 /// A draft worker's answer: its tree, and the trees it pre-drafted per outcome (accepted
-/// length, the target's token after it) when asked for an outcome set.
+/// length, the target's token after it) when asked for an outcome set; with the call's timing.
 pub(super) struct DraftAnswer {
     tree: TokenTree,
     predrafts: Vec<(usize, u32, TokenTree)>,
+    /// The call's wall time as the orchestrator saw it, in ms.
+    ms: f64,
+    /// When the request was sent.
+    sent: Instant,
+    /// What the worker reported for it.
+    server: ServerTimes,
 }
 
 /// Asks the draft worker for a tree of `widths` after `seq`, as request `request_no` of the
 /// session, or for the pre-drafts of `outcomes` when given (then `seq` holds the committed
-/// sequence and the path under verification), and checks the trees it sends against `limits`;
-/// with the call's wall time in ms, when it was sent, and the worker's reported times. The
-/// request carries `until` as its deadline (`grpc-timeout`), so that a worker stops drafting
-/// a tree nobody waits for any more.
+/// sequence and the path under verification), and checks the trees it sends against `limits`.
+/// The request carries `until` as its deadline (`grpc-timeout`), so that a worker stops
+/// drafting a tree nobody waits for any more.
 #[allow(clippy::too_many_arguments)]
 async fn draft_call(
     o: &Orchestrator,
@@ -213,7 +218,7 @@ async fn draft_call(
     widths: &[usize],
     limits: &TreeLimits,
     outcomes: Option<OutcomeSet>,
-) -> Result<(DraftAnswer, f64, Instant, ServerTimes), OrchestratorError> {
+) -> Result<DraftAnswer, OrchestratorError> {
     let Some(draft) = &o.lane.draft else {
         return Err(OrchestratorError::Config("no draft worker".into()));
     };
@@ -268,5 +273,11 @@ async fn draft_call(
         }
         predrafts.push((p.accepted_length as usize, p.token_id as u32, t));
     }
-    Ok((DraftAnswer { tree, predrafts }, ms, t0, server))
+    Ok(DraftAnswer {
+        tree,
+        predrafts,
+        ms,
+        sent: t0,
+        server,
+    })
 }
