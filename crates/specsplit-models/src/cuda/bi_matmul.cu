@@ -159,3 +159,23 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
 #undef BI_TILES
 #undef BI_CASE
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same product through one entry a row-tile count MT (1 to 4: ceil(min(m, BI_ROWS) / 16)),
+// with 2 column tiles of 8 a warp and 4 weight chunks in flight: each entry takes the registers
+// its tiles need (89 to 124 on sm_90, against 244 for the entry above, which holds every
+// tiling), so more warps share an SM. Same grid as above with nt = 2, same arguments but nt and
+// deep, and the same bits: an output's mma.sync steps do not depend on the entry.
+#define BI_LEAN(MT)                                                                              \
+    extern "C" __global__ void specsplit_bi_matmul_lean_bf16_m##MT(                             \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,  \
+        bf16* __restrict__ y, int m, int n, int k, int splits) {                                \
+        extern __shared__ float red[];                                                           \
+        const int n0 = blockIdx.x * 16, m0 = blockIdx.y * BI_ROWS;                               \
+        bi_tile<MT, 2, 4>(x, w, bias, y, m, n, k, splits, n0, m0, min(BI_ROWS, m - m0), red);   \
+    }
+BI_LEAN(1)
+BI_LEAN(2)
+BI_LEAN(3)
+BI_LEAN(4)
+#undef BI_LEAN

@@ -467,6 +467,14 @@ pub(super) fn decode_attention(
     Ok(y)
 }
 
+/// bi_matmul.cu's lean entries by row tiles of 16 (1 to 4).
+const BI_LEAN: [&str; 4] = [
+    "specsplit_bi_matmul_lean_bf16_m1",
+    "specsplit_bi_matmul_lean_bf16_m2",
+    "specsplit_bi_matmul_lean_bf16_m3",
+    "specsplit_bi_matmul_lean_bf16_m4",
+];
+
 pub(super) fn bi_matmul(
     x: &Tensor,
     w: &Tensor,
@@ -490,17 +498,23 @@ pub(super) fn bi_matmul(
         .unwrap_or_else(|| super::bi_splits(n, k))
         .min(k / 32)
         .max(1);
-    // Column tiles of 8 a warp and the loads in flight: these change no output's
-    // arithmetic. Measured (`specsplit-bench kernels --splits … --col-tiles … --depths …`,
-    // H200, Qwen2.5 1.5B and 7B shapes): 4 tiles pay when they still leave about 560 warps;
-    // twice the loads in flight pay for a single row tile.
-    let nt = tune
-        .col_tiles
-        .unwrap_or_else(|| super::bi_col_tiles(m, n, splits));
+    // Wide products take the lean entry of their row tiles (2 column tiles a warp, the base
+    // load depth); the others the entry that holds every tiling, with its column tiles and load
+    // depth. These change no output's arithmetic. Measured (`specsplit-bench kernels --splits …
+    // --col-tiles … --depths …`, H200, Qwen2.5 1.5B and 7B shapes): 4 tiles pay when they still
+    // leave about 560 warps; twice the loads in flight pay for a single row tile.
+    let lean = super::bi_lean(n, tune);
+    let nt = if lean {
+        2
+    } else {
+        tune.col_tiles
+            .unwrap_or_else(|| super::bi_col_tiles(m, n, splits))
+    };
     let deep = tune.depth.unwrap_or(if m <= 16 { 2 } else { 1 });
     // The warps' partial sums of the block with the most row tiles: 16 rows a row tile, 8
     // columns a column tile.
     let smem = (16 * m.min(ROWS).div_ceil(16) * 8 * nt * std::mem::size_of::<f32>()) as u32;
+    let grid = (n.div_ceil(8 * nt) as u32, m.div_ceil(ROWS) as u32);
     let args = [
         P(ptr(x)?),
         P(ptr(w)?),
@@ -513,15 +527,20 @@ pub(super) fn bi_matmul(
         I(nt as i32),
         I(i32::from(deep)),
     ];
-    let grid = (n.div_ceil(8 * nt) as u32, m.div_ceil(ROWS) as u32);
+    // A lean entry takes the arguments but the tiling.
+    let (name, args) = if lean {
+        (BI_LEAN[m.min(ROWS).div_ceil(16) - 1], &args[..8])
+    } else {
+        ("specsplit_bi_matmul_bf16", &args[..])
+    };
     launch_2d(
         l.pdl,
         cuda(x)?,
-        "specsplit_bi_matmul_bf16",
+        name,
         grid,
         (splits * 32) as u32,
         smem,
-        &args,
+        args,
     )?;
     Ok(y)
 }

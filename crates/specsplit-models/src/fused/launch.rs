@@ -137,6 +137,25 @@ pub(super) fn bi_splits(n: usize, k: usize) -> usize {
     by_chunks.max(by_warps).min(8).min(chunks).max(1)
 }
 
+/// The fewest columns of a product that [`bi_lean`] sends to the lean entries.
+pub(super) const BI_LEAN_MIN_COLS: usize = 4096;
+
+/// Whether `bi_matmul` runs a `(n, _)` weight through the lean entry of its row tiles (each
+/// entry compiled for one tiling: 2 column tiles of 8 a warp, the base load depth, about half
+/// the registers of the entry that holds every tiling, so about twice the warps an SM) rather
+/// than through that entry with [`bi_col_tiles`] and its load depth: for products of at least
+/// [`BI_LEAN_MIN_COLS`] columns, unless `tuning` sets the column tiles or the load depth. The
+/// speed only, never the bits. Measured (`specsplit-bench kernels --rows-pass`, H200,
+/// 2026-11-28, whole passes replayed in a graph): the 7B's Q|K|V, gate|up and head through the
+/// lean entries took a pass of 1 to 10 rows 4.5–4.8% less time, 20 rows 0.5%, 40 rows 2%; the
+/// 0.5B's gate|up and head 1–5% less at 1 to 20 rows; the 1.5B's within ±0.6% at 1 to 10 rows
+/// and 2.7% less at 20. Most narrower products were slower through a lean entry (per launch:
+/// the 7B's output product 9–48%, the 1.5B's and 0.5B's down products 4–42%).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn bi_lean(n: usize, tuning: BiTuning) -> bool {
+    n >= BI_LEAN_MIN_COLS && tuning.col_tiles.is_none() && tuning.depth.is_none()
+}
+
 /// Column tiles of 8 a warp in `bi_matmul` for `m` rows of a `(n, _)` weight split `splits`
 /// ways (the speed only, never the bits): 4 where that still leaves about 560 warps, else 2;
 /// but 2 for passes of more than one row tile over a weight split two ways (the 7B gate|up and
@@ -247,6 +266,38 @@ mod tests {
         assert_eq!(tiles(&seven_b, 32), [4, 2, 2, 4, 2]);
         assert_eq!(tiles(&one_5b, 1), [2, 2, 4, 2, 4]);
         assert_eq!(tiles(&one_5b, 32), [2, 2, 4, 2, 4]);
+        // The lean entries: the 7B's Q|K|V, gate|up and head, the 1.5B's gate|up and head, the
+        // 0.5B's gate|up and head; a tuning of the tiles or the load depth takes the entry
+        // that holds every tiling.
+        let lean = |shapes: &[(usize, usize)]| -> Vec<bool> {
+            shapes
+                .iter()
+                .map(|&(n, _)| bi_lean(n, BiTuning::default()))
+                .collect()
+        };
+        assert_eq!(lean(&seven_b), [true, false, true, false, true]);
+        assert_eq!(lean(&one_5b), [false, false, true, false, true]);
+        let half_b = [
+            (1152, 896),
+            (896, 896),
+            (9728, 896),
+            (896, 4864),
+            (151936, 896),
+        ];
+        assert_eq!(lean(&half_b), [false, false, true, false, true]);
+        let tiled = BiTuning {
+            col_tiles: Some(2),
+            ..BiTuning::default()
+        };
+        let deep = BiTuning {
+            depth: Some(1),
+            ..BiTuning::default()
+        };
+        let split = BiTuning {
+            splits: Some(4),
+            ..BiTuning::default()
+        };
+        assert!(!bi_lean(37888, tiled) && !bi_lean(37888, deep) && bi_lean(37888, split));
         for n in [1usize, 7, 16, 100, 1000, 5000, 50_000] {
             for k in [32usize, 64, 96, 512, 4096, 20_000] {
                 let s = bi_splits(n, k);
