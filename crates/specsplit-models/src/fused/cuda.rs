@@ -503,7 +503,7 @@ pub(super) fn bi_matmul(
     // depth. These change no output's arithmetic. Measured (`specsplit-bench kernels --splits …
     // --col-tiles … --depths …`, H200, Qwen2.5 1.5B and 7B shapes): 4 tiles pay when they still
     // leave about 560 warps; twice the loads in flight pay for a single row tile.
-    let lean = super::bi_lean(n, tune);
+    let lean = super::bi_lean(n, k, tune);
     let nt = if lean {
         2
     } else {

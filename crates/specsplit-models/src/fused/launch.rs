@@ -140,20 +140,27 @@ pub(super) fn bi_splits(n: usize, k: usize) -> usize {
 /// The fewest columns of a product that [`bi_lean`] sends to the lean entries.
 pub(super) const BI_LEAN_MIN_COLS: usize = 4096;
 
-/// Whether `bi_matmul` runs a `(n, _)` weight through the lean entry of its row tiles (each
+/// Products of fewer inputs than this go to the lean entries whatever their columns.
+pub(super) const BI_LEAN_MAX_SHORT_K: usize = 1024;
+
+/// Whether `bi_matmul` runs a `(n, k)` weight through the lean entry of its row tiles (each
 /// entry compiled for one tiling: 2 column tiles of 8 a warp, the base load depth, about half
 /// the registers of the entry that holds every tiling, so about twice the warps an SM) rather
 /// than through that entry with [`bi_col_tiles`] and its load depth: for products of at least
-/// [`BI_LEAN_MIN_COLS`] columns, unless `tuning` sets the column tiles or the load depth. The
-/// speed only, never the bits. Measured (`specsplit-bench kernels --rows-pass`, H200,
-/// 2026-11-28, whole passes replayed in a graph): the 7B's Q|K|V, gate|up and head through the
-/// lean entries took a pass of 1 to 10 rows 4.5–4.8% less time, 20 rows 0.5%, 40 rows 2%; the
-/// 0.5B's gate|up and head 1–5% less at 1 to 20 rows; the 1.5B's within ±0.6% at 1 to 10 rows
-/// and 2.7% less at 20. Most narrower products were slower through a lean entry (per launch:
-/// the 7B's output product 9–48%, the 1.5B's and 0.5B's down products 4–42%).
+/// [`BI_LEAN_MIN_COLS`] columns or fewer than [`BI_LEAN_MAX_SHORT_K`] inputs, unless `tuning`
+/// sets the column tiles or the load depth. The speed only, never the bits. Measured
+/// (`specsplit-bench kernels --rows-pass`, H200, 2026-11-28, whole passes replayed in a graph):
+/// the 7B's Q|K|V, gate|up and head through the lean entries took a pass of 1 to 10 rows
+/// 4.5–4.8% less time, 20 rows 0.5%, 40 rows 2%; the 1.5B's gate|up and head within ±0.6% at 1
+/// to 10 rows and 2.7% less at 20; every 0.5B product but down 1–2% less than its gate|up and
+/// head alone at 1 to 15 rows (0.8% more at 20). Most other products were slower through a
+/// lean entry (per launch: the 7B's output product 9–48%, the 1.5B's and 0.5B's down products
+/// 4–42%).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(super) fn bi_lean(n: usize, tuning: BiTuning) -> bool {
-    n >= BI_LEAN_MIN_COLS && tuning.col_tiles.is_none() && tuning.depth.is_none()
+pub(super) fn bi_lean(n: usize, k: usize, tuning: BiTuning) -> bool {
+    (n >= BI_LEAN_MIN_COLS || k < BI_LEAN_MAX_SHORT_K)
+        && tuning.col_tiles.is_none()
+        && tuning.depth.is_none()
 }
 
 /// Column tiles of 8 a warp in `bi_matmul` for `m` rows of a `(n, _)` weight split `splits`
@@ -266,13 +273,13 @@ mod tests {
         assert_eq!(tiles(&seven_b, 32), [4, 2, 2, 4, 2]);
         assert_eq!(tiles(&one_5b, 1), [2, 2, 4, 2, 4]);
         assert_eq!(tiles(&one_5b, 32), [2, 2, 4, 2, 4]);
-        // The lean entries: the 7B's Q|K|V, gate|up and head, the 1.5B's gate|up and head, the
-        // 0.5B's gate|up and head; a tuning of the tiles or the load depth takes the entry
+        // The lean entries: the 7B's Q|K|V, gate|up and head, the 1.5B's gate|up and head, every
+        // 0.5B product but down; a tuning of the tiles or the load depth takes the entry
         // that holds every tiling.
         let lean = |shapes: &[(usize, usize)]| -> Vec<bool> {
             shapes
                 .iter()
-                .map(|&(n, _)| bi_lean(n, BiTuning::default()))
+                .map(|&(n, k)| bi_lean(n, k, BiTuning::default()))
                 .collect()
         };
         assert_eq!(lean(&seven_b), [true, false, true, false, true]);
@@ -284,7 +291,7 @@ mod tests {
             (896, 4864),
             (151936, 896),
         ];
-        assert_eq!(lean(&half_b), [false, false, true, false, true]);
+        assert_eq!(lean(&half_b), [true, true, true, false, true]);
         let tiled = BiTuning {
             col_tiles: Some(2),
             ..BiTuning::default()
@@ -297,7 +304,11 @@ mod tests {
             splits: Some(4),
             ..BiTuning::default()
         };
-        assert!(!bi_lean(37888, tiled) && !bi_lean(37888, deep) && bi_lean(37888, split));
+        assert!(
+            !bi_lean(37888, 3584, tiled)
+                && !bi_lean(37888, 3584, deep)
+                && bi_lean(37888, 3584, split)
+        );
         for n in [1usize, 7, 16, 100, 1000, 5000, 50_000] {
             for k in [32usize, 64, 96, 512, 4096, 20_000] {
                 let s = bi_splits(n, k);
