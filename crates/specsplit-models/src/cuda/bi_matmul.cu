@@ -163,7 +163,7 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
 // ---------------------------------------------------------------------------------------------
 // The same product through one entry a row-tile count MT (1 to 4: ceil(min(m, BI_ROWS) / 16)),
 // with 2 column tiles of 8 a warp and 4 weight chunks in flight: each entry takes the registers
-// its tiles need (89 to 124 on sm_90, against 244 for the entry above, which holds every
+// its tiles need (89 to 124 registers compiled for sm_90a, against 244 for the entry above, which holds every
 // tiling), so more warps share an SM. Same grid as above with nt = 2, same arguments but nt and
 // deep, and the same bits: an output's mma.sync steps do not depend on the entry.
 #define BI_LEAN(MT)                                                                              \

@@ -498,9 +498,9 @@ pub(super) fn bi_matmul(
         .unwrap_or_else(|| super::bi_splits(n, k))
         .min(k / 32)
         .max(1);
-    // Wide products take the lean entry of their row tiles (2 column tiles a warp, the base
-    // load depth); the others the entry that holds every tiling, with its column tiles and load
-    // depth. These change no output's arithmetic. Measured (`specsplit-bench kernels --splits …
+    // The products `bi_lean` picks take the lean entry of their row tiles (2 column tiles a
+    // warp, the base load depth); the others the entry that holds every tiling, with its column
+    // tiles and load depth. These change no output's arithmetic. Measured (`specsplit-bench kernels --splits …
     // --col-tiles … --depths …`, H200, Qwen2.5 1.5B and 7B shapes): 4 tiles pay when they still
     // leave about 560 warps; twice the loads in flight pay for a single row tile.
     let lean = super::bi_lean(n, k, tune);

@@ -152,8 +152,8 @@ pub(super) const BI_LEAN_MAX_SHORT_K: usize = 1024;
 /// (`specsplit-bench kernels --rows-pass`, H200, 2026-11-28, whole passes replayed in a graph):
 /// the 7B's Q|K|V, gate|up and head through the lean entries took a pass of 1 to 10 rows
 /// 4.5–4.8% less time, 20 rows 0.5%, 40 rows 2%; the 1.5B's gate|up and head within ±0.6% at 1
-/// to 10 rows and 2.7% less at 20; every 0.5B product but down 1–2% less than its gate|up and
-/// head alone at 1 to 15 rows (0.8% more at 20). Most other products were slower through a
+/// to 10 rows and 2.7% less at 20; the 0.5B's products but down through them, a pass of 1 to
+/// 15 rows 1–2% less than its gate|up and head alone (0.8% more at 20). Most other products were slower through a
 /// lean entry (per launch: the 7B's output product 9–48%, the 1.5B's and 0.5B's down products
 /// 4–42%).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
