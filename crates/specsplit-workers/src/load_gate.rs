@@ -24,6 +24,10 @@
 //! rounds are kept per load level: what a depth cost one session alone says nothing of what it
 //! costs four sessions sharing a draft worker.
 //!
+//! A session's cycle that spans another session's prompt round is not measured: a prompt's
+//! prefill holds the passes back while it runs, so while new sessions arrive every cycle would
+//! look several times longer than a round costs.
+//!
 //! A first measurement alone is provisional: the first pass of a row count and the first round
 //! of a depth may have stalled (kernels compiled, CUDA graphs captured), and a depth priced by
 //! such a stall would never be advised again to correct it. So a row bucket of one pass that is
@@ -189,6 +193,8 @@ pub struct LoadGate {
     deepest: Option<(usize, Instant)>,
     /// The latest advice given: a round as deep as it shows no more than the cap.
     last_advice: Option<usize>,
+    /// When a new prompt's round was last answered: a cycle that spans it is not measured.
+    last_prompt: Option<Instant>,
 }
 
 /// The latest samples of one measurement (a depth's gap or cycle at one load level), whose
@@ -255,6 +261,7 @@ impl LoadGate {
             cycles: vec![vec![None; max_depth + 1]; LOAD_LEVELS],
             deepest: None,
             last_advice: None,
+            last_prompt: None,
         }
     }
 
@@ -724,8 +731,16 @@ impl LoadAdvisor {
         if round.depth > 0 {
             g.observe_verdict(round.depth, round.accepted);
         }
-        if let Some(last) = last.filter(|_| !round.one_off_setup) {
+        // A cycle that spans another session's prompt waited for its prefill (a causal pass
+        // over the whole prompt, which holds the passes back while it runs): a ramp of new
+        // sessions would price target-only rounds at several times their cost, and the gate
+        // draft where drafting loses.
+        let spans_prompt = |last: Instant| g.last_prompt.is_some_and(|p| p > last);
+        if let Some(last) = last.filter(|&l| !round.one_off_setup && !spans_prompt(l)) {
             g.observe_cycle(round.depth, now.saturating_duration_since(last), batch);
+        }
+        if !round.continued {
+            g.last_prompt = Some(now);
         }
         let advice = g.advise(batch);
         if advice != g.last_advice && tracing::enabled!(tracing::Level::DEBUG) {
@@ -1143,6 +1158,48 @@ mod tests {
         // 4 × 3.36 tokens in 40 ms, worse than the model's shallower depths).
         assert_eq!(advise_after_stalls(true), Some(4));
         assert!(advise_after_stalls(false).is_some_and(|d| d < 4));
+    }
+
+    #[test]
+    fn cycles_that_span_another_sessions_prompt_are_not_measured() {
+        // Passes whose time grows with their rows: target-only rounds win. Four sessions go
+        // through target-only rounds 40 ms apart, as behind other sessions' prefills.
+        let advise_after_slow_rounds = |prompts_between: bool| {
+            let a = LoadAdvisor::with_gate(gate(4, 1..=64, |r| 0.002 + 0.001 * r));
+            let round = |session, continued| GateRound {
+                session,
+                rows: 4,
+                time: Duration::from_millis(6),
+                depth: 0,
+                accepted: 0,
+                continued,
+                one_off_setup: false,
+                depth_limit: 4,
+            };
+            let sessions = ["a", "b", "c", "d"];
+            for s in sessions {
+                a.observe_and_advise(round(s, false));
+            }
+            for s in sessions {
+                a.observe_and_advise(round(s, true));
+            }
+            let mut advice = None;
+            for new in ["e", "f", "g"] {
+                std::thread::sleep(Duration::from_millis(40));
+                if prompts_between {
+                    a.observe_and_advise(round(new, false));
+                }
+                for s in sessions {
+                    advice = a.observe_and_advise(round(s, true));
+                }
+            }
+            advice
+        };
+        // Rounds 40 ms apart with no prompt between price target-only rounds at 40 ms, and a
+        // draft looks better; the same rounds spanning new sessions' prompts are not measured,
+        // and the model's advice stands.
+        assert!(advise_after_slow_rounds(false).is_some_and(|d| d > 0));
+        assert_eq!(advise_after_slow_rounds(true), Some(0));
     }
 
     #[test]
