@@ -36,7 +36,9 @@ pub struct KernelArgs {
     #[arg(long, default_value_t = 10)]
     batch: usize,
     /// Load depths of the batch-invariant product to compare (1 = base, 2 = twice the weight
-    /// chunks in flight; 0 = the built-in choice per shape).
+    /// chunks in flight; 0 = the built-in choice per shape). A depth or column tiling set runs
+    /// the entry that holds every tiling; the built-in choice runs the lean entries where the
+    /// shape takes them.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     depths: Vec<u8>,
     /// Warps sharing k to compare (1..=8; 0 = the built-in rule, a function of the shape).

@@ -43,7 +43,9 @@ impl Default for Launch {
 
 /// Overrides of [`bi_matmul`](super::bi_matmul)'s launch shape, for side-by-side tuning; `None` keeps the
 /// built-in choice. `depth` (1 or 2: the weight chunks each lane keeps in flight, base or twice)
-/// and `col_tiles` (2 or 4 column tiles of 8 a warp) change the speed only. `splits` (warps
+/// and `col_tiles` (2 or 4 column tiles of 8 a warp) change the speed only; setting either runs
+/// the product through the entry that holds every tiling, never a lean one (`bi_lean`), so the
+/// built-in choice and a tuning compare the two side by side. `splits` (warps
 /// sharing k) changes the rounding: with it set, a row's result is still the same at every pass
 /// size, but differs from the built-in choice's.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
