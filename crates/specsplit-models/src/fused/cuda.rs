@@ -511,9 +511,10 @@ pub(super) fn bi_matmul(
             .unwrap_or_else(|| super::bi_col_tiles(m, n, splits))
     };
     let deep = tune.depth.unwrap_or(if m <= 16 { 2 } else { 1 });
-    // The warps' partial sums of the block with the most row tiles: 16 rows a row tile, 8
-    // columns a column tile.
-    let smem = (16 * m.min(ROWS).div_ceil(16) * 8 * nt * std::mem::size_of::<f32>()) as u32;
+    // Row tiles of 16 of the block with the most: its warps' partial sums take 16 rows a row
+    // tile and 8 columns a column tile, and a lean entry is compiled for that many.
+    let row_tiles = m.min(ROWS).div_ceil(16);
+    let smem = (16 * row_tiles * 8 * nt * std::mem::size_of::<f32>()) as u32;
     let grid = (n.div_ceil(8 * nt) as u32, m.div_ceil(ROWS) as u32);
     let args = [
         P(ptr(x)?),
@@ -529,7 +530,7 @@ pub(super) fn bi_matmul(
     ];
     // A lean entry takes the arguments but the tiling.
     let (name, args) = if lean {
-        (BI_LEAN[m.min(ROWS).div_ceil(16) - 1], &args[..8])
+        (BI_LEAN[row_tiles - 1], &args[..8])
     } else {
         ("specsplit_bi_matmul_bf16", &args[..])
     };

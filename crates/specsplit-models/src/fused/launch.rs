@@ -140,10 +140,10 @@ pub(super) fn bi_splits(n: usize, k: usize) -> usize {
 }
 
 /// The fewest columns of a product that [`bi_lean`] sends to the lean entries.
-pub(super) const BI_LEAN_MIN_COLS: usize = 4096;
+const BI_LEAN_MIN_COLS: usize = 4096;
 
 /// Products of fewer inputs than this go to the lean entries whatever their columns.
-pub(super) const BI_LEAN_MAX_SHORT_K: usize = 1024;
+const BI_LEAN_MAX_SHORT_K: usize = 1024;
 
 /// Whether `bi_matmul` runs a `(n, k)` weight through the lean entry of its row tiles (each
 /// entry compiled for one tiling: 2 column tiles of 8 a warp, the base load depth, about half
