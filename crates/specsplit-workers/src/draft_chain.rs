@@ -71,7 +71,14 @@ impl DraftEngine {
         let mut feed = &tokens[keep..];
         if feed.len() > STATIC_FEED_MAX {
             let head = &feed[..feed.len() - 1];
+            let t = Instant::now();
             self.model().prefill(head, &mut s.cache)?;
+            tracing::debug!(
+                tokens = head.len(),
+                cached = keep,
+                ms = t.elapsed().as_secs_f64() * 1e3,
+                "draft chain: prefilled the uncached tail"
+            );
             s.tokens.extend_from_slice(head);
             feed = &feed[feed.len() - 1..];
         }
@@ -94,7 +101,15 @@ impl DraftEngine {
         round: ChainRound,
     ) -> Result<(TokenTree, DraftStats), EngineError> {
         let t0 = Instant::now();
+        let new_stepper = s.stepper.as_ref().map(|st| st.capacity()) != Some(s.cache.capacity());
         let grown = self.grow_alone(s, &round);
+        tracing::debug!(
+            depth = round.depth(),
+            fed = round.feed.len(),
+            new_stepper,
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "draft chain: grown alone"
+        );
         let levels = self.or_reset(s, grown)?;
         self.finish_chain(s, round, levels, t0.elapsed())
     }
@@ -158,6 +173,12 @@ impl DraftEngine {
         let t0 = Instant::now();
         let shared = self.grow_together(&members);
         let elapsed = t0.elapsed();
+        tracing::debug!(
+            sessions = members.len(),
+            depth = members.iter().map(|(_, r)| r.depth()).max().unwrap_or(0),
+            ms = elapsed.as_secs_f64() * 1e3,
+            "draft chain: grown together"
+        );
         match shared {
             Ok(levels) => members
                 .into_iter()

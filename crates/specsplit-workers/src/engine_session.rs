@@ -127,9 +127,16 @@ impl<St> EngineSession<St> {
         if target == self.cache.capacity() {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         match self.cache.reserve(entries) {
             Ok(_) => {
                 self.stepper = None;
+                tracing::debug!(
+                    entries,
+                    capacity = self.cache.capacity(),
+                    ms = t.elapsed().as_secs_f64() * 1e3,
+                    "session cache grown"
+                );
                 Ok(())
             }
             Err(e) => {
