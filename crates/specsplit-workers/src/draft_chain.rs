@@ -107,6 +107,7 @@ impl DraftEngine {
             depth = round.depth(),
             fed = round.feed.len(),
             new_stepper,
+            ok = grown.is_ok(),
             ms = t0.elapsed().as_secs_f64() * 1e3,
             "draft chain: grown alone"
         );
@@ -176,6 +177,7 @@ impl DraftEngine {
         tracing::debug!(
             sessions = members.len(),
             depth = members.iter().map(|(_, r)| r.depth()).max().unwrap_or(0),
+            ok = shared.is_ok(),
             ms = elapsed.as_secs_f64() * 1e3,
             "draft chain: grown together"
         );
