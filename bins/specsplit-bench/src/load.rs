@@ -263,13 +263,19 @@ fn passes_so_far(target: Option<&Arc<VerifyBatcher>>, draft: Option<&Arc<DraftBa
 }
 
 /// The row of median throughput among `runs` (each run's row), with every run's throughput
-/// in `aggregate_tok_per_s_runs`.
+/// in `aggregate_tok_per_s_runs` and mean drafted depth in `mean_drafted_depth_runs` (in run
+/// order).
 fn median_run(mut runs: Vec<Value>) -> Value {
     let rate = |r: &Value| r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0);
     let all: Vec<f64> = runs.iter().map(rate).collect();
+    let depths: Vec<Value> = runs
+        .iter()
+        .map(|r| r["mean_drafted_depth"].clone())
+        .collect();
     runs.sort_by(|a, b| rate(a).total_cmp(&rate(b)));
     let mut mid = runs.swap_remove(runs.len() / 2);
     mid["aggregate_tok_per_s_runs"] = json!(all);
+    mid["mean_drafted_depth_runs"] = json!(depths);
     mid
 }
 
@@ -599,6 +605,11 @@ mod tests {
             assert_eq!(runs.len(), 2, "{r}");
             let best = runs.iter().copied().fold(f64::MIN, f64::max);
             assert_eq!(r["aggregate_tok_per_s"].as_f64(), Some(best), "{r}");
+            // Each run's mean drafted depth, in the same order: the row's is its run's.
+            let depths = r["mean_drafted_depth_runs"].as_array().unwrap();
+            assert_eq!(depths.len(), 2, "{r}");
+            let at = runs.iter().position(|&v| v == best).unwrap();
+            assert_eq!(depths[at], r["mean_drafted_depth"], "{r}");
             let slow = r["slowest_rounds"].as_array().unwrap();
             assert!(!slow.is_empty() && slow.len() <= SLOWEST_ROUNDS, "{r}");
             // Each verify pass holds one to `sessions` sessions' rounds; one session alone
