@@ -932,6 +932,12 @@ pub fn top_w_on_device(
         .collect())
 }
 
+/// Whether `slot` holds a stepper over a cache of `capacity` entries, which
+/// [`stepper_over`] keeps; otherwise it makes a new one.
+pub(crate) fn has_stepper_over(slot: &Option<DecodeStepper>, capacity: usize) -> bool {
+    slot.as_ref().is_some_and(|st| st.capacity() == capacity)
+}
+
 /// The session's fixed-shape stepper over its cache of `capacity` entries, made at its first
 /// use and again after the cache grew (a stepper for another capacity holds graphs over
 /// buffers the cache no longer has: it is dropped, never replayed).
@@ -940,7 +946,7 @@ pub(crate) fn stepper_over<'s>(
     model: &Transformer,
     capacity: usize,
 ) -> Result<&'s mut DecodeStepper, EngineError> {
-    if slot.as_ref().is_some_and(|st| st.capacity() != capacity) {
+    if !has_stepper_over(slot, capacity) {
         *slot = None;
     }
     Ok(match slot {

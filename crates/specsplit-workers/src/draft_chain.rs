@@ -19,7 +19,7 @@ use specsplit_core::tree::TokenTree;
 use specsplit_models::step::SessionChainsStepper;
 use specsplit_models::transformer::{SessionChain, CHAIN_FEED_MAX};
 
-use crate::draft::{stepper_over, DraftEngine, DraftSession, DraftStats};
+use crate::draft::{has_stepper_over, stepper_over, DraftEngine, DraftSession, DraftStats};
 use crate::engine_session::common_prefix;
 use crate::EngineError;
 
@@ -101,7 +101,7 @@ impl DraftEngine {
         round: ChainRound,
     ) -> Result<(TokenTree, DraftStats), EngineError> {
         let t0 = Instant::now();
-        let new_stepper = s.stepper.as_ref().map(|st| st.capacity()) != Some(s.cache.capacity());
+        let new_stepper = !has_stepper_over(&s.stepper, s.cache.capacity());
         let grown = self.grow_alone(s, &round);
         tracing::debug!(
             depth = round.depth(),
@@ -176,7 +176,7 @@ impl DraftEngine {
         let elapsed = t0.elapsed();
         tracing::debug!(
             sessions = members.len(),
-            depth = members.iter().map(|(_, r)| r.depth()).max().unwrap_or(0),
+            depth = deepest(&members),
             ok = shared.is_ok(),
             ms = elapsed.as_secs_f64() * 1e3,
             "draft chain: grown together"
@@ -205,7 +205,7 @@ impl DraftEngine {
         &self,
         members: &[(&mut DraftSession, ChainRound)],
     ) -> Result<Vec<Levels>, EngineError> {
-        let depth = members.iter().map(|(_, r)| r.depth()).max().unwrap_or(0);
+        let depth = deepest(members);
         let capacity = members.iter().map(|(s, _)| s.cache.capacity()).max();
         let capacity = capacity.unwrap_or(0);
         if !members.iter().all(|(s, r)| self.joins_chains(s, r, depth))
@@ -312,4 +312,9 @@ impl DraftEngine {
         stats.model_time += passes;
         Ok((tree, stats))
     }
+}
+
+/// The deepest chain among `members` (all grow to it together).
+fn deepest(members: &[(&mut DraftSession, ChainRound)]) -> usize {
+    members.iter().map(|(_, r)| r.depth()).max().unwrap_or(0)
 }
