@@ -84,6 +84,12 @@ const GAP_MEMORY: Duration = Duration::from_secs(30);
 /// A session answered within this window counts in the batch the advice is for.
 const ACTIVE_WINDOW: Duration = Duration::from_millis(500);
 
+/// How long the largest batch served stands for the batch the advice is for (see
+/// [`LoadGate::note_batch`]): long enough to span the arrival of a burst's sessions and the
+/// pause between a client's batches, short enough that a quiet spell after a busy one drafts
+/// again within a few generations.
+const PEAK_MEMORY: Duration = Duration::from_secs(2);
+
 /// Sessions whose last answer the advisor remembers (their gaps are measured); beyond this,
 /// the oldest answers are forgotten.
 const MAX_REMEMBERED_SESSIONS: usize = 4096;
@@ -195,6 +201,9 @@ pub struct LoadGate {
     last_advice: Option<usize>,
     /// When a new prompt's round was last answered: a cycle that spans it is not measured.
     last_prompt: Option<Instant>,
+    /// The largest batch served lately, and when it was last served (see
+    /// [`LoadGate::note_batch`]).
+    peak_batch: Option<(usize, Instant)>,
 }
 
 /// The latest samples of one measurement (a depth's gap or cycle at one load level), whose
@@ -262,7 +271,29 @@ impl LoadGate {
             deepest: None,
             last_advice: None,
             last_prompt: None,
+            peak_batch: None,
         }
+    }
+
+    /// Notes a round answered at `now` in a batch of `batch` sessions; returns the largest
+    /// batch served within [`PEAK_MEMORY`] (this one included), the batch the advice is for.
+    /// The batch a target serves rises at once and is counted late: the sessions of a burst
+    /// arrive together, but their requests are counted only as the worker takes them while it
+    /// prefills the first prompts, so the first sessions are answered as if nearly alone.
+    /// Advised for that batch, they draft their next rounds, and a session's first draft is
+    /// its prompt's prefill in the draft model, which beside the target's passes takes many
+    /// times its time alone, only for the advice at the whole burst's batch to turn drafting
+    /// off a few rounds later. (A peak is kept until a batch as large is served or the memory
+    /// passes, then the batch of the moment takes its place.)
+    fn note_batch(&mut self, batch: usize, now: Instant) -> usize {
+        let peak = match self.peak_batch {
+            Some((b, at)) if b > batch && now.saturating_duration_since(at) <= PEAK_MEMORY => {
+                (b, at)
+            }
+            _ => (batch, now),
+        };
+        self.peak_batch = Some(peak);
+        peak.0
     }
 
     /// Records a session's round drafted to `depth` (deeper counts as `max_depth`) that was
@@ -708,8 +739,9 @@ impl LoadAdvisor {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Records `round`, answered now; returns the depth advised for the batch: the sessions in
-    /// flight or answered within [`ACTIVE_WINDOW`], whichever are more.
+    /// Records `round`, answered now; returns the depth advised for the batch: the largest
+    /// within [`PEAK_MEMORY`] (see [`LoadGate::note_batch`]) of the sessions in flight or
+    /// answered within [`ACTIVE_WINDOW`], whichever are more.
     pub fn observe_and_advise(&self, round: GateRound<'_>) -> Option<usize> {
         let now = Instant::now();
         let (active, last) = if round.session.is_empty() {
@@ -720,6 +752,9 @@ impl LoadAdvisor {
         let batch = self.in_flight().max(active);
         self.batch.store(batch, Ordering::Relaxed);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        // The advice is for the batch served lately (see note_batch); what the round measured
+        // is the batch's of the moment.
+        let advised_for = g.note_batch(batch, now);
         g.observe_depth_limit(round.depth_limit);
         // A new prompt's round spends its model time on the prompt's prefill too (a pass of
         // another kind: a causal product over the prompt's rows, and no tree); priced as a
@@ -742,13 +777,13 @@ impl LoadAdvisor {
         if !round.continued {
             g.last_prompt = Some(now);
         }
-        let advice = g.advise(batch);
+        let advice = g.advise(advised_for);
         if advice != g.last_advice && tracing::enabled!(tracing::Level::DEBUG) {
             tracing::debug!(
                 "load advice {:?} (was {:?}); {}",
                 advice,
                 g.last_advice,
-                g.explain(batch).unwrap_or_default()
+                g.explain(advised_for).unwrap_or_default()
             );
         }
         // What observe_cycle needs to tell rounds the advice capped from shallower ones.
@@ -1088,6 +1123,44 @@ mod tests {
         a.forget("e");
         let (active, last) = a.note_answer("e", t + Duration::from_millis(9), 4, true);
         assert_eq!((active, last), (4, None));
+    }
+
+    #[test]
+    fn the_advice_is_for_the_batch_served_lately() {
+        // Passes cost 5 ms up to 4 rows, then 1 ms a row more: one session drafts 4 deep,
+        // four sessions draft none.
+        let t = |r: f64| 0.005 + (r - 4.0).max(0.0) * 0.001;
+        let mut g = gate(4, 1..=64, t);
+        assert_eq!((g.advise(1), g.advise(4)), (Some(4), Some(0)));
+        let t0 = Instant::now();
+        // Four sessions served together; then a burst's first prompt, answered alone.
+        assert_eq!(g.note_batch(4, t0), 4);
+        assert_eq!(g.note_batch(1, t0 + Duration::from_millis(20)), 4);
+        // A larger batch raises the peak at once; past the memory, the batch of the moment.
+        assert_eq!(g.note_batch(6, t0 + Duration::from_millis(30)), 6);
+        let later = t0 + Duration::from_millis(30) + PEAK_MEMORY + Duration::from_millis(1);
+        assert_eq!(g.note_batch(1, later), 1);
+        // Through the advisor: a session alone just after four, its prompt's round and the
+        // next, gets the advice for four.
+        let a = LoadAdvisor::with_gate(gate(4, 1..=64, t));
+        let round = |session, continued| GateRound {
+            session,
+            rows: 5,
+            time: Duration::from_secs_f64(t(5.0)),
+            depth: 0,
+            accepted: 0,
+            continued,
+            one_off_setup: false,
+            depth_limit: 0,
+        };
+        for s in ["a", "b", "c", "d"] {
+            a.observe_and_advise(round(s, true));
+        }
+        for s in ["a", "b", "c", "d"] {
+            a.forget(s);
+        }
+        assert_eq!(a.observe_and_advise(round("e", false)), Some(0));
+        assert_eq!(a.observe_and_advise(round("e", true)), Some(0));
     }
 
     #[test]
