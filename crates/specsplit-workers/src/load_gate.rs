@@ -612,8 +612,9 @@ struct Weighed {
 pub struct LoadAdvisor {
     gate: Mutex<LoadGate>,
     in_flight: AtomicUsize,
-    /// The batch the latest advice was for: the load a session's gap before its next request
-    /// is spent under.
+    /// The batch of the latest answer (the sessions in flight or answered within
+    /// [`ACTIVE_WINDOW`], not the larger batch its advice was for): the load a session's gap
+    /// before its next request is spent under.
     batch: AtomicUsize,
     /// When each session was last answered (its gap to its next request is measured).
     answered: Mutex<HashMap<String, Answered>>,
@@ -752,8 +753,8 @@ impl LoadAdvisor {
         let batch = self.in_flight().max(active);
         self.batch.store(batch, Ordering::Relaxed);
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        // The advice is for the batch served lately (see note_batch); what the round measured
-        // is the batch's of the moment.
+        // The advice is for the batch served lately (see note_batch); gaps and cycles are
+        // measured at the batch of the moment.
         let advised_for = g.note_batch(batch, now);
         g.observe_depth_limit(round.depth_limit);
         // A new prompt's round spends its model time on the prompt's prefill too (a pass of
