@@ -18,7 +18,11 @@
 //! costs now: per depth, a session's time from one answer to the next. A depth measured within
 //! [`GAP_MEMORY`] at the batch's load level (batches of `2^k..2^(k+1)` sessions share one) is
 //! judged by `E(d)` over its measured cycle, the others by the model; a measurement that ages
-//! out lets the model try its depth again. (The tokens a depth's rounds emitted are not used:
+//! out lets the model try its depth again. A drafted depth that the model says beats none but
+//! for the margin ([`DRAFT_MARGIN`]) and that has not been measured at the batch's level is
+//! advised until two of its rounds are: the model prices drafting from gaps borrowed from
+//! another level or measured beside other sessions' first drafts, and only measured rounds
+//! correct it. (The tokens a depth's rounds emitted are not used:
 //! `E(d)` from the acceptance every depth's verdicts measure is the steadier estimate, where a
 //! few unlucky rounds would otherwise keep a depth from being tried again.) Gaps and
 //! rounds are kept per load level: what a depth cost one session alone says nothing of what it
@@ -516,14 +520,42 @@ impl LoadGate {
     /// second of `batch_sessions` sessions sharing each pass, each away from the target for
     /// its round's gap between passes (the shallowest of equals);
     /// `None` before the gate has measured enough passes and verdicts to say.
+    ///
+    /// Where none wins only by the margin, a drafted depth that beats none without it and has
+    /// not been measured at this load level (fewer than two rounds within [`GAP_MEMORY`]) is
+    /// advised, so that it is: the margin stands for costs the model leaves out, which only
+    /// rounds of that depth show, and a model that overprices drafting (its drafting time
+    /// borrowed from another level, or measured beside other sessions' first drafts) would
+    /// otherwise never be corrected.
     pub fn advise(&self, batch_sessions: usize) -> Option<usize> {
         let mut best = (0, f64::NEG_INFINITY);
+        let mut none = 0.0;
+        let mut untried = (0, f64::NEG_INFINITY);
         self.each_depth(batch_sessions, |d| {
             if d.rate > best.1 {
                 best = (d.depth, d.rate);
             }
+            if d.depth == 0 {
+                none = d.rate;
+            } else if d.measured.is_none_or(|n| n < 2) && d.rate > untried.1 {
+                untried = (d.depth, d.rate);
+            }
         })?;
+        // Only a depth the sessions draft is measured: without their depth known, a trial
+        // could be of a depth none of them drafts, and never end.
+        let known = self.deepest_drafted(Instant::now()).is_some();
+        if best.0 == 0 && known && untried.1 > none / DRAFT_MARGIN {
+            return Some(untried.0);
+        }
         Some(best.0)
+    }
+
+    /// The deepest draft sessions drafted or told lately (within [`DEEPEST_MEMORY`] of `now`),
+    /// if any did: the deepest depth the gate weighs.
+    fn deepest_drafted(&self, now: Instant) -> Option<usize> {
+        self.deepest
+            .filter(|&(d, at)| d > 0 && now.duration_since(at) <= DEEPEST_MEMORY)
+            .map(|(d, _)| d)
     }
 
     /// What [`LoadGate::advise`] weighed for `batch_sessions` sessions, one entry a depth
@@ -562,9 +594,8 @@ impl LoadGate {
         let mut expected = 0.0;
         let mut term = 1.0;
         let top = self
-            .deepest
-            .filter(|&(d, at)| d > 0 && now.duration_since(at) <= DEEPEST_MEMORY)
-            .map_or(self.max_depth, |(d, _)| d.min(self.max_depth));
+            .deepest_drafted(now)
+            .map_or(self.max_depth, |d| d.min(self.max_depth));
         for depth in 0..=top {
             expected += term;
             term *= alpha;
@@ -1088,20 +1119,34 @@ mod tests {
     }
 
     #[test]
-    fn a_draft_must_beat_none_by_the_margin() {
+    fn a_draft_must_beat_none_by_the_margin_once_measured() {
         // One session, a one-token pass of 1 ms, a two-token pass of 1 + s ms, drafting free:
         // a draft of one token (1.8 tokens at α = 0.8) promises 1.8 / (1 + s) times as much.
-        let advice = |s: f64| {
-            let g = gate(1, [1, 2, 1, 2], |r| 1e-3 * (1.0 + s * (r - 1.0)));
+        // `measured`: rounds of depth 1 measured at this load level, each as the model says.
+        let advice = |s: f64, measured: usize| {
+            let mut g = gate(1, [1, 2, 1, 2], |r| 1e-3 * (1.0 + s * (r - 1.0)));
+            g.observe_depth_limit(1);
+            for _ in 0..measured {
+                g.observe_cycle(1, Duration::from_secs_f64(1e-3 * (1.0 + s)), 1);
+            }
             g.advise(1)
         };
-        assert_eq!(advice(0.2857), Some(1), "1.4 times as much");
+        assert_eq!(advice(0.2857, 0), Some(1), "1.4 times as much");
+        assert_eq!(advice(0.2857, 2), Some(1), "1.4 times as much, measured");
+        // Within the margin, a depth is tried until two of its rounds are measured, then
+        // judged by them with the margin.
+        assert_eq!(advice(0.565, 0), Some(1), "1.15 times as much: tried");
+        assert_eq!(advice(0.565, 1), Some(1), "one round measured: tried again");
         assert_eq!(
-            advice(0.565),
+            advice(0.565, 2),
             Some(0),
-            "1.15 times as much: within the margin"
+            "1.15 times as much, measured: within the margin"
         );
-        assert_eq!(advice(0.9), Some(0), "less than none");
+        assert_eq!(advice(0.9, 0), Some(0), "less than none: not tried");
+        // Where the sessions' depth is not known, nothing is tried: it might be a depth that
+        // none of them drafts, which would never be measured.
+        let g = gate(1, [1, 2, 1, 2], |r| 1e-3 * (1.0 + 0.565 * (r - 1.0)));
+        assert_eq!(g.advise(1), Some(0), "no depth known");
     }
 
     #[test]
@@ -1128,9 +1173,9 @@ mod tests {
 
     #[test]
     fn the_advice_is_for_the_batch_served_lately() {
-        // Passes cost 5 ms up to 4 rows, then 1 ms a row more: one session drafts 4 deep,
-        // four sessions draft none.
-        let t = |r: f64| 0.005 + (r - 4.0).max(0.0) * 0.001;
+        // Passes cost 5 ms up to 4 rows, then 2 ms a row more: one session drafts 4 deep,
+        // four sessions draft none (no depth would win even without the margin).
+        let t = |r: f64| 0.005 + (r - 4.0).max(0.0) * 0.002;
         let mut g = gate(4, 1..=64, t);
         assert_eq!((g.advise(1), g.advise(4)), (Some(4), Some(0)));
         let t0 = Instant::now();
@@ -1236,10 +1281,11 @@ mod tests {
 
     #[test]
     fn cycles_that_span_another_sessions_prompt_are_not_measured() {
-        // Passes whose time grows with their rows: target-only rounds win. Four sessions go
-        // through target-only rounds 40 ms apart, as behind other sessions' prefills.
+        // Passes whose time grows with their rows (6 ms at 4 rows): target-only rounds win,
+        // even without the margin. Four sessions go through target-only rounds 40 ms apart,
+        // as behind other sessions' prefills.
         let advise_after_slow_rounds = |prompts_between: bool| {
-            let a = LoadAdvisor::with_gate(gate(4, 1..=64, |r| 0.002 + 0.001 * r));
+            let a = LoadAdvisor::with_gate(gate(4, 1..=64, |r| 0.0004 + 0.0014 * r));
             let round = |session, continued| GateRound {
                 session,
                 rows: 4,
