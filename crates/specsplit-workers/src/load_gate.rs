@@ -20,7 +20,8 @@
 //! judged by `E(d)` over its measured cycle, the others by the model; a measurement that ages
 //! out lets the model try its depth again. A drafted depth that the model says beats none but
 //! for the margin ([`DRAFT_MARGIN`]) and that has not been measured at the batch's level is
-//! advised until two of its rounds are: the model prices drafting from gaps borrowed from
+//! advised, where the sessions' depth is known, until two of its rounds are: the model prices
+//! drafting from gaps borrowed from
 //! another level or measured beside other sessions' first drafts, and only measured rounds
 //! correct it. (The tokens a depth's rounds emitted are not used:
 //! `E(d)` from the acceptance every depth's verdicts measure is the steadier estimate, where a
@@ -523,7 +524,7 @@ impl LoadGate {
     ///
     /// Where none wins only by the margin, a drafted depth that beats none without it and has
     /// not been measured at this load level (fewer than two rounds within [`GAP_MEMORY`]) is
-    /// advised, so that it is: the margin stands for costs the model leaves out, which only
+    /// advised, where the sessions' depth is known, so that it is: the margin stands for costs the model leaves out, which only
     /// rounds of that depth show, and a model that overprices drafting (its drafting time
     /// borrowed from another level, or measured beside other sessions' first drafts) would
     /// otherwise never be corrected.
