@@ -21,11 +21,10 @@
 //! out lets the model try its depth again. A drafted depth that the model says beats none but
 //! for the margin ([`DRAFT_MARGIN`]) and that has not been measured at the batch's level is
 //! advised, where the sessions' depth is known, until two of its rounds are: the model prices
-//! drafting from gaps borrowed from
-//! another level or measured beside other sessions' first drafts, and only measured rounds
-//! correct it. (The tokens a depth's rounds emitted are not used:
-//! `E(d)` from the acceptance every depth's verdicts measure is the steadier estimate, where a
-//! few unlucky rounds would otherwise keep a depth from being tried again.) Gaps and
+//! drafting from gaps borrowed from another level or measured beside other sessions' first
+//! drafts, and only measured rounds correct it. (The tokens a depth's rounds emitted are not
+//! used: `E(d)` from the acceptance every depth's verdicts measure is the steadier estimate,
+//! where a few unlucky rounds would otherwise keep a depth from being tried again.) Gaps and
 //! rounds are kept per load level: what a depth cost one session alone says nothing of what it
 //! costs four sessions sharing a draft worker.
 //!
@@ -524,12 +523,13 @@ impl LoadGate {
     ///
     /// Where none wins only by the margin, a drafted depth that beats none without it and has
     /// not been measured at this load level (fewer than two rounds within [`GAP_MEMORY`]) is
-    /// advised, where the sessions' depth is known, so that it is: the margin stands for costs the model leaves out, which only
-    /// rounds of that depth show, and a model that overprices drafting (its drafting time
-    /// borrowed from another level, or measured beside other sessions' first drafts) would
-    /// otherwise never be corrected.
+    /// advised, where the sessions' depth is known, so that it is: the margin stands for costs
+    /// the model leaves out, which only rounds of that depth show, and a model that overprices
+    /// drafting (its drafting time borrowed from another level, or measured beside other
+    /// sessions' first drafts) would otherwise never be corrected.
     pub fn advise(&self, batch_sessions: usize) -> Option<usize> {
         let mut best = (0, f64::NEG_INFINITY);
+        // Depth 0's rate, the margin included; and the best drafted depth not yet measured.
         let mut none = 0.0;
         let mut untried = (0, f64::NEG_INFINITY);
         self.each_depth(batch_sessions, |d| {
