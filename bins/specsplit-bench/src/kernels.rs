@@ -47,6 +47,11 @@ pub struct KernelArgs {
     /// Column tiles of 8 a warp to compare (2 or 4; 0 = the built-in rule).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     col_tiles: Vec<usize>,
+    /// Input loads of the batch-invariant product's lean entries to compare (0 = the built-in
+    /// rule, 1 = the input's fragments of a group of weight chunks loaded with the group, 2 =
+    /// chunk by chunk).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    x_ahead: Vec<u8>,
     /// Also time each kernel of the one-token graph step (the draft's decode step) at this
     /// shape, per context, and their sum over a step.
     #[arg(long)]
@@ -128,10 +133,11 @@ fn in_graph_ms(_: &Device, _: usize, _: usize, _: &mut dyn FnMut() -> Result<()>
 fn tuning_label(t: fused::BiTuning) -> String {
     let f = |v: Option<usize>| v.map_or("-".to_string(), |v| v.to_string());
     format!(
-        "depth {} splits {} tiles {}",
+        "depth {} splits {} tiles {} x ahead {}",
         f(t.depth.map(usize::from)),
         f(t.splits),
-        f(t.col_tiles)
+        f(t.col_tiles),
+        t.x_ahead.map_or("-", |b| if b { "yes" } else { "no" })
     )
 }
 
@@ -185,11 +191,14 @@ fn tunings(a: &KernelArgs) -> Vec<fused::BiTuning> {
     for &depth in &a.depths {
         for &splits in &a.splits {
             for &tiles in &a.col_tiles {
-                combos.push(fused::BiTuning {
-                    depth: (depth > 0).then_some(depth),
-                    splits: (splits > 0).then_some(splits),
-                    col_tiles: (tiles > 0).then_some(tiles),
-                });
+                for &ahead in &a.x_ahead {
+                    combos.push(fused::BiTuning {
+                        depth: (depth > 0).then_some(depth),
+                        splits: (splits > 0).then_some(splits),
+                        col_tiles: (tiles > 0).then_some(tiles),
+                        x_ahead: (ahead > 0).then_some(ahead == 1),
+                    });
+                }
             }
         }
     }

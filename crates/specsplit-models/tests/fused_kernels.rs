@@ -908,12 +908,19 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
         }
         // Every load depth and column tiling gives the same bits, alone or in the pass (one to
         // four row tiles).
-        for (depth, tiles) in [(1u8, 4usize), (2, 2), (1, 2), (2, 4)] {
+        let tilings = [(1u8, 4usize), (2, 2), (1, 2), (2, 4)]
+            .map(|(d, t)| (Some(d), Some(t), None))
+            .into_iter()
+            // The lean entries with the input loaded ahead and chunk by chunk, at every row tile
+            // count (the built-in rule takes each for some).
+            .chain([(None, None, Some(true)), (None, None, Some(false))]);
+        for (depth, tiles, x_ahead) in tilings {
             let tuned = fused::Launch {
                 bi_tuning: fused::BiTuning {
-                    depth: Some(depth),
-                    col_tiles: Some(tiles),
+                    depth,
+                    col_tiles: tiles,
                     splits: None,
+                    x_ahead,
                 },
                 ..L
             };
@@ -925,7 +932,7 @@ fn bi_matmul_matches_an_f32_product_and_no_row_depends_on_the_batch() {
                 assert_eq!(
                     part[..],
                     fh[..rows * n],
-                    "{n}x{k}: depth {depth}, {tiles} column tiles, first {rows} rows differ"
+                    "{n}x{k}: depth {depth:?}, {tiles:?} column tiles, x ahead {x_ahead:?}, first {rows} rows differ"
                 );
             }
         }

@@ -58,10 +58,64 @@ __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const
     }
 }
 
+// The same chunk with x's fragments already in registers (xr[i]: lo, hi of row tile i): the
+// same mma steps in the same order as bi_chunk.
+template <int MT, int NT>
+__device__ __forceinline__ void bi_chunk_regs(const uint4 (&xr)[MT][2], const uint4 (&b)[NT],
+                                              float (&acc)[4][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const uint4 lo = xr[i][0], hi = xr[i][1];
+#pragma unroll
+        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.x, hi.x, lo.y, hi.y, b[s].x, b[s].y);
+#pragma unroll
+        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.z, hi.z, lo.w, hi.w, b[s].z, b[s].w);
+    }
+}
+
+// bi_accumulate with x's fragments of a group of U chunks loaded with the group's weights,
+// before any of its mma steps (the same steps in the same order).
+template <int MT, int NT, int U>
+__device__ void bi_accumulate_x_ahead(const uint4* const (&xa)[4][2],
+                                      const uint4* const (&wb)[NT], int c0, int c1,
+                                      float (&acc)[4][NT][4]) {
+    uint4 b[U][NT];
+    uint4 xr[U][MT][2];
+    auto load_w = [&](int c) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int s = 0; s < NT; ++s)
+                if (c + u < c1) b[u][s] = load_stream(wb[s] + (c + u) * 4);
+    };
+    auto load_x = [&](int c) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+                if (c + u < c1) {
+                    xr[u][i][0] = __ldg(xa[i][0] + (c + u) * 4);
+                    xr[u][i][1] = __ldg(xa[i][1] + (c + u) * 4);
+                }
+    };
+    load_w(c0);
+    pdl_enter();
+    load_x(c0);
+    for (int c = c0; c < c1; c += U) {
+        if (c != c0) {
+            load_w(c);
+            load_x(c);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (c + u < c1) bi_chunk_regs<MT, NT>(xr[u], b[u], acc);
+    }
+}
+
 // The block's tile: NT * 8 columns from n0, up to BI_ROWS rows from m0. Warp w takes chunks
 // [chunks * w / splits, chunks * (w + 1) / splits); the warps' partial sums are added in warp
 // order in `red` (shared, 16 * MT * NT * 8 floats).
-template <int MT, int NT, int U>
+template <int MT, int NT, int U, bool XA = false>
 __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                         const bf16* __restrict__ bias, bf16* __restrict__ y, int m, int n, int k,
                         int splits, int n0, int m0, int rows, float* __restrict__ red) {
@@ -90,7 +144,11 @@ __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
         for (int s = 0; s < NT; ++s)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][s][e] = 0.f;
-    bi_accumulate<MT, NT, U>(xa, wb, c0, c1, acc);
+    if (XA) {
+        bi_accumulate_x_ahead<MT, NT, U>(xa, wb, c0, c1, acc);
+    } else {
+        bi_accumulate<MT, NT, U>(xa, wb, c0, c1, acc);
+    }
     for (int p = 0; p < splits; ++p) {
         if (warp == p) {
 #pragma unroll
@@ -179,3 +237,19 @@ BI_LEAN(2)
 BI_LEAN(3)
 BI_LEAN(4)
 #undef BI_LEAN
+
+// The lean entries with x's fragments loaded ahead (bi_accumulate_x_ahead): the same bits.
+#define BI_LEAN_XA(MT)                                                                           \
+    extern "C" __global__ void specsplit_bi_matmul_lean_xa_bf16_m##MT(                          \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,  \
+        bf16* __restrict__ y, int m, int n, int k, int splits) {                                \
+        extern __shared__ float red[];                                                           \
+        const int n0 = blockIdx.x * 16, m0 = blockIdx.y * BI_ROWS;                               \
+        bi_tile<MT, 2, 4, true>(x, w, bias, y, m, n, k, splits, n0, m0, min(BI_ROWS, m - m0),   \
+                                red);                                                            \
+    }
+BI_LEAN_XA(1)
+BI_LEAN_XA(2)
+BI_LEAN_XA(3)
+BI_LEAN_XA(4)
+#undef BI_LEAN_XA

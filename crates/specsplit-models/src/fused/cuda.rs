@@ -475,6 +475,14 @@ const BI_LEAN: [&str; 4] = [
     "specsplit_bi_matmul_lean_bf16_m4",
 ];
 
+/// bi_matmul.cu's lean entries with the input loaded ahead, by row tiles of 16 (1 to 4).
+const BI_LEAN_X_AHEAD: [&str; 4] = [
+    "specsplit_bi_matmul_lean_xa_bf16_m1",
+    "specsplit_bi_matmul_lean_xa_bf16_m2",
+    "specsplit_bi_matmul_lean_xa_bf16_m3",
+    "specsplit_bi_matmul_lean_xa_bf16_m4",
+];
+
 pub(super) fn bi_matmul(
     x: &Tensor,
     w: &Tensor,
@@ -530,7 +538,9 @@ pub(super) fn bi_matmul(
     ];
     // A lean entry takes the arguments but the tiling.
     let (name, args) = if lean {
-        (BI_LEAN[row_tiles - 1], &args[..8])
+        let ahead = tune.x_ahead.unwrap_or_else(|| super::bi_x_ahead(row_tiles));
+        let names = if ahead { BI_LEAN_X_AHEAD } else { BI_LEAN };
+        (names[row_tiles - 1], &args[..8])
     } else {
         ("specsplit_bi_matmul_bf16", &args[..])
     };

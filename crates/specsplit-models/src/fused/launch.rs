@@ -30,6 +30,7 @@ impl Launch {
             depth: None,
             splits: None,
             col_tiles: None,
+            x_ahead: None,
         },
         rows_heads: None,
     };
@@ -56,6 +57,9 @@ pub struct BiTuning {
     pub splits: Option<usize>,
     /// Column tiles of 8 a warp: 2 or 4.
     pub col_tiles: Option<usize>,
+    /// In a lean entry ([`bi_lean`]): the input's fragments of a group of weight chunks loaded
+    /// with the group (`true`) or chunk by chunk as the steps take them (`false`).
+    pub x_ahead: Option<bool>,
 }
 
 /// Blocks a head of [`decode_attention`](super::decode_attention) splits the slots of caches of `capacity` over: one per
@@ -163,6 +167,19 @@ pub(super) fn bi_lean(n: usize, k: usize, tuning: BiTuning) -> bool {
     (n >= BI_LEAN_MIN_COLS || k < BI_LEAN_MAX_SHORT_K)
         && tuning.col_tiles.is_none()
         && tuning.depth.is_none()
+}
+
+/// Whether a lean entry of `bi_matmul` over `row_tiles` row tiles of 16 loads the input's
+/// fragments of a group of weight chunks with the group, before the group's steps (the speed
+/// only, never the bits): for two and three row tiles (17 to 48 rows). Measured (`specsplit-bench
+/// kernels --rows 5,16,17,20,32,40,64 --contexts 256 --rows-pass --x-ahead 2,1`, H200,
+/// 2026-11-29, the Qwen2.5 0.5B, 1.5B and 7B shapes): the 7B gate|up 0.100 → 0.075 ms at 20
+/// rows, 0.162 → 0.119 at 40, the head 0.377 → 0.300 at 20; slower at 64 rows (the 7B gate|up
+/// 0.160 → 0.163, the head 0.500 → 0.606), and mixed at 16 rows or fewer (the 7B gate|up 0.071 →
+/// 0.076, its head 0.285 → 0.267).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn bi_x_ahead(row_tiles: usize) -> bool {
+    (2..=3).contains(&row_tiles)
 }
 
 /// Column tiles of 8 a warp in `bi_matmul` for `m` rows of a `(n, _)` weight split `splits`

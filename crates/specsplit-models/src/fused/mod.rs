@@ -68,7 +68,7 @@ pub use sessions::{
 };
 
 #[cfg(feature = "cuda")]
-use launch::{bi_col_tiles, bi_lean, bi_splits};
+use launch::{bi_col_tiles, bi_lean, bi_splits, bi_x_ahead};
 #[cfg(feature = "cuda")]
 use scratch::scratch_output;
 
