@@ -15,7 +15,7 @@ use specsplit_orchestrator::{
 use specsplit_workers::batcher::{BatchLimits, VerifyBatcher};
 use specsplit_workers::draft::{DraftEngine, SyntheticOracle};
 use specsplit_workers::draft_batcher::DraftBatcher;
-use specsplit_workers::load_gate::LoadAdvisor;
+use specsplit_workers::load_gate::{LoadAdvisor, LoadGate};
 use specsplit_workers::service::{serve_draft, serve_target, DraftWorker, Execution, TargetWorker};
 use specsplit_workers::session::SessionLimits;
 use specsplit_workers::target::TargetEngine;
@@ -332,7 +332,10 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             .with_spare_sessions(s.spare_sessions),
     );
     let t_exec = Execution::for_device(&s.device_target, None);
-    let gate = s.load_gate.then(|| Arc::new(LoadAdvisor::new(max_depth)));
+    let gate = s.load_gate.then(|| {
+        let gate = LoadGate::new(max_depth).with_group_rows(t_engine.session_group_rows());
+        Arc::new(LoadAdvisor::with_gate(gate))
+    });
     let t_worker = TargetWorker::new(t_engine, limits, t_info)
         .with_execution(t_exec.clone())
         .with_load_gate(gate);

@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use crate::batcher::BatchLimits;
 use crate::config::WorkerConfig;
 use crate::draft::DraftEngine;
-use crate::load_gate::LoadAdvisor;
+use crate::load_gate::{LoadAdvisor, LoadGate};
 use crate::model_free::ModelFreeEngine;
 use crate::service::{
     serve_draft, serve_target, DraftWorker, Execution, Lifecycle, ModelFreeDraftWorker,
@@ -274,9 +274,10 @@ pub fn target_worker(cfg: &WorkerConfig, m: LoadedModel) -> TargetWorker {
     let engine = TargetEngine::new(Arc::new(m.model), cfg.max_context)
         .with_spare_sessions(cfg.spare_sessions)
         .with_device_timing(cfg.device_timing);
-    let gate = cfg
-        .load_gate
-        .then(|| Arc::new(LoadAdvisor::new(cfg.max_tree_depth)));
+    let gate = cfg.load_gate.then(|| {
+        let gate = LoadGate::new(cfg.max_tree_depth).with_group_rows(engine.session_group_rows());
+        Arc::new(LoadAdvisor::with_gate(gate))
+    });
     let worker = TargetWorker::new(Arc::new(engine), limits(cfg), info)
         .with_execution(exec)
         .with_admission_wait(admission_wait(cfg))

@@ -8,7 +8,9 @@
 //! and sends it. [`LoadGate::advise`] picks the `d` in `0..=max` that maximises
 //! `B·E(d) / (T(B·(d+1)) + G(d))`, `T` the pass time the gate has measured at that row count
 //! (in rounds that continue a sequence: a new prompt's round spends its time on the prompt's
-//! prefill too) and `G` the gap it has measured after answers at that depth. Where `T` is flat
+//! prefill too; where the model runs a pass's sessions in groups of limited rows, a round past
+//! that limit is priced as a pass a group) and `G` the gap it has measured after answers at that
+//! depth. Where `T` is flat
 //! in the rows (a latency-bound pass) and drafting is cheap the deepest draft wins; where `T`
 //! grows linearly from the first row (compute-bound), or drafting costs more than it saves, no
 //! draft pays; in between the depth falls as the batch grows.
@@ -167,6 +169,19 @@ fn pass_at(pts: &[Point], rows: f64) -> f64 {
     b.secs + slope * (rows - b.rows)
 }
 
+/// The time of a pass of `rows` rows as the model runs it, from the table points `pts`: past
+/// `group` rows, in the fewest groups of at most `group` rows, each a pass of its own (the
+/// groups taken as equal).
+fn grouped_pass_at(pts: &[Point], rows: f64, group: Option<usize>) -> f64 {
+    match group {
+        Some(g) if rows > g as f64 => {
+            let n = (rows / g as f64).ceil();
+            n * pass_at(pts, rows / n)
+        }
+        _ => pass_at(pts, rows),
+    }
+}
+
 /// Running means of the passes of one row bucket.
 #[derive(Debug, Clone, Copy)]
 struct Point {
@@ -184,6 +199,9 @@ struct Point {
 pub struct LoadGate {
     /// Deepest draft the gate advises.
     max_depth: usize,
+    /// The most rows the model runs the sessions of a pass together; past it, in groups of at
+    /// most this many, each a pass over the weights (`None`: any number together).
+    group_rows: Option<usize>,
     /// Running means per row bucket (`None`: no pass of that size yet).
     table: [Option<Point>; BUCKETS],
     /// Passes measured.
@@ -266,6 +284,7 @@ impl LoadGate {
     pub fn new(max_depth: usize) -> Self {
         Self {
             max_depth,
+            group_rows: None,
             table: [None; BUCKETS],
             passes: 0,
             tried: 0,
@@ -277,6 +296,15 @@ impl LoadGate {
             last_prompt: None,
             peak_batch: None,
         }
+    }
+
+    /// The gate for a model that runs the sessions of a pass in groups of at most `rows` rows
+    /// (`None`: all together; see `Transformer::session_group_rows`): a round whose sessions'
+    /// rows exceed that is priced as several passes, where extending the table's last slope
+    /// would price it as one.
+    pub fn with_group_rows(mut self, rows: Option<usize>) -> Self {
+        self.group_rows = rows.filter(|&r| r > 0);
+        self
     }
 
     /// Notes a round answered at `now` in a batch of `batch` sessions; returns the largest
@@ -600,7 +628,8 @@ impl LoadGate {
         for depth in 0..=top {
             expected += term;
             term *= alpha;
-            let modelled = pass_at(&pts, b * (depth + 1) as f64) + gaps.at(depth);
+            let rows = b * (depth + 1) as f64;
+            let modelled = grouped_pass_at(&pts, rows, self.group_rows) + gaps.at(depth);
             // One round measured alone may have stalled (a graph captured at its first use):
             // it can only make its depth look better than the model does, never worse.
             let measured = self.measured_cycle(depth, level, now);
@@ -1148,6 +1177,28 @@ mod tests {
         // none of them drafts, which would never be measured.
         let g = gate(1, [1, 2, 1, 2], |r| 1e-3 * (1.0 + 0.565 * (r - 1.0)));
         assert_eq!(g.advise(1), Some(0), "no depth known");
+    }
+
+    #[test]
+    fn a_round_past_the_models_group_of_rows_is_priced_a_pass_a_group() {
+        // Passes of up to 64 rows, 10 ms of weight reads and 0.04 ms a row; the model runs more
+        // rows in groups of 64, a pass each. Extending the table's last slope prices 64
+        // sessions' depth-1 round (128 rows) at 15.1 ms, where two passes take 25.1.
+        let t = |r: f64| 1e-2 + 4e-5 * r;
+        let advice = |group: Option<usize>, batch: usize| {
+            let mut g = gate(4, (1..=64).chain(1..=64), t).with_group_rows(group);
+            g.observe_depth_limit(4);
+            g.advise(batch)
+        };
+        assert!(advice(None, 64).is_some_and(|d| d > 0), "one pass");
+        assert_eq!(advice(Some(64), 64), Some(0), "two passes: not even tried");
+        // Within the group, the same advice.
+        assert_eq!(advice(Some(64), 4), advice(None, 4));
+        assert_eq!(advice(Some(64), 4), Some(4));
+        let g = gate(4, 1..=64, t).with_group_rows(Some(64));
+        let pts = g.pass_points().expect("measured");
+        let two = grouped_pass_at(&pts, 128.0, Some(64));
+        assert!((two - 2.0 * t(64.0)).abs() < 1e-4, "{two}");
     }
 
     #[test]

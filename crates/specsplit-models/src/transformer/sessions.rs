@@ -200,6 +200,17 @@ impl Transformer {
         RowKeys::new(Visibility::Tree(p.tree), n).map_err(|e| e.to_string())
     }
 
+    /// The most rows sessions share one pass of: past it, [`Transformer::forward_sessions`]
+    /// runs them in groups of at most this many rows, each group reading the weights again
+    /// (dense CUDA passes through the batch-invariant kernels). `None` where any number of rows
+    /// share one pass, or where each session runs alone.
+    pub fn session_group_rows(&self) -> Option<usize> {
+        let over = Pass::Forward {
+            rows: BI_MAX_ROWS + 1,
+        };
+        (!joint_path(self.plan(over)) && self.gpu_batch_invariant(1)).then_some(BI_MAX_ROWS)
+    }
+
     /// The groups the checked `parts` run in (see [`Transformer::forward_sessions`]).
     fn session_groups(&self, parts: &[SessionPass<'_>]) -> Vec<Group> {
         let rows: Vec<usize> = parts.iter().map(|p| p.tokens.len()).collect();
