@@ -202,12 +202,6 @@ impl SessionEngine for TargetEngine {
 }
 
 impl TargetEngine {
-    /// The most rows the sessions of one verification pass share a model pass of (see
-    /// [`Transformer::session_group_rows`]): past it, a pass reads the weights once a group.
-    pub fn session_group_rows(&self) -> Option<usize> {
-        self.model.session_group_rows()
-    }
-
     /// An engine over `model` whose sessions hold up to `max_context` tokens, in caches that
     /// start at [`crate::engine_session::DEFAULT_FIRST_CAPACITY`] entries and grow with use.
     pub fn new(model: Arc<Transformer>, max_context: usize) -> Self {
@@ -223,6 +217,12 @@ impl TargetEngine {
             device_times: std::sync::Mutex::new(Vec::new()),
             session_rows: std::sync::Mutex::new(SessionRowsStepper::new()),
         }
+    }
+
+    /// The most rows the sessions of one verification pass share a model pass of (see
+    /// [`Transformer::session_group_rows`]): past it, a pass reads the weights once a group.
+    pub fn session_group_rows(&self) -> Option<usize> {
+        self.model.session_group_rows()
     }
 
     /// New sessions' caches start at `entries` entries (at most `max_context`) and double

@@ -48,7 +48,8 @@ impl Default for Launch {
 /// the product through the entry that holds every tiling, never a lean one (`bi_lean`), so the
 /// built-in choice and a tuning compare the two side by side. `splits` (warps
 /// sharing k) changes the rounding: with it set, a row's result is still the same at every pass
-/// size, but differs from the built-in choice's.
+/// size, but differs from the built-in choice's. `x_ahead` (how a lean entry loads the input;
+/// `bi_x_ahead` is the built-in rule) changes the speed only.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BiTuning {
     /// Weight chunks in flight per lane: 1 (base) or 2 (twice).
@@ -57,7 +58,7 @@ pub struct BiTuning {
     pub splits: Option<usize>,
     /// Column tiles of 8 a warp: 2 or 4.
     pub col_tiles: Option<usize>,
-    /// In a lean entry ([`bi_lean`]): the input's fragments of a group of weight chunks loaded
+    /// In a lean entry (`bi_lean`): the input's fragments of a group of weight chunks loaded
     /// with the group (`true`) or chunk by chunk as the steps take them (`false`).
     pub x_ahead: Option<bool>,
 }
