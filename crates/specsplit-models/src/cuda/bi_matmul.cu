@@ -19,28 +19,46 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // t = lane % 4) holds elements t * 8 .. t * 8 + 8 of the chunk for rows g and g + 8 of each
 // row tile (lo / hi) and for column g of each column tile (b[s]). The k order inside the chunk
 // is permuted identically for x and W: an output's sum is the same fixed sequence of mma
-// steps, whichever rows and columns share them.
+// steps, whichever rows and columns share them. bi_tile_steps: one row tile's steps of a chunk.
+template <int NT>
+__device__ __forceinline__ void bi_tile_steps(const uint4& lo, const uint4& hi,
+                                              const uint4 (&b)[NT], float (&acc)[NT][4]) {
+#pragma unroll
+    for (int s = 0; s < NT; ++s) mma_bf16(acc[s], lo.x, hi.x, lo.y, hi.y, b[s].x, b[s].y);
+#pragma unroll
+    for (int s = 0; s < NT; ++s) mma_bf16(acc[s], lo.z, hi.z, lo.w, hi.w, b[s].z, b[s].w);
+}
+
+// A chunk for MT row tiles, each tile's x fragments loaded just before its steps.
 template <int MT, int NT>
 __device__ __forceinline__ void bi_chunk(const uint4* const (&xa)[4][2], int c,
                                          const uint4 (&b)[NT], float (&acc)[4][NT][4]) {
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const uint4 lo = __ldg(xa[i][0] + c * 4), hi = __ldg(xa[i][1] + c * 4);
-#pragma unroll
-        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.x, hi.x, lo.y, hi.y, b[s].x, b[s].y);
-#pragma unroll
-        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.z, hi.z, lo.w, hi.w, b[s].z, b[s].w);
+        bi_tile_steps<NT>(lo, hi, b, acc[i]);
     }
+}
+
+// The same chunk with x's fragments already in registers (xr[i]: lo, hi of row tile i): the
+// same mma steps in the same order.
+template <int MT, int NT>
+__device__ __forceinline__ void bi_chunk_regs(const uint4 (&xr)[MT][2], const uint4 (&b)[NT],
+                                              float (&acc)[4][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) bi_tile_steps<NT>(xr[i][0], xr[i][1], b, acc[i]);
 }
 
 // Chunks [c0, c1) into acc, U weight chunks in flight per lane (U changes only how far the
 // loads run ahead, never the order of the mma steps). The first group's weights are loaded
 // before waiting for the kernel that writes x (weights are constant), and a last, partial
-// group's loads are issued together.
-template <int MT, int NT, int U>
+// group's loads are issued together. With XA the group's x fragments are loaded with its
+// weights, before any of its steps; else each chunk loads them as its steps take them.
+template <int MT, int NT, int U, bool XA>
 __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const (&wb)[NT],
                               int c0, int c1, float (&acc)[4][NT][4]) {
     uint4 b[U][NT];
+    uint4 xr[XA ? U : 1][MT][2];
     auto load = [&](int c) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -48,67 +66,35 @@ __device__ void bi_accumulate(const uint4* const (&xa)[4][2], const uint4* const
             for (int s = 0; s < NT; ++s)
                 if (c + u < c1) b[u][s] = load_stream(wb[s] + (c + u) * 4);
     };
-    load(c0);
-    pdl_enter();
-    for (int c = c0; c < c1; c += U) {
-        if (c != c0) load(c);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (c + u < c1) bi_chunk<MT, NT>(xa, c + u, b[u], acc);
-    }
-}
-
-// The same chunk with x's fragments already in registers (xr[i]: lo, hi of row tile i): the
-// same mma steps in the same order as bi_chunk.
-template <int MT, int NT>
-__device__ __forceinline__ void bi_chunk_regs(const uint4 (&xr)[MT][2], const uint4 (&b)[NT],
-                                              float (&acc)[4][NT][4]) {
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-        const uint4 lo = xr[i][0], hi = xr[i][1];
-#pragma unroll
-        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.x, hi.x, lo.y, hi.y, b[s].x, b[s].y);
-#pragma unroll
-        for (int s = 0; s < NT; ++s) mma_bf16(acc[i][s], lo.z, hi.z, lo.w, hi.w, b[s].z, b[s].w);
-    }
-}
-
-// bi_accumulate with x's fragments of a group of U chunks loaded with the group's weights,
-// before any of its mma steps (the same steps in the same order).
-template <int MT, int NT, int U>
-__device__ void bi_accumulate_x_ahead(const uint4* const (&xa)[4][2],
-                                      const uint4* const (&wb)[NT], int c0, int c1,
-                                      float (&acc)[4][NT][4]) {
-    uint4 b[U][NT];
-    uint4 xr[U][MT][2];
-    auto load_w = [&](int c) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int s = 0; s < NT; ++s)
-                if (c + u < c1) b[u][s] = load_stream(wb[s] + (c + u) * 4);
-    };
     auto load_x = [&](int c) {
+        if constexpr (XA) {
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int i = 0; i < MT; ++i)
-                if (c + u < c1) {
-                    xr[u][i][0] = __ldg(xa[i][0] + (c + u) * 4);
-                    xr[u][i][1] = __ldg(xa[i][1] + (c + u) * 4);
-                }
+                for (int i = 0; i < MT; ++i)
+                    if (c + u < c1) {
+                        xr[u][i][0] = __ldg(xa[i][0] + (c + u) * 4);
+                        xr[u][i][1] = __ldg(xa[i][1] + (c + u) * 4);
+                    }
+        }
     };
-    load_w(c0);
+    load(c0);
     pdl_enter();
     load_x(c0);
     for (int c = c0; c < c1; c += U) {
         if (c != c0) {
-            load_w(c);
+            load(c);
             load_x(c);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (c + u < c1) bi_chunk_regs<MT, NT>(xr[u], b[u], acc);
+            if (c + u < c1) {
+                if constexpr (XA) {
+                    bi_chunk_regs<MT, NT>(xr[u], b[u], acc);
+                } else {
+                    bi_chunk<MT, NT>(xa, c + u, b[u], acc);
+                }
+            }
     }
 }
 
@@ -144,11 +130,7 @@ __device__ void bi_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
         for (int s = 0; s < NT; ++s)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][s][e] = 0.f;
-    if (XA) {
-        bi_accumulate_x_ahead<MT, NT, U>(xa, wb, c0, c1, acc);
-    } else {
-        bi_accumulate<MT, NT, U>(xa, wb, c0, c1, acc);
-    }
+    bi_accumulate<MT, NT, U, XA>(xa, wb, c0, c1, acc);
     for (int p = 0; p < splits; ++p) {
         if (warp == p) {
 #pragma unroll
@@ -224,32 +206,23 @@ extern "C" __global__ void specsplit_bi_matmul_bf16(const bf16* __restrict__ x,
 // its tiles need (89 to 124 registers compiled for sm_90a, against 244 for the entry above, which holds every
 // tiling), so more warps share an SM. Same grid as above with nt = 2, same arguments but nt and
 // deep, and the same bits: an output's mma.sync steps do not depend on the entry.
-#define BI_LEAN(MT)                                                                              \
-    extern "C" __global__ void specsplit_bi_matmul_lean_bf16_m##MT(                             \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,  \
-        bf16* __restrict__ y, int m, int n, int k, int splits) {                                \
+// The entries named ..._lean_xa_... load a group's x fragments with its weights
+// (bi_accumulate with XA): the same bits.
+#define BI_LEAN(NAME, MT, XA)                                                                    \
+    extern "C" __global__ void NAME(const bf16* __restrict__ x, const bf16* __restrict__ w,      \
+                                    const bf16* __restrict__ bias, bf16* __restrict__ y, int m,  \
+                                    int n, int k, int splits) {                                  \
         extern __shared__ float red[];                                                           \
         const int n0 = blockIdx.x * 16, m0 = blockIdx.y * BI_ROWS;                               \
-        bi_tile<MT, 2, 4>(x, w, bias, y, m, n, k, splits, n0, m0, min(BI_ROWS, m - m0), red);   \
+        bi_tile<MT, 2, 4, XA>(x, w, bias, y, m, n, k, splits, n0, m0, min(BI_ROWS, m - m0),     \
+                              red);                                                              \
     }
-BI_LEAN(1)
-BI_LEAN(2)
-BI_LEAN(3)
-BI_LEAN(4)
+BI_LEAN(specsplit_bi_matmul_lean_bf16_m1, 1, false)
+BI_LEAN(specsplit_bi_matmul_lean_bf16_m2, 2, false)
+BI_LEAN(specsplit_bi_matmul_lean_bf16_m3, 3, false)
+BI_LEAN(specsplit_bi_matmul_lean_bf16_m4, 4, false)
+BI_LEAN(specsplit_bi_matmul_lean_xa_bf16_m1, 1, true)
+BI_LEAN(specsplit_bi_matmul_lean_xa_bf16_m2, 2, true)
+BI_LEAN(specsplit_bi_matmul_lean_xa_bf16_m3, 3, true)
+BI_LEAN(specsplit_bi_matmul_lean_xa_bf16_m4, 4, true)
 #undef BI_LEAN
-
-// The lean entries with x's fragments loaded ahead (bi_accumulate_x_ahead): the same bits.
-#define BI_LEAN_XA(MT)                                                                           \
-    extern "C" __global__ void specsplit_bi_matmul_lean_xa_bf16_m##MT(                          \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ bias,  \
-        bf16* __restrict__ y, int m, int n, int k, int splits) {                                \
-        extern __shared__ float red[];                                                           \
-        const int n0 = blockIdx.x * 16, m0 = blockIdx.y * BI_ROWS;                               \
-        bi_tile<MT, 2, 4, true>(x, w, bias, y, m, n, k, splits, n0, m0, min(BI_ROWS, m - m0),   \
-                                red);                                                            \
-    }
-BI_LEAN_XA(1)
-BI_LEAN_XA(2)
-BI_LEAN_XA(3)
-BI_LEAN_XA(4)
-#undef BI_LEAN_XA

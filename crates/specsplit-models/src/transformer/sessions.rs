@@ -205,10 +205,9 @@ impl Transformer {
     /// (dense CUDA passes through the batch-invariant kernels). `None` where any number of rows
     /// share one pass, or where each session runs alone.
     pub fn session_group_rows(&self) -> Option<usize> {
-        let over = Pass::Forward {
-            rows: BI_MAX_ROWS + 1,
-        };
-        (!joint_path(self.plan(over)) && self.gpu_batch_invariant(1)).then_some(BI_MAX_ROWS)
+        // A model the batch-invariant kernels take runs more rows than they do on a path that
+        // is not joint (wide or batched; the per-row path is the CPU's and quantized models').
+        self.gpu_batch_invariant(1).then_some(BI_MAX_ROWS)
     }
 
     /// The groups the checked `parts` run in (see [`Transformer::forward_sessions`]).
@@ -219,8 +218,8 @@ impl Transformer {
         });
         if joint_path(path) {
             vec![Group::Shared(0..parts.len())]
-        } else if self.gpu_batch_invariant(1) {
-            pack(&rows, BI_MAX_ROWS)
+        } else if let Some(group) = self.session_group_rows() {
+            pack(&rows, group)
         } else {
             (0..parts.len()).map(Group::Alone).collect()
         }
