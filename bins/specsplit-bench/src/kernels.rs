@@ -61,6 +61,10 @@ pub struct KernelArgs {
     /// graph, and their sum over a pass.
     #[arg(long)]
     rows_pass: bool,
+    /// Rows of the weight a warp of the step's GEMV takes, to compare in `--rows-pass` (1 or 2;
+    /// 0 = the built-in rule only).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    gemv_warp_rows: Vec<usize>,
     /// Query heads a block of the rows attention takes, to compare in `--rows-pass` (1, 2, 4,
     /// 8; 0 = the built-in rule).
     #[arg(long, value_delimiter = ',', default_value = "0")]
@@ -580,6 +584,17 @@ fn rows_pass_kernels(
                         Ok(())
                     })?;
                     total_gemv += record(&format!("gemv_{name}"), t, *per);
+                    for &nr in a.gemv_warp_rows.iter().filter(|&&nr| nr > 0) {
+                        let tuned = fused::Launch {
+                            gemv_warp_rows: Some(nr),
+                            ..launch
+                        };
+                        let t = graph(&mut || {
+                            fused::gemv_rows(&xi, w, b.as_ref(), tuned)?;
+                            Ok(())
+                        })?;
+                        record(&format!("gemv_{name} warp rows {nr}"), t, *per);
+                    }
                 }
             }
             let AttentionInputs {

@@ -111,28 +111,50 @@ fn gemv_matches_an_f32_product_with_and_without_bias() {
 #[test]
 fn gemv_rows_give_each_row_its_one_row_product_bit_for_bit() {
     let Some(dev) = gpu() else { return };
-    for (n, k) in [(37, 264), (896, 896), (129, 4864), (9728, 896)] {
+    // One row of the weight a warp: the reference.
+    let one = fused::Launch {
+        gemv_warp_rows: Some(1),
+        ..L
+    };
+    // Shapes whose rows do not fill the last warp of 2 rows, and the 0.5B's gate|up.
+    for (n, k) in [
+        (37, 264),
+        (896, 896),
+        (129, 4864),
+        (9728, 896),
+        (1001, 1024),
+    ] {
         let w = randn(&dev, &[n, k], 0.05);
         let b = randn(&dev, &[n], 0.5);
         for r in 1..=fused::GEMV_MAX_ROWS {
             let x = randn(&dev, &[r, k], 1.0);
             assert!(fused::gemv_rows_fits(&x, &w));
             for bias in [None, Some(&b)] {
-                let got = host(&fused::gemv_rows(&x, &w, bias, L).unwrap());
-                assert_eq!(got.len(), r * n);
-                for j in 0..r {
-                    let alone =
-                        host(&fused::gemv(&x.narrow(0, j, 1).unwrap(), &w, bias, L).unwrap());
-                    let row = &got[j * n..(j + 1) * n];
-                    let same = row
-                        .iter()
-                        .zip(&alone)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "{r} rows of {n}x{k}, row {j}, bias {}",
-                        bias.is_some()
-                    );
+                let alone: Vec<Vec<f32>> = (0..r)
+                    .map(|j| {
+                        host(&fused::gemv(&x.narrow(0, j, 1).unwrap(), &w, bias, one).unwrap())
+                    })
+                    .collect();
+                // The built-in rule and every rows-a-warp override give the same bits.
+                for warp_rows in [None, Some(1), Some(2)] {
+                    let launch = fused::Launch {
+                        gemv_warp_rows: warp_rows,
+                        ..L
+                    };
+                    let got = host(&fused::gemv_rows(&x, &w, bias, launch).unwrap());
+                    assert_eq!(got.len(), r * n);
+                    for (j, alone) in alone.iter().enumerate() {
+                        let row = &got[j * n..(j + 1) * n];
+                        let same = row
+                            .iter()
+                            .zip(alone)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{r} rows of {n}x{k}, row {j}, bias {}, warp rows {warp_rows:?}",
+                            bias.is_some()
+                        );
+                    }
                 }
             }
         }

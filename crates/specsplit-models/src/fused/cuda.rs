@@ -212,16 +212,22 @@ pub(super) fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, l: super::Launch)
         })?;
     }
     let r = x.dims2()?.0;
-    let name = match r {
-        1 => "specsplit_gemv_bf16",
-        2 => "specsplit_gemv_rows2_bf16",
-        3 => "specsplit_gemv_rows3_bf16",
-        4 => "specsplit_gemv_rows4_bf16",
-        _ => return Err(Error::Msg(format!("gemv of {r} rows"))),
-    };
+    // By rows of x (1 to 4), then by rows of the weight a warp (1 or 2).
+    const NAMES: [[&str; 2]; 4] = [
+        ["specsplit_gemv_bf16", "specsplit_gemv_bf16_w2"],
+        ["specsplit_gemv_rows2_bf16", "specsplit_gemv_rows2_bf16_w2"],
+        ["specsplit_gemv_rows3_bf16", "specsplit_gemv_rows3_bf16_w2"],
+        ["specsplit_gemv_rows4_bf16", "specsplit_gemv_rows4_bf16_w2"],
+    ];
+    let warp_rows = super::launch::gemv_warp_rows(n, k, r, l.gemv_warp_rows);
+    let names = r
+        .checked_sub(1)
+        .and_then(|i| NAMES.get(i))
+        .ok_or_else(|| Error::Msg(format!("gemv of {r} rows")))?;
+    let name = names[warp_rows - 1];
     let y = empty(&[r, n], DType::BF16, x)?;
     let pb = b.map(ptr).transpose()?.unwrap_or(0);
-    const ROWS_PER_BLOCK: usize = 8;
+    const WARPS_PER_BLOCK: usize = 8;
     let args = [
         P(ptr(w)?),
         P(ptr(x)?),
@@ -230,8 +236,8 @@ pub(super) fn gemv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, l: super::Launch)
         I(n as i32),
         I(k as i32),
     ];
-    let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
-    let block = (ROWS_PER_BLOCK * 32) as u32;
+    let grid = n.div_ceil(WARPS_PER_BLOCK * warp_rows) as u32;
+    let block = (WARPS_PER_BLOCK * 32) as u32;
     launch(l.pdl, cuda(x)?, name, grid, block, &args)?;
     Ok(y)
 }

@@ -55,6 +55,7 @@ impl KernelOptions {
             pdl: self.pdl,
             bi_tuning: BiTuning::default(),
             rows_heads: None,
+            gemv_warp_rows: None,
         }
     }
 }
