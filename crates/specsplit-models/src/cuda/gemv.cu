@@ -4,11 +4,11 @@
 
 // y[j][r] = W[r, :] . x[j] (+ bias[r]) for r < n and each of the R rows x[j] of x (R, k):
 // matrix-vector products for steps of one to a few tokens. W is (n, k) row-major, k % 8 == 0,
-// rows 16-byte aligned; x is (R, k) contiguous. One warp per NR (1 or 2) rows of W; each
-// lane takes a row's 16-byte words in groups of four (words i, i + WARP, i + 2 WARP, i + 3 WARP), every load
-// of a group issued before any is used (the last group has the words that exist), each weight
-// word loaded once for all R rows of x. Row j's sums run in the same order whatever R is, so its
-// result is the one-row product's, bit for bit.
+// rows 16-byte aligned; x is (R, k) contiguous. One warp per NR (1 or 2) rows of W; each lane
+// takes a row's 16-byte words in groups of four (words i, i + WARP, i + 2 WARP, i + 3 WARP),
+// every load of a group issued before any is used (the last group has the words that exist),
+// each weight word loaded once for all R rows of x. Row j's sums run in the same order whatever
+// R is, so its result is the one-row product's, bit for bit.
 
 // Loads the words of the group at i that lie below k8 (the others are zero and never used).
 __device__ __forceinline__ void gemv_load4(const uint4* __restrict__ wr, int i, int k8,
@@ -61,8 +61,10 @@ __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ w, const bf16
     // Rows past n (the last warp's) read row n - 1 again and store nothing.
     const uint4* wr[NR];
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
-        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)(NR == 1 ? row0 : min(row0 + r, n - 1)) * k);
+    for (int r = 0; r < NR; ++r) {
+        const int row = NR == 1 ? row0 : min(row0 + r, n - 1);
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)row * k);
+    }
     float a[NR][4][R];
 #pragma unroll
     for (int r = 0; r < NR; ++r)
