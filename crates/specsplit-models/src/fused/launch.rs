@@ -22,7 +22,7 @@ pub struct Launch {
     pub rows_heads: Option<usize>,
     /// Override of the rows of the weight a warp of [`gemv`](super::gemv) and
     /// [`gemv_rows`](super::gemv_rows) takes (1 or 2; `None`: the built-in rule,
-    /// [`gemv_warp_rows`]). Changes the speed only, never the bits.
+    /// `gemv_warp_rows`). Changes the speed only, never the bits.
     pub gemv_warp_rows: Option<usize>,
 }
 
@@ -130,30 +130,30 @@ pub(super) fn ra_heads(
 
 /// Most 16-byte words of a weight's row for which [`gemv_warp_rows`] gives a warp more than
 /// one row: one group of four words a lane (inputs of up to 1024).
-const GEMV_SHARED_MAX_WORDS: usize = 4 * 32;
+const GEMV_TWO_ROWS_MAX_WORDS: usize = 4 * 32;
 
 /// The fewest warps a launch of [`gemv`](super::gemv) keeps when its warps take two rows of
 /// the weight each.
-const GEMV_MIN_WARPS: usize = 2048;
+const GEMV_TWO_ROWS_MIN_WARPS: usize = 2048;
 
 /// Rows of an `(n, k)` weight a warp of [`gemv`](super::gemv) takes for `rows` rows of input
 /// (1 or 2; the speed only, never the bits: a row's sums run in the same order however many
 /// rows its warp takes): 2 for one or two rows of input where a lane loads all its words of a
-/// weight's row at once (`k` up to 1024) and two rows a warp still leave [`GEMV_MIN_WARPS`]
-/// warps, so that a warp has two rows' loads in flight and reads each input word once for
-/// both; else 1, where a lane keeps two groups of a row in flight. Measured (`specsplit-bench
-/// kernels --shape qwen2.5-0.5b --rows 1,2,3,4 --contexts 256 --rows-pass --gemv-warp-rows
-/// 1,2,4`, H200, 2026-11-29, µs a launch in a graph, 1 / 2 / 4 rows a warp, four through a
-/// build that had them): the gate|up product (9728 × 896) 6.2 / 5.3 / 5.8 for one row of
-/// input, 9.2 / 7.8 / 10.4 for two, 12.0 / 13.6 / 13.6 for three; the head (151936 × 896)
-/// 77.9 / 63.1 / 63.4, 131.8 / 94.0 / 121.9, 162.8 / 186.6 / 160.2; the narrower products
-/// (896 to 1152 columns) were slowest with more rows a warp.
+/// weight's row at once (`k` up to 1024) and two rows a warp still leave
+/// [`GEMV_TWO_ROWS_MIN_WARPS`] warps, so that a warp has two rows' loads in flight and reads
+/// each input word once for both; else 1, where a lane keeps two groups of a row in flight.
+/// Measured (`specsplit-bench kernels --shape qwen2.5-0.5b --rows 1,2,3,4 --contexts 256
+/// --rows-pass --gemv-warp-rows 1,2,4`, H200, 2026-11-29, µs a launch in a graph, 1 / 2 / 4
+/// rows a warp, four through a build that had them): the gate|up product (9728 × 896) 6.2 /
+/// 5.3 / 5.8 for one row of input, 9.2 / 7.8 / 10.4 for two, 12.0 / 13.6 / 13.6 for three;
+/// the head (151936 × 896) 77.9 / 63.1 / 63.4, 131.8 / 94.0 / 121.9, 162.8 / 186.6 / 160.2;
+/// the narrower products (896 to 1152 columns) were slowest with more rows a warp.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) fn gemv_warp_rows(n: usize, k: usize, rows: usize, tuning: Option<usize>) -> usize {
     if let Some(t) = tuning {
         return if t >= 2 { 2 } else { 1 };
     }
-    if rows <= 2 && k / 8 <= GEMV_SHARED_MAX_WORDS && n / 2 >= GEMV_MIN_WARPS {
+    if rows <= 2 && k / 8 <= GEMV_TWO_ROWS_MAX_WORDS && n / 2 >= GEMV_TWO_ROWS_MIN_WARPS {
         2
     } else {
         1
