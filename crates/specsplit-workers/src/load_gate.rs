@@ -38,7 +38,11 @@
 //! of a depth may have stalled (kernels compiled, CUDA graphs captured), and a depth priced by
 //! such a stall would never be advised again to correct it. So a row bucket of one pass that is
 //! slower than the buckets of several passes predict is left out of the model, and a depth's
-//! cycle of one round can only make that depth look better than the model does.
+//! cycle of one round can only make that depth look better than the model does. Likewise a
+//! depth's gaps and cycles of a few rounds close together stand only for
+//! [`PROVISIONAL_MEMORY`]: the first drafted rounds at a new load, measured while every
+//! session's draft starts, could otherwise price drafting off at that load for the whole of
+//! [`GAP_MEMORY`]; once they lapse the depth is tried again, and its new samples join them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,6 +80,19 @@ const DRAFT_MARGIN: f64 = 1.25;
 
 /// Samples kept of each measured gap and cycle; their lower median stands for it.
 const RECENT: usize = 8;
+
+/// How long a provisional measurement (fewer than [`RECENT`] samples, taken within less than
+/// [`SETTLE_SPAN`]) stands after its latest sample. The first drafted rounds at a new load
+/// are measured while every session's draft starts (the draft catches up with its prompt,
+/// CUDA graphs of the new shapes are captured), and they can price a depth at several times
+/// its cost; once the gate advises against that depth its measurement is not refreshed, so
+/// it must lapse soon for the depth to be measured again.
+const PROVISIONAL_MEMORY: Duration = Duration::from_millis(500);
+
+/// The span of samples that settles a measurement of fewer than [`RECENT`] samples: a depth
+/// measured that long (over several trials, at a load that sends few samples a round) stands
+/// for [`GAP_MEMORY`] like one of [`RECENT`] samples.
+const SETTLE_SPAN: Duration = Duration::from_secs(1);
 
 /// A session's gap between an answer and its next request longer than this is a pause of
 /// its client (between generations, or a slow consumer), not the cost of drafting.
@@ -232,6 +249,10 @@ pub struct LoadGate {
 /// lower median stands for it: a one-off stall among them (a CUDA graph captured, a cache
 /// grown) moves it no more than any other sample, where it would hold a running mean up, and
 /// keep its depth from being tried again, for many rounds.
+///
+/// A measurement of few samples taken close together is provisional (see
+/// [`PROVISIONAL_MEMORY`]): it stands only briefly after its latest sample, and the samples
+/// of the depth's next trial join it.
 #[derive(Debug, Clone, Copy)]
 struct Recent {
     samples: [f64; RECENT],
@@ -239,6 +260,9 @@ struct Recent {
     next: usize,
     /// When the latest sample was taken.
     at: Instant,
+    /// When the first sample of these was taken (samples that lapsed after [`GAP_MEMORY`]
+    /// started over).
+    since: Instant,
 }
 
 impl Recent {
@@ -260,14 +284,32 @@ impl Recent {
                     len: 1,
                     next: 1,
                     at: now,
+                    since: now,
                 });
             }
         }
     }
 
-    /// Whether the latest sample is within [`GAP_MEMORY`] of `now`.
+    /// Whether the latest sample is within [`GAP_MEMORY`] of `now` (later samples join it).
     fn fresh(&self, now: Instant) -> bool {
-        now.duration_since(self.at) <= GAP_MEMORY
+        now.saturating_duration_since(self.at) <= GAP_MEMORY
+    }
+
+    /// Whether the measurement is settled: [`RECENT`] samples, or samples spanning at least
+    /// [`SETTLE_SPAN`].
+    fn settled(&self) -> bool {
+        self.len >= RECENT || self.at.saturating_duration_since(self.since) >= SETTLE_SPAN
+    }
+
+    /// Whether the measurement stands at `now`: its latest sample within [`GAP_MEMORY`] where
+    /// it is settled, within [`PROVISIONAL_MEMORY`] where it is not.
+    fn stands(&self, now: Instant) -> bool {
+        let memory = if self.settled() {
+            GAP_MEMORY
+        } else {
+            PROVISIONAL_MEMORY
+        };
+        now.saturating_duration_since(self.at) <= memory
     }
 
     /// The lower median of the samples.
@@ -368,11 +410,12 @@ impl LoadGate {
         };
     }
 
-    /// The cycle (seconds) a session's rounds of `depth` measured within [`GAP_MEMORY`] at
-    /// load level `level`, and how many rounds stand for it.
+    /// The cycle (seconds) a session's rounds of `depth` measured at load level `level`, where
+    /// that measurement still stands (see [`PROVISIONAL_MEMORY`]), and how many rounds stand
+    /// for it.
     fn measured_cycle(&self, depth: usize, level: usize, now: Instant) -> Option<(f64, usize)> {
         self.cycles[level][depth]
-            .filter(|c| c.fresh(now))
+            .filter(|c| c.stands(now))
             .map(|c| (c.median(), c.len))
     }
 
@@ -404,7 +447,8 @@ impl LoadGate {
     /// gap) stands in, scaled by the ratio of the levels' batches, as if the draft worker
     /// served the sessions one after another: what one session's draft cost alone, four cost
     /// about four times over, until measured. 0 before any gap is measured (the pass time alone
-    /// decides). Gaps measured more than [`GAP_MEMORY`] ago count as unmeasured.
+    /// decides). Gaps measured more than [`GAP_MEMORY`] ago count as unmeasured, and so do a
+    /// few taken close together more than [`PROVISIONAL_MEMORY`] ago.
     pub fn round_gap(&self, depth: usize, batch: usize) -> f64 {
         self.gap_curve(batch).at(depth)
     }
@@ -445,14 +489,14 @@ impl LoadGate {
         }
     }
 
-    /// The gaps measured within [`GAP_MEMORY`] at load level `level`: (depth, seconds), by
-    /// depth.
+    /// The gaps measured at load level `level` that still stand (see [`PROVISIONAL_MEMORY`]):
+    /// (depth, seconds), by depth.
     fn known_gaps(&self, level: usize) -> Vec<(f64, f64)> {
         let now = Instant::now();
         self.gaps[level]
             .iter()
             .enumerate()
-            .filter_map(|(d, g)| g.filter(|g| g.fresh(now)).map(|g| (d as f64, g.median())))
+            .filter_map(|(d, g)| g.filter(|g| g.stands(now)).map(|g| (d as f64, g.median())))
             .collect()
     }
 
@@ -550,7 +594,7 @@ impl LoadGate {
     /// `None` before the gate has measured enough passes and verdicts to say.
     ///
     /// Where none wins only by the margin, a drafted depth that beats none without it and has
-    /// not been measured at this load level (fewer than two rounds within [`GAP_MEMORY`]) is
+    /// not been measured at this load level (fewer than two rounds that stand) is
     /// advised, where the sessions' depth is known, so that it is: the margin stands for costs
     /// the model leaves out, which only rounds of that depth show, and a model that overprices
     /// drafting (its drafting time borrowed from another level, or measured beside other
@@ -732,8 +776,16 @@ impl LoadAdvisor {
             answered.get(session).copied().filter(|a| a.measures(depth))
         };
         if let Some(gap) = last.and_then(|a| arrived.checked_duration_since(a.at)) {
+            let batch = self.batch.load(Ordering::Relaxed);
+            tracing::trace!(
+                session,
+                depth,
+                batch,
+                gap_ms = gap.as_secs_f64() * 1e3,
+                "gap"
+            );
             let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-            g.observe_gap(depth, gap, self.batch.load(Ordering::Relaxed));
+            g.observe_gap(depth, gap, batch);
         }
     }
 
@@ -834,7 +886,15 @@ impl LoadAdvisor {
         // draft where drafting loses.
         let spans_prompt = |last: Instant| g.last_prompt.is_some_and(|p| p > last);
         if let Some(last) = last.filter(|&l| !round.one_off_setup && !spans_prompt(l)) {
-            g.observe_cycle(round.depth, now.saturating_duration_since(last), batch);
+            let cycle = now.saturating_duration_since(last);
+            tracing::trace!(
+                session = round.session,
+                depth = round.depth,
+                batch,
+                cycle_ms = cycle.as_secs_f64() * 1e3,
+                "cycle"
+            );
+            g.observe_cycle(round.depth, cycle, batch);
         }
         if !round.continued {
             g.last_prompt = Some(now);
@@ -848,6 +908,18 @@ impl LoadAdvisor {
                 g.explain(advised_for).unwrap_or_default()
             );
         }
+        tracing::trace!(
+            session = round.session,
+            depth = round.depth,
+            rows = round.rows,
+            model_ms = round.time.as_secs_f64() * 1e3,
+            continued = round.continued,
+            one_off_setup = round.one_off_setup,
+            batch,
+            advised_for,
+            advice,
+            "round"
+        );
         // What observe_cycle needs to tell rounds the advice capped from shallower ones.
         g.last_advice = advice;
         advice
@@ -1549,6 +1621,96 @@ mod tests {
         assert!(!r.fresh(later));
         Recent::record(&mut slot, 7.5, later);
         assert_eq!((slot.unwrap().len, slot.unwrap().median()), (1, 7.5));
+    }
+
+    #[test]
+    fn a_few_samples_close_together_stand_only_briefly_and_later_samples_join_them() {
+        let now = Instant::now();
+        let mut slot = None;
+        for x in [30.0, 31.0, 29.0] {
+            Recent::record(&mut slot, x, now);
+        }
+        let r = slot.unwrap();
+        assert!(!r.settled());
+        assert!(r.stands(now + PROVISIONAL_MEMORY));
+        assert!(!r.stands(now + PROVISIONAL_MEMORY * 2));
+        // The next trial's samples join them (the lower median now one of its own) and, a
+        // second after the first, settle the measurement.
+        let later = now + PROVISIONAL_MEMORY + Duration::from_millis(100);
+        for x in [4.0, 4.5, 5.0] {
+            Recent::record(&mut slot, x, later);
+        }
+        let r = slot.unwrap();
+        assert_eq!((r.len, r.median()), (6, 5.0));
+        assert!(!r.settled());
+        Recent::record(&mut slot, 4.1, now + SETTLE_SPAN);
+        let r = slot.unwrap();
+        assert_eq!(r.len, 7);
+        assert!(r.settled());
+        assert!(r.stands(now + SETTLE_SPAN + GAP_MEMORY));
+        // Eight samples settle it at once.
+        let mut slot = None;
+        for x in 0..RECENT {
+            Recent::record(&mut slot, x as f64, now);
+        }
+        assert!(slot.unwrap().settled());
+        assert!(slot.unwrap().stands(now + GAP_MEMORY));
+    }
+
+    /// Moves every gap and cycle `gate` measured `by` into the past.
+    fn age(gate: &mut LoadGate, by: Duration) {
+        for r in gate
+            .gaps
+            .iter_mut()
+            .chain(gate.cycles.iter_mut())
+            .flatten()
+            .flatten()
+        {
+            r.at = r.at.checked_sub(by).expect("an instant that far back");
+            r.since = r.since.checked_sub(by).expect("an instant that far back");
+        }
+    }
+
+    #[test]
+    fn drafting_priced_off_by_a_few_rounds_at_a_new_load_is_tried_again() {
+        // Four sessions; passes of 5 ms up to 64 rows, then 0.08 ms a row.
+        let mut g = gate(4, 1..=600, |r| 0.005f64.max(8e-5 * r));
+        let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+        g.observe_depth_limit(4);
+        for _ in 0..RECENT {
+            g.observe_gap(0, ms(0.3), 4);
+        }
+        // The first rounds drafted at this load waited 30 ms for the draft worker (every
+        // session's draft catching up with its prompt): no draft pays.
+        for _ in 0..3 {
+            g.observe_gap(4, ms(30.0), 4);
+        }
+        assert_eq!(g.advise(4), Some(0));
+        // Half a second later those few samples have lapsed: the depth is tried again.
+        age(&mut g, PROVISIONAL_MEMORY + ms(1.0));
+        g.observe_depth_limit(4);
+        assert_eq!(g.advise(4), Some(4));
+        // Its rounds now cost 4 ms of drafting: they join the earlier ones and outvote them.
+        for _ in 0..4 {
+            g.observe_gap(4, ms(4.0), 4);
+        }
+        assert!(
+            (g.round_gap(4, 4) - 0.004).abs() < 1e-9,
+            "{}",
+            g.round_gap(4, 4)
+        );
+        assert_eq!(g.advise(4), Some(4));
+        // Where drafting costs that much in a full window of rounds, it is not tried again.
+        let mut g = gate(4, 1..=600, |r| 0.005f64.max(8e-5 * r));
+        g.observe_depth_limit(4);
+        for _ in 0..RECENT {
+            g.observe_gap(0, ms(0.3), 4);
+            g.observe_gap(4, ms(30.0), 4);
+        }
+        assert_eq!(g.advise(4), Some(0));
+        age(&mut g, PROVISIONAL_MEMORY + ms(1.0));
+        g.observe_depth_limit(4);
+        assert_eq!(g.advise(4), Some(0));
     }
 
     #[test]
