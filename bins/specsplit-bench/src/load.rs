@@ -211,6 +211,7 @@ fn row(
         "p50_tpot_ms": util::percentile(&lat, 0.5),
         "p99_tpot_ms": util::percentile(&lat, 0.99),
         "mean_ttft_ms": ratio(gens.iter().map(|g| g.stats.ttft_ms).sum(), gens.len() as f64),
+        "max_ttft_ms": gens.iter().map(|g| g.stats.ttft_ms).fold(0.0, f64::max),
         "identical_to_alone": ratio(identical as f64, gens.len() as f64),
         "mean_drafted_depth": ratio(rounds.iter().map(|r| r.drafted as f64).sum(), rounds.len() as f64),
         "mean_accepted": ratio(rounds.iter().map(|r| r.accepted as f64).sum(), rounds.len() as f64),
@@ -262,20 +263,30 @@ fn passes_so_far(target: Option<&Arc<VerifyBatcher>>, draft: Option<&Arc<DraftBa
     }
 }
 
+/// Per-run fields that [`median_run`] keeps for every run, as `<field>_runs`: what tells a
+/// run that lost apart (sessions that fell into separate passes, a generation that started
+/// late).
+const PER_RUN: [&str; 3] = [
+    "mean_drafted_depth",
+    "mean_verify_pass_sessions",
+    "max_ttft_ms",
+];
+
 /// The row of median throughput among `runs` (each run's row), with every run's throughput
-/// in `aggregate_tok_per_s_runs` and mean drafted depth in `mean_drafted_depth_runs` (in run
-/// order).
+/// in `aggregate_tok_per_s_runs` and each of [`PER_RUN`] in `<field>_runs` (in run order).
 fn median_run(mut runs: Vec<Value>) -> Value {
     let rate = |r: &Value| r["aggregate_tok_per_s"].as_f64().unwrap_or(0.0);
     let all: Vec<f64> = runs.iter().map(rate).collect();
-    let depths: Vec<Value> = runs
+    let per_run: Vec<Vec<Value>> = PER_RUN
         .iter()
-        .map(|r| r["mean_drafted_depth"].clone())
+        .map(|k| runs.iter().map(|r| r[*k].clone()).collect())
         .collect();
     runs.sort_by(|a, b| rate(a).total_cmp(&rate(b)));
     let mut mid = runs.swap_remove(runs.len() / 2);
     mid["aggregate_tok_per_s_runs"] = json!(all);
-    mid["mean_drafted_depth_runs"] = json!(depths);
+    for (k, v) in PER_RUN.iter().zip(per_run) {
+        mid[format!("{k}_runs")] = json!(v);
+    }
     mid
 }
 
@@ -445,13 +456,15 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                 let r = row(mode, n, (&gens, wall), &alone, passes);
                 eprintln!(
                     "  {n} sessions {}: {:.1} tok/s, p50 {:.2} ms, p99 {:.2} ms, identical {:.2}; \
-                     round {:.2} ms, sessions a verify pass {:.2}, a draft pass {:.2}, new \
-                     draft chain shapes {} ({:.1} ms)",
+                     first token mean {:.1} ms, max {:.1} ms; round {:.2} ms, sessions a \
+                     verify pass {:.2}, a draft pass {:.2}, new draft chain shapes {} ({:.1} ms)",
                     mode_name(mode),
                     f(&r, "aggregate_tok_per_s"),
                     f(&r, "p50_tpot_ms"),
                     f(&r, "p99_tpot_ms"),
                     f(&r, "identical_to_alone"),
+                    f(&r, "mean_ttft_ms"),
+                    f(&r, "max_ttft_ms"),
                     f(&r, "mean_round_ms"),
                     f(&r, "mean_verify_pass_sessions"),
                     f(&r, "mean_draft_pass_sessions"),
@@ -613,6 +626,16 @@ mod tests {
             assert_eq!(depths.len(), 2, "{r}");
             let at = runs.iter().position(|&v| v == best).unwrap();
             assert_eq!(depths[at], r["mean_drafted_depth"], "{r}");
+            for k in PER_RUN {
+                let each = r[format!("{k}_runs")].as_array().unwrap();
+                assert_eq!(each.len(), 2, "{k}: {r}");
+                assert_eq!(each[at], r[k], "{k}: {r}");
+            }
+            // The latest first token is no earlier than the mean.
+            assert!(
+                r["max_ttft_ms"].as_f64() >= r["mean_ttft_ms"].as_f64(),
+                "{r}"
+            );
             let slow = r["slowest_rounds"].as_array().unwrap();
             assert!(!slow.is_empty() && slow.len() <= SLOWEST_ROUNDS, "{r}");
             // Each verify pass holds one to `sessions` sessions' rounds; one session alone
