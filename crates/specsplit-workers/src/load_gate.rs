@@ -260,17 +260,23 @@ struct Recent {
     next: usize,
     /// When the latest sample was taken.
     at: Instant,
-    /// When the first sample of these was taken (samples that lapsed after [`GAP_MEMORY`]
-    /// started over).
+    /// When the first sample of these was taken, or the first after they last lapsed (see
+    /// [`Recent::record`]).
     since: Instant,
 }
 
 impl Recent {
     /// Adds `x`, taken at `now`, to `slot`: to its samples (the oldest dropped) where they are
-    /// within [`GAP_MEMORY`], else as the first of fresh ones.
+    /// within [`GAP_MEMORY`], else as the first of fresh ones. A sample that joins samples
+    /// that had lapsed (see [`Recent::stands`]) starts their span anew: a trial after a lapse
+    /// settles them only by a span of its own, so that its first sample cannot settle a few
+    /// earlier ones that outvote it.
     fn record(slot: &mut Option<Recent>, x: f64, now: Instant) {
         match slot {
             Some(r) if r.fresh(now) => {
+                if !r.stands(now) {
+                    r.since = now;
+                }
                 r.samples[r.next] = x;
                 r.next = (r.next + 1) % RECENT;
                 r.len = (r.len + 1).min(RECENT);
@@ -1634,20 +1640,28 @@ mod tests {
         assert!(!r.settled());
         assert!(r.stands(now + PROVISIONAL_MEMORY));
         assert!(!r.stands(now + PROVISIONAL_MEMORY * 2));
-        // The next trial's samples join them (the lower median now one of its own) and, a
-        // second after the first, settle the measurement.
-        let later = now + PROVISIONAL_MEMORY + Duration::from_millis(100);
-        for x in [4.0, 4.5, 5.0] {
-            Recent::record(&mut slot, x, later);
+        // The next trial's first sample joins them, more than a second after the first, and
+        // does not settle them (they would stand for 30 s by a median it cannot move).
+        let later = now + SETTLE_SPAN + Duration::from_millis(100);
+        Recent::record(&mut slot, 4.0, later);
+        let r = slot.unwrap();
+        assert_eq!((r.len, r.median()), (4, 29.0));
+        assert!(!r.settled());
+        // Its next samples, each within half a second of the one before, outvote the earlier
+        // ones (the lower median now one of its own) and, a second after its first, settle
+        // the measurement.
+        let ms = |x: u64| Duration::from_millis(x);
+        for (x, at) in [(4.5, later + ms(450)), (5.0, later + ms(900))] {
+            Recent::record(&mut slot, x, at);
         }
         let r = slot.unwrap();
         assert_eq!((r.len, r.median()), (6, 5.0));
         assert!(!r.settled());
-        Recent::record(&mut slot, 4.1, now + SETTLE_SPAN);
+        Recent::record(&mut slot, 4.1, later + SETTLE_SPAN);
         let r = slot.unwrap();
-        assert_eq!(r.len, 7);
+        assert_eq!((r.len, r.median()), (7, 5.0));
         assert!(r.settled());
-        assert!(r.stands(now + SETTLE_SPAN + GAP_MEMORY));
+        assert!(r.stands(later + SETTLE_SPAN + GAP_MEMORY));
         // Eight samples settle it at once.
         let mut slot = None;
         for x in 0..RECENT {
