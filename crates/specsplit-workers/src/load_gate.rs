@@ -81,8 +81,8 @@ const DRAFT_MARGIN: f64 = 1.25;
 /// Samples kept of each measured gap and cycle; their lower median stands for it.
 const RECENT: usize = 8;
 
-/// How long a provisional measurement (fewer than [`RECENT`] samples, taken within less than
-/// [`SETTLE_SPAN`]) stands after its latest sample. The first drafted rounds at a new load
+/// How long a provisional measurement (fewer than [`RECENT`] samples, spanning less than
+/// [`SETTLE_SPAN`] since they last lapsed) stands after its latest sample. The first drafted rounds at a new load
 /// are measured while every session's draft starts (the draft catches up with its prompt,
 /// CUDA graphs of the new shapes are captured), and they can price a depth at several times
 /// its cost; once the gate advises against that depth its measurement is not refreshed, so
@@ -90,8 +90,8 @@ const RECENT: usize = 8;
 const PROVISIONAL_MEMORY: Duration = Duration::from_millis(500);
 
 /// The span of samples that settles a measurement of fewer than [`RECENT`] samples: a depth
-/// measured that long (over several trials, at a load that sends few samples a round) stands
-/// for [`GAP_MEMORY`] like one of [`RECENT`] samples.
+/// measured that long without a lapse (at a load that sends few samples a round, such as one
+/// session with slow rounds) stands for [`GAP_MEMORY`] like one of [`RECENT`] samples.
 const SETTLE_SPAN: Duration = Duration::from_secs(1);
 
 /// A session's gap between an answer and its next request longer than this is a pause of
@@ -302,7 +302,7 @@ impl Recent {
     }
 
     /// Whether the measurement is settled: [`RECENT`] samples, or samples spanning at least
-    /// [`SETTLE_SPAN`].
+    /// [`SETTLE_SPAN`] since they last lapsed.
     fn settled(&self) -> bool {
         self.len >= RECENT || self.at.saturating_duration_since(self.since) >= SETTLE_SPAN
     }
@@ -891,15 +891,10 @@ impl LoadAdvisor {
         // sessions would price target-only rounds at several times their cost, and the gate
         // draft where drafting loses.
         let spans_prompt = |last: Instant| g.last_prompt.is_some_and(|p| p > last);
-        if let Some(last) = last.filter(|&l| !round.one_off_setup && !spans_prompt(l)) {
-            let cycle = now.saturating_duration_since(last);
-            tracing::trace!(
-                session = round.session,
-                depth = round.depth,
-                batch,
-                cycle_ms = cycle.as_secs_f64() * 1e3,
-                "cycle"
-            );
+        let cycle = last
+            .filter(|&l| !round.one_off_setup && !spans_prompt(l))
+            .map(|l| now.saturating_duration_since(l));
+        if let Some(cycle) = cycle {
             g.observe_cycle(round.depth, cycle, batch);
         }
         if !round.continued {
@@ -914,6 +909,19 @@ impl LoadAdvisor {
                 g.explain(advised_for).unwrap_or_default()
             );
         }
+        // What observe_cycle needs to tell rounds the advice capped from shallower ones.
+        g.last_advice = advice;
+        // The trace is written with the gate unlocked: the other requests' rounds need it.
+        drop(g);
+        if let Some(cycle) = cycle {
+            tracing::trace!(
+                session = round.session,
+                depth = round.depth,
+                batch,
+                cycle_ms = cycle.as_secs_f64() * 1e3,
+                "cycle"
+            );
+        }
         tracing::trace!(
             session = round.session,
             depth = round.depth,
@@ -926,8 +934,6 @@ impl LoadAdvisor {
             advice,
             "round"
         );
-        // What observe_cycle needs to tell rounds the advice capped from shallower ones.
-        g.last_advice = advice;
         advice
     }
 }
