@@ -38,6 +38,9 @@ pub struct LoadSettings {
     pub dtype: String,
     /// Concurrent generations of each measurement.
     pub sessions: Vec<usize>,
+    /// Generations of each measured run (at least the sessions'), at most the sessions' count
+    /// at once: each next one starts as one ends.
+    pub generations: usize,
     /// Target-only and/or speculative decoding.
     pub modes: Vec<Mode>,
     /// Prompt length of random-weight models, in tokens.
@@ -94,28 +97,39 @@ fn mode_name(m: Mode) -> &'static str {
     }
 }
 
-/// Runs `n` generations at once on `orch`, session `i` on prompt `i`; returns them in prompt
-/// order and the wall time from the first start to the last finish.
+/// Runs `total` generations on `orch`, `n` at a time (each next one starting as one ends),
+/// generation `i` on prompt `i`; returns them in prompt order and the wall time from the
+/// first start to the last finish.
 async fn generate_concurrently(
     orch: &Arc<Orchestrator>,
     prompts: &[Vec<u32>],
-    n: usize,
+    (n, total): (usize, usize),
     cfg: &GenerateConfig,
 ) -> Result<(Vec<Generation>, f64)> {
+    let total = total.max(n).min(prompts.len());
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for (i, prompt) in prompts.iter().take(n).enumerate() {
-        let (orch, prompt) = (orch.clone(), prompt.clone());
+    let spawn = |tasks: &mut tokio::task::JoinSet<_>, i: usize| {
+        let (orch, prompt) = (orch.clone(), prompts[i].clone());
         let cfg = GenerateConfig {
             seed: cfg.seed.wrapping_add(i as u64),
             ..cfg.clone()
         };
         tasks.spawn(async move { (i, orch.generate(&prompt, &cfg, |_| {}).await) });
+    };
+    let mut next = 0;
+    while next < n.min(total) {
+        spawn(&mut tasks, next);
+        next += 1;
     }
-    let mut gens: Vec<Option<Generation>> = vec![None; n];
+    let mut gens: Vec<Option<Generation>> = vec![None; total];
     while let Some(joined) = tasks.join_next().await {
         let (i, g) = joined.context("a generation task failed")?;
         gens[i] = Some(g.with_context(|| format!("generation {i}"))?);
+        if next < total {
+            spawn(&mut tasks, next);
+            next += 1;
+        }
     }
     let wall = start.elapsed().as_secs_f64();
     Ok((gens.into_iter().flatten().collect(), wall))
@@ -303,6 +317,8 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     let target = load(s.target.clone(), s.device_target.clone(), s.dtype.clone()).await?;
     let draft = load_draft(&s.draft, &s.device_draft, &s.dtype, &target).await?;
     let most = s.sessions.iter().copied().max().unwrap_or(1);
+    // Every run's generations have prompts of their own.
+    let most = most.max(s.generations);
     let prompts: Vec<Vec<u32>> = if random {
         let vocab = target.model.config().vocab_size;
         let eos = target.tokenizer.eos_token_ids();
@@ -442,7 +458,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
         for &mode in &s.modes {
             let (orch, cfg) = setup(mode);
             for _ in 0..s.warmup {
-                generate_concurrently(orch, &prompts, n, cfg).await?;
+                generate_concurrently(orch, &prompts, (n, n), cfg).await?;
             }
         }
         // The modes alternate run by run, so that a drift of the machine meets both alike.
@@ -451,7 +467,8 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             for (m, &mode) in s.modes.iter().enumerate() {
                 let (orch, cfg) = setup(mode);
                 let before = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref());
-                let (gens, wall) = generate_concurrently(orch, &prompts, n, cfg).await?;
+                let (gens, wall) =
+                    generate_concurrently(orch, &prompts, (n, s.generations), cfg).await?;
                 let passes = passes_so_far(t_batcher.as_ref(), d_batcher.as_ref()).since(before);
                 let r = row(mode, n, (&gens, wall), &alone, passes);
                 eprintln!(
@@ -493,6 +510,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "device_target": s.device_target, "device_draft": s.device_draft,
             "dtype": if s.dtype.is_empty() { "default" } else { s.dtype.as_str() },
             "sessions": s.sessions,
+            "generations_per_run": s.generations,
             "modes": s.modes.iter().map(|&m| mode_name(m)).collect::<Vec<_>>(),
             "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
             "random_prompts": random,
@@ -562,6 +580,7 @@ mod tests {
             device_draft: "cpu".into(),
             dtype: String::new(),
             sessions: vec![1, 2],
+            generations: 3,
             modes: vec![Mode::Ar, Mode::Spec],
             prompt_tokens: 12,
             max_tokens: 16,
@@ -597,13 +616,12 @@ mod tests {
             .map(|r| (r["sessions"].as_u64().unwrap(), r["mode"].as_str().unwrap()))
             .collect();
         assert_eq!(keys, [(1, "ar"), (1, "spec"), (2, "ar"), (2, "spec")]);
+        assert_eq!(doc["meta"]["generations_per_run"], 3);
         for r in rows {
+            // Three generations a run, one or two at a time, each matching its prompt alone.
             assert_eq!(r["identical_to_alone"], 1.0, "{r}");
-            assert_eq!(
-                r["tokens"].as_u64(),
-                Some(16 * r["sessions"].as_u64().unwrap()),
-                "{r}"
-            );
+            assert_eq!(r["generations"].as_u64(), Some(3), "{r}");
+            assert_eq!(r["tokens"].as_u64(), Some(16 * 3), "{r}");
             for k in ["aggregate_tok_per_s", "p50_tpot_ms", "p99_tpot_ms"] {
                 assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {r}");
             }

@@ -87,6 +87,11 @@ struct LoadArgs {
     /// worker.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32,64")]
     sessions: Vec<usize>,
+    /// Generations of each measured run: N at once, each next one starting as a generation
+    /// ends, until this many (and at least N) have run, so that few sessions still average
+    /// over several prompts' acceptance draws (1: one wave of N).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    generations: u64,
     /// Modes measured side by side at each session count: ar (target-only), spec
     /// (speculative, gated by the target's load).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ar,spec")]
@@ -555,6 +560,7 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         device_draft: a.device_draft,
         dtype: a.dtype,
         sessions: a.sessions,
+        generations: a.generations as usize,
         modes: a
             .modes
             .into_iter()

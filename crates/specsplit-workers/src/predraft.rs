@@ -150,7 +150,9 @@ impl DraftEngine {
         stats.tokens_processed += feed.len();
         s.tokens.extend_from_slice(feed);
         let picks = top_w_on_device(&at_lengths, m + 1, self.fused_launch())?;
-        stats.model_time += t0.elapsed();
+        let first_pass = t0.elapsed();
+        stats.model_time += first_pass;
+        let t_choose = Instant::now();
 
         // The candidates of every outcome, then one branch per candidate.
         let mut forest = Forest::new(committed);
@@ -183,6 +185,8 @@ impl DraftEngine {
             .collect();
         let greedy_chains = p.sampling.is_greedy() && p.widths.iter().all(|&w| w == 1);
         let depth = p.widths.len();
+        let choose = t_choose.elapsed();
+        let t_grow = Instant::now();
         if greedy_chains && self.chains_replayable(s, tokens.len(), outcomes.len(), depth) {
             // Every candidate and every level of its chain, replayed from one graph.
             let t0 = Instant::now();
@@ -193,6 +197,14 @@ impl DraftEngine {
             let grown = (&mut forest, &mut trees[..], &mut stats);
             self.grow_outcomes(s, tokens, committed, &outcomes, grown, p)?;
         }
+        tracing::trace!(
+            rows = feed.len(),
+            branches = outcomes.len(),
+            first_pass_ms = first_pass.as_secs_f64() * 1e3,
+            choose_ms = choose.as_secs_f64() * 1e3,
+            growth_ms = t_grow.elapsed().as_secs_f64() * 1e3,
+            "pre-draft phases"
+        );
         // Keep the committed sequence and the path; free every branch.
         s.cache.truncate(tokens.len())?;
         s.last_logits = Some(at_lengths.get(path.len())?);
