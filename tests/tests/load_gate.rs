@@ -116,3 +116,74 @@ async fn the_setting_switches_the_advice() {
         draft.stop().await;
     }
 }
+
+/// Generations that start drafting together feed their prompts to the draft worker beside
+/// their verifies: a round whose draft lags the sequence by more than a round emits drafts
+/// nothing while the draft catches up on its own (`NoDraft::CatchingUp`), so no round waits for
+/// another session's feed; the generations draft afterwards, and every output stays the
+/// target's own. A generation alone feeds in line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_starting_together_catch_their_drafts_up_beside_their_verifies() {
+    let target = specsplit_e2e::start_target(&config("random:tiny:7", true)).await;
+    let draft = start_draft(&config("random:tiny:7", false)).await;
+    let orch = Orchestrator::connect(Some(&draft.url), &target.url)
+        .await
+        .unwrap();
+    let vocab = orch.vocab_size() as u32;
+    // Prompts of 8, 15 and 22 tokens: longer than a round of depth 4 emits.
+    let prompts: Vec<Vec<u32>> = prompts(4, 3, vocab.min(500)).split_off(1);
+    let ar = GenerateConfig {
+        mode: Mode::Ar,
+        max_tokens: 24,
+        ..Default::default()
+    };
+    let spec = GenerateConfig {
+        mode: Mode::Spec,
+        pipeline: Pipeline::Sequential,
+        max_tokens: 24,
+        widths: vec![1; 4],
+        ..Default::default()
+    };
+    let mut references = Vec::new();
+    for p in &prompts {
+        references.push(orch.generate(p, &ar, |_| {}).await.unwrap());
+    }
+    let (a, b, c) = tokio::join!(
+        orch.generate(&prompts[0], &spec, |_| {}),
+        orch.generate(&prompts[1], &spec, |_| {}),
+        orch.generate(&prompts[2], &spec, |_| {}),
+    );
+    let together = [a, b, c];
+    for (i, (g, reference)) in together.into_iter().zip(&references).enumerate() {
+        let g = g.unwrap();
+        assert_eq!(g.token_ids, reference.token_ids, "prompt {i}");
+        let catching: Vec<usize> = (0..g.rounds.len())
+            .filter(|&n| g.rounds[n].no_draft == Some(NoDraft::CatchingUp))
+            .collect();
+        assert!(!catching.is_empty(), "prompt {i}: {:?}", g.rounds);
+        assert!(
+            catching.iter().all(|&n| g.rounds[n].tree_nodes == 0),
+            "prompt {i}"
+        );
+        let last = *catching.last().unwrap();
+        assert!(
+            g.rounds[last + 1..].iter().any(|r| r.tree_nodes > 0),
+            "prompt {i}: no draft after the catch-up: {:?}",
+            g.rounds
+        );
+        assert_eq!(g.stats.draft_failures, 0, "prompt {i}");
+    }
+    // Alone, the same prompt's draft feeds in line: no round catches up.
+    let alone = orch.generate(&prompts[2], &spec, |_| {}).await.unwrap();
+    assert_eq!(alone.token_ids, references[2].token_ids);
+    assert!(
+        alone
+            .rounds
+            .iter()
+            .all(|r| r.no_draft != Some(NoDraft::CatchingUp)),
+        "{:?}",
+        alone.rounds
+    );
+    target.stop().await;
+    draft.stop().await;
+}
