@@ -28,9 +28,6 @@ pub enum NoDraft {
     NoMatch,
     /// The target advised no draft for its current load (`max_draft_depth` 0).
     Load,
-    /// The draft worker was catching up with the sequence (its prompt, or the tokens of rounds
-    /// without a draft) beside this round's verify, so that no round waits for that feed.
-    CatchingUp,
 }
 
 /// What happened in one round.

@@ -52,11 +52,6 @@ impl AdviceMemory {
         Live(self.clone())
     }
 
-    /// Generations live now.
-    pub(crate) fn live(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
-    }
-
     /// The advice for a first round now: the advice last heard at the level of the generations
     /// live now, capped by any heard at a busier level within [`BUSIER_MEMORY`] (`None`:
     /// neither).

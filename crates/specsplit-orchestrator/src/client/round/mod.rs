@@ -194,11 +194,6 @@ pub(super) struct Run<'a> {
     /// The deepest draft the target advised, from its load, for the next round (`None`: no
     /// advice).
     advised_depth: Option<usize>,
-    /// Tokens of the sequence the draft worker held after its last answer (a lower bound).
-    draft_synced: usize,
-    /// The draft worker's catch-up with the sequence running beside the rounds, and the
-    /// sequence's length it was sent with.
-    catch_up: Option<(PreDraft, usize)>,
 }
 
 /// The tree of model-free drafter `drafter` (of `drafters`: n-gram, suffix) in `widths` after
@@ -282,8 +277,6 @@ impl<'a> Run<'a> {
             // Until the target answers this generation, its latest advice to any of them when
             // about as many ran.
             advised_depth: o.advice.for_first_round(),
-            draft_synced: 0,
-            catch_up: None,
         }
     }
 
@@ -346,10 +339,6 @@ impl<'a> Run<'a> {
                 break stop;
             }
         };
-        // No request outlives the generation.
-        if let Some((task, _)) = self.catch_up.take() {
-            task.abort();
-        }
         Ok(self.finish(stop))
     }
 
@@ -515,89 +504,26 @@ impl<'a> Run<'a> {
                 round.drafted.server.one_off_setup = pre.server.one_off_setup;
                 round.overlap_hit = Some(true);
             }
-            pre => match self.catch_up(round.no).await {
-                Some(why) => round.no_draft = Some(why),
-                None => return self.draft_now(round, pre.is_some()).await,
+            pre => match self.draft(round.no, &round.widths).await {
+                DraftOutcome::Tree(d) => {
+                    if d.tree.is_empty() {
+                        round.no_draft = Some(NoDraft::NoMatch);
+                    }
+                    // A first draft also feeds the prompt: not a level's cost.
+                    if let (Some(_), Ok(mut p)) = (self.target_cached, self.o.planner.lock()) {
+                        p.observe_draft(round.widths.len(), d.ms);
+                    }
+                    round.drafted = *d;
+                    round.overlap_hit = pre.map(|_| false);
+                }
+                DraftOutcome::Failed(ms) => {
+                    round.no_draft = Some(NoDraft::DraftFailed);
+                    round.drafted = Drafted::none(ms);
+                }
+                DraftOutcome::Deadline => return Some(StopReason::Deadline),
             },
         }
         None
-    }
-
-    /// Drafts the round's tree now (`missed`: a pre-draft held no tree for the verdict).
-    async fn draft_now(&mut self, round: &mut Round, missed: bool) -> Option<StopReason> {
-        match self.draft(round.no, &round.widths).await {
-            DraftOutcome::Tree(d) => {
-                self.draft_synced = self.seq.len();
-                if d.tree.is_empty() {
-                    round.no_draft = Some(NoDraft::NoMatch);
-                }
-                // A first draft also feeds the prompt: not a level's cost.
-                if let (Some(_), Ok(mut p)) = (self.target_cached, self.o.planner.lock()) {
-                    p.observe_draft(round.widths.len(), d.ms);
-                }
-                round.drafted = *d;
-                round.overlap_hit = missed.then_some(false);
-            }
-            DraftOutcome::Failed(ms) => {
-                round.no_draft = Some(NoDraft::DraftFailed);
-                round.drafted = Drafted::none(ms);
-            }
-            DraftOutcome::Deadline => return Some(StopReason::Deadline),
-        }
-        None
-    }
-
-    /// Whether the next round drafts nothing while the draft worker catches up with the
-    /// sequence on its own task ([`Run::catch_up`]): one is running or has just ended, or,
-    /// while other generations of this orchestrator run, the draft lags the sequence by more
-    /// than a round emits (its prompt, or the tokens of rounds without a draft). A draft that
-    /// first feeds many tokens holds its round, and the rounds that share passes with it (many
-    /// sessions starting to draft at once feed one after another on the draft worker), behind
-    /// that feed; beside a verify it holds none. A generation alone feeds in line, where it
-    /// waits for nobody else.
-    fn catch_up_pending(&self) -> bool {
-        // A round emits at most the deepest tree's tokens and the target's next one.
-        let per_round = self.cfg.widths.len() + 1;
-        let lags = self.seq.len().saturating_sub(self.draft_synced) > per_round;
-        self.catch_up.is_some() || (lags && self.o.advice.live() > 1)
-    }
-
-    /// The catch-up of round `round` ([`Run::catch_up_pending`]): a catch-up still running
-    /// goes on; one that ended counts as a draft answer (a failed one as a failed draft,
-    /// `NoDraft::DraftFailed`); where the draft still lags, a new one starts. `None` where the
-    /// round may draft after all.
-    async fn catch_up(&mut self, round: usize) -> Option<NoDraft> {
-        if let Some((task, len)) = self.catch_up.take() {
-            if !task.is_finished() {
-                self.catch_up = Some((task, len));
-                return Some(NoDraft::CatchingUp);
-            }
-            match task.await {
-                Ok(Ok(Ok(_))) => {
-                    self.backoff.succeed();
-                    self.draft_synced = self.draft_synced.max(len);
-                }
-                Ok(Ok(Err(e))) => {
-                    self.draft_error(round, &e);
-                    return Some(NoDraft::DraftFailed);
-                }
-                Ok(Err(())) | Err(_) => {
-                    let ms = self.cfg.draft_timeout_ms;
-                    self.draft_failed(round, &format!("no answer within {ms} ms"));
-                    return Some(NoDraft::DraftFailed);
-                }
-            }
-        }
-        if !self.catch_up_pending() {
-            return None;
-        }
-        if !self.backoff.ready(round) {
-            return Some(NoDraft::Backoff);
-        }
-        let len = self.seq.len();
-        let task = self.spawn_predraft(self.seq.clone(), None, Vec::new());
-        self.catch_up = Some((task, len));
-        Some(NoDraft::CatchingUp)
     }
 
     /// Cuts the round's tree, whatever its source, to the target's room after the sequence.
@@ -795,8 +721,6 @@ impl<'a> Run<'a> {
         match answer {
             Ok(Ok(d)) => {
                 self.backoff.succeed();
-                // The worker holds the committed sequence (and the path) now.
-                self.draft_synced = self.draft_synced.max(self.seq.len());
                 (out.ms, out.server_ms, out.model_ms) = (d.ms, d.server.wall_ms, d.server.model_ms);
                 out.lag_ms = signed_ms(d.sent, verdict.sent);
                 let j = v.accepted.len();
