@@ -117,10 +117,9 @@ async fn generate_concurrently(
         };
         tasks.spawn(async move { (i, orch.generate(&prompt, &cfg, |_| {}).await) });
     };
-    let mut next = 0;
-    while next < n.min(total) {
-        spawn(&mut tasks, next);
-        next += 1;
+    let mut next = n.min(total);
+    for i in 0..next {
+        spawn(&mut tasks, i);
     }
     let mut gens: Vec<Option<Generation>> = vec![None; total];
     while let Some(joined) = tasks.join_next().await {
