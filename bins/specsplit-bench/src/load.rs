@@ -315,9 +315,14 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     eprintln!("loading target {} and draft {} ...", s.target, s.draft);
     let target = load(s.target.clone(), s.device_target.clone(), s.dtype.clone()).await?;
     let draft = load_draft(&s.draft, &s.device_draft, &s.dtype, &target).await?;
-    let most = s.sessions.iter().copied().max().unwrap_or(1);
-    // Every run's generations have prompts of their own.
-    let most = most.max(s.generations);
+    // Prompts for the most sessions, and for every generation of a run.
+    let most = s
+        .sessions
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(s.generations);
     let prompts: Vec<Vec<u32>> = if random {
         let vocab = target.model.config().vocab_size;
         let eos = target.tokenizer.eos_token_ids();

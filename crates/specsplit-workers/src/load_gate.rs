@@ -82,11 +82,11 @@ const DRAFT_MARGIN: f64 = 1.25;
 const RECENT: usize = 8;
 
 /// How long a provisional measurement (fewer than [`RECENT`] samples, spanning less than
-/// [`SETTLE_SPAN`] since they last lapsed) stands after its latest sample. The first drafted rounds at a new load
-/// are measured while every session's draft starts (the draft catches up with its prompt,
-/// CUDA graphs of the new shapes are captured), and they can price a depth at several times
-/// its cost; once the gate advises against that depth its measurement is not refreshed, so
-/// it must lapse soon for the depth to be measured again.
+/// [`SETTLE_SPAN`] since they last lapsed) stands after its latest sample. The first drafted
+/// rounds at a new load are measured while every session's draft starts (the draft catches up
+/// with its prompt, CUDA graphs of the new shapes are captured), and they can price a depth at
+/// several times its cost; once the gate advises against that depth its measurement is not
+/// refreshed, so it must lapse soon for the depth to be measured again.
 const PROVISIONAL_MEMORY: Duration = Duration::from_millis(500);
 
 /// The span of samples that settles a measurement of fewer than [`RECENT`] samples: a depth

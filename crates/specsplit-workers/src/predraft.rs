@@ -189,9 +189,8 @@ impl DraftEngine {
         let t_grow = Instant::now();
         if greedy_chains && self.chains_replayable(s, tokens.len(), outcomes.len(), depth) {
             // Every candidate and every level of its chain, replayed from one graph.
-            let t0 = Instant::now();
             self.grow_chains_replayed(s, tokens, committed, &outcomes, &mut trees, depth)?;
-            stats.model_time += t0.elapsed();
+            stats.model_time += t_grow.elapsed();
             stats.tokens_processed += outcomes.len() * depth;
         } else {
             let grown = (&mut forest, &mut trees[..], &mut stats);
