@@ -84,6 +84,8 @@ pub struct SessionCache {
     len: usize,
     /// The capacity growth stops at (`spec.capacity` for a cache that never grows).
     max_capacity: usize,
+    /// See [`SessionCache::generation`].
+    generation: u64,
 }
 
 impl SessionCache {
@@ -126,6 +128,7 @@ impl SessionCache {
             v,
             len: 0,
             max_capacity,
+            generation: 0,
         })
     }
 
@@ -175,6 +178,7 @@ impl SessionCache {
         self.k = k;
         self.v = v;
         self.spec = spec;
+        self.generation += 1;
         Ok(true)
     }
 
@@ -190,6 +194,16 @@ impl SessionCache {
     /// Bytes this cache's buffers take now (its current capacity, not its maximum).
     pub fn memory_bytes(&self) -> usize {
         Self::bytes_for(&self.spec, self.dtype)
+    }
+
+    /// A count that changes with every call through `&mut self` that writes entries or moves
+    /// the length ([`SessionCache::append`], [`SessionCache::advance`],
+    /// [`SessionCache::truncate`], [`SessionCache::compact`], a growing
+    /// [`SessionCache::reserve`]). A fixed-shape pass writes through
+    /// [`SessionCache::buffers`] and then moves the length, so a caller that remembers what it
+    /// left past the length can tell from an unchanged count that no such pass ran since.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Number of valid entries.
@@ -282,6 +296,7 @@ impl SessionCache {
         }
         let needed = self.len + n;
         self.reserve(needed)?;
+        self.generation += 1;
         if n > 0 {
             self.k[layer].slice_set(&k.contiguous()?, 2, self.len)?;
             self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
@@ -304,6 +319,7 @@ impl SessionCache {
             });
         }
         self.len = needed;
+        self.generation += 1;
         Ok(())
     }
 
@@ -316,6 +332,7 @@ impl SessionCache {
             });
         }
         self.len = new_len;
+        self.generation += 1;
         Ok(())
     }
 
@@ -372,6 +389,7 @@ impl SessionCache {
             }
         }
         self.len = base + keep.len();
+        self.generation += 1;
         Ok(())
     }
 

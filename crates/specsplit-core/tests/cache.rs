@@ -288,6 +288,40 @@ fn truncate_is_o1_and_later_append_overwrites() {
 }
 
 #[test]
+fn every_write_or_length_change_moves_the_generation() {
+    let dtype = DType::F32;
+    let mut cache = SessionCache::growable(spec(4), 16, dtype, &Device::Cpu).unwrap();
+    let mut seen = vec![cache.generation()];
+    let mut moved = |c: &SessionCache| {
+        assert!(!seen.contains(&c.generation()), "{} again", c.generation());
+        seen.push(c.generation());
+    };
+    append_n(&mut cache, 3, 1, dtype);
+    moved(&cache);
+    cache.truncate(3).unwrap(); // to the same length: a pass may have written past it
+    moved(&cache);
+    cache.truncate(1).unwrap();
+    moved(&cache);
+    cache.advance(2).unwrap();
+    moved(&cache);
+    cache.compact(1, &[2]).unwrap();
+    moved(&cache);
+    let before = cache.generation();
+    assert!(!cache.reserve(4).unwrap());
+    assert_eq!(
+        cache.generation(),
+        before,
+        "a reserve that fits writes nothing"
+    );
+    assert!(cache.reserve(9).unwrap());
+    moved(&cache);
+    // Reads leave it alone.
+    let g = cache.generation();
+    let _ = (cache.layer(0), cache.buffers(1).unwrap(), cache.len());
+    assert_eq!(cache.generation(), g);
+}
+
+#[test]
 fn compact_keeps_prefix_and_moves_path() {
     let dtype = DType::F32;
     let mut cache = SessionCache::new(spec(32), dtype, &Device::Cpu).unwrap();

@@ -379,6 +379,8 @@ pub struct DecodeStepper {
     exact: Option<ExactStepper>,
     /// Chain growths ([`DecodeStepper::grow_chains`]), by shape and span.
     chains: Vec<ChainsReplay>,
+    /// The step that keeps its logits ([`DecodeStepper::step_logits`]), made at first use.
+    logits_step: Option<(StaticStep, Replay)>,
 }
 
 impl std::fmt::Debug for DecodeStepper {
@@ -399,6 +401,7 @@ impl DecodeStepper {
             rows: Vec::new(),
             exact: None,
             chains: Vec::new(),
+            logits_step: None,
         })
     }
 
@@ -425,7 +428,8 @@ impl DecodeStepper {
     /// ([`Transformer::grow_chains`]; see [`ChainGrowth::start`] for `leads`, `base` and
     /// `forced`), replayed from a graph captured per shape, and returns the `(2·depth, rows)`
     /// f32 tokens and log-probabilities (the stepper's own buffer, overwritten by the next
-    /// growth of that shape).
+    /// growth of that shape), and the `(depth, rows, vocab)` logits of every level
+    /// ([`ChainGrowth::logits`], likewise the stepper's own).
     #[allow(clippy::too_many_arguments)]
     pub fn grow_chains(
         &mut self,
@@ -436,7 +440,7 @@ impl DecodeStepper {
         base: usize,
         depth: usize,
         forced: &[Option<u32>],
-    ) -> Result<Tensor, ModelError> {
+    ) -> Result<(Tensor, Tensor), ModelError> {
         check_capacity(self.bufs.capacity(), cache)?;
         let rows = roots.len();
         if !self.grow_chains_fit(model, rows) {
@@ -472,7 +476,7 @@ impl DecodeStepper {
         let ChainsReplay { bufs, replay } = &mut self.chains[at];
         bufs.start(roots, leads, base, forced)?;
         replay.run(model, || model.grow_chains(bufs, cache))?;
-        Ok(bufs.out.clone())
+        Ok((bufs.out.clone(), bufs.logits.clone()))
     }
 
     /// Feeds `tokens` (at least one) at cache slots `position..` of `cache` (the cache this
@@ -551,6 +555,37 @@ impl DecodeStepper {
     /// The step's buffers: `next` and `next_logprob` hold the last step's greedy token.
     pub fn buffers(&self) -> &StaticStep {
         &self.bufs
+    }
+
+    /// One step of `token` at cache slot `position` of `cache` (the cache this stepper is used
+    /// with) that also keeps the step's logits: their `(1, vocab)` buffer in the model's dtype
+    /// (the stepper's own, overwritten by the next such step). A graph of its own, captured and
+    /// replayed as [`DecodeStepper::step`]'s; the cache's length is left alone.
+    pub fn step_logits(
+        &mut self,
+        model: &Transformer,
+        cache: &SessionCache,
+        token: u32,
+        position: usize,
+    ) -> Result<Tensor, ModelError> {
+        let cap = self.bufs.capacity();
+        check_capacity(cap, cache)?;
+        let (bufs, replay) = match &mut self.logits_step {
+            Some(s) => s,
+            none => none.insert((
+                model.static_step_buffers_with_logits(cap)?,
+                Replay::default(),
+            )),
+        };
+        let dev = bufs.token.device();
+        bufs.token.slice_set(&Tensor::new(&[token], dev)?, 0, 0)?;
+        bufs.position
+            .slice_set(&Tensor::new(&[position as u32], dev)?, 0, 0)?;
+        let b = &*bufs;
+        replay.run(model, || model.static_step(b, cache))?;
+        b.logits
+            .clone()
+            .ok_or_else(|| ModelError::Input("a step without its logits buffer".into()))
     }
 
     /// Runs one step on `cache` (which must be the cache this stepper is used with): the first

@@ -1789,13 +1789,23 @@ fn grown_chains_replay_each_chain_decoded_alone_up_to_rounding() {
         } else {
             Vec::new()
         };
-        let out = stepper
+        let (out, logits) = stepper
             .grow_chains(&m, &cache, &roots, &leads, prompt.len(), depth, &forced)
             .unwrap();
         let got: Vec<Vec<f32>> = out.to_vec2().unwrap();
+        let logits = logits.to_dtype(DType::F32).unwrap();
         for l in 0..depth {
             for b in 0..roots.len() {
                 let tok = got[l][b] as u32;
+                // Each level's logits stay: the greedy token is their best.
+                let row: Vec<f32> = logits.i((l, b)).unwrap().to_vec1().unwrap();
+                if !(run == 3 && l == 1 && b == 1) {
+                    assert_eq!(
+                        tok,
+                        argmax(&row),
+                        "run {run}: logits of chain {b}, level {l}"
+                    );
+                }
                 if run == 3 && l == 1 && b == 1 {
                     assert_eq!(tok, 4321, "the forced token replaces the greedy one");
                     continue;
@@ -2411,4 +2421,30 @@ fn bits16_all(t: &Tensor) -> Vec<u16> {
         .into_iter()
         .map(|x| half::bf16::from_f32(x).to_bits())
         .collect()
+}
+
+#[test]
+fn moved_cache_entries_read_every_source_before_writing() {
+    let Some(dev) = gpu() else { return };
+    let (kv, cap, hd) = (2, 16, 64);
+    let bufs: Vec<Tensor> = (0..6)
+        .map(|_| randn(&dev, &[1, kv, cap, hd], 1.0))
+        .collect();
+    let before: Vec<Vec<f32>> = bufs.iter().map(host).collect();
+    // Slot 9 is a destination and a source; so is 3.
+    let moves = [(3, 9), (9, 10), (15, 3), (4, 0)];
+    let refs: Vec<&Tensor> = bufs.iter().collect();
+    fused::move_entries(&refs, &moves, KernelOptions::default().launch()).unwrap();
+    for (b, t) in bufs.iter().enumerate() {
+        let got = host(t);
+        for (e, &value) in got.iter().enumerate() {
+            let (head, slot, x) = (e / (cap * hd), (e / hd) % cap, e % hd);
+            let from = moves.iter().find(|m| m.1 == slot).map_or(slot, |m| m.0);
+            assert_eq!(
+                value,
+                before[b][(head * cap + from) * hd + x],
+                "buffer {b} {e}"
+            );
+        }
+    }
 }

@@ -40,13 +40,19 @@ impl Ema {
 /// new shape once eagerly, then captures its graphs on the next run, and replays from the third.
 const WARM_UP: u32 = 2;
 
+/// Samples a row count's pass time needs before its mean alone prices it: until then it is
+/// valued at no more than the optimistic estimate of a shape not measured yet, so that a few
+/// slow early runs (a new shape's first replays, a neighbour's graphs captured meanwhile) do
+/// not price it out for good (a shape not chosen is not measured again).
+const TRIAL: u32 = 16;
+
 /// A pre-draft's time per pass at one row count: a running mean whose first [`WARM_UP`]
 /// samples are provisional. The first pre-drafts of a shape warm up and capture its CUDA graphs;
 /// priced by those stalls, the shape would never be tried again, so until a replayed run has
-/// been measured the estimate is the least sample seen, valued at no more than the optimistic
-/// estimate of a shape not measured yet. Later samples count at most twice the mean (a one-off
-/// stall), so that no single one moves it far. Each row count has its own (each is a shape of
-/// its own graphs).
+/// been measured the estimate is the least sample seen. Later samples count at most twice the
+/// mean (a one-off stall), so that no single one moves it far. Until [`TRIAL`] samples the
+/// estimate is valued at no more than the optimistic one. Each row count has its own (each is a
+/// shape of its own graphs).
 #[derive(Debug, Clone, Copy, Default)]
 struct PassTime {
     mean: Ema,
@@ -63,9 +69,9 @@ impl PassTime {
         self.samples = self.samples.saturating_add(1);
     }
 
-    /// Whether a replayed run has been measured.
-    fn settled(&self) -> bool {
-        self.samples > WARM_UP
+    /// Whether enough runs have been measured for the mean alone to price the shape.
+    fn tried(&self) -> bool {
+        self.samples >= TRIAL
     }
 }
 
@@ -303,8 +309,8 @@ impl PreDraftPlanner {
     /// Estimated wall time of a pre-draft after a depth-`d` path with `m` candidates and trees
     /// of `d` levels: the measured time per pass of its row count; not measured yet, the least
     /// of an ordinary draft's time per level and the measured times of fewer rows (optimistic,
-    /// so that it gets tried and measured); measured only while warming up, no more than that
-    /// (see [`PassTime`]).
+    /// so that it gets tried and measured); measured fewer than [`TRIAL`] times, no more than
+    /// that (see [`PassTime`]).
     fn predraft_ms(&self, d: usize, m: usize) -> f64 {
         let rows = (d + 1) * m;
         let optimistic = || {
@@ -314,7 +320,7 @@ impl PreDraftPlanner {
                 .chain(self.draft_ms_per_level.0)
                 .fold(f64::INFINITY, f64::min)
         };
-        let per_pass = match self.pass_ms.get(&rows).map(|e| (e.mean.0, e.settled())) {
+        let per_pass = match self.pass_ms.get(&rows).map(|e| (e.mean.0, e.tried())) {
             Some((Some(ms), true)) => ms,
             Some((Some(ms), false)) => ms.min(optimistic()),
             _ => optimistic(),
@@ -479,13 +485,13 @@ mod tests {
     fn unmeasured_row_counts_are_estimated_optimistically() {
         // An ordinary draft: 1 ms a level.
         let mut p = measured(&[(4, 4)], 1.0, 5.0);
-        for _ in 0..=WARM_UP {
+        for _ in 0..TRIAL {
             p.observe_predraft(1, 1, 1, 4.0); // 2 rows, 2 passes: 2 ms a pass
         }
         assert!((p.predraft_ms(1, 1) - 2.0 * 2.0).abs() < 1e-9, "measured");
         // 10 rows not measured: the least of 2 ms (2 rows) and 1 ms (a draft level).
         assert!((p.predraft_ms(4, 2) - 1.0 * 5.0).abs() < 1e-9);
-        for _ in 0..=WARM_UP {
+        for _ in 0..TRIAL {
             p.observe_predraft(4, 2, 4, 20.0); // 10 rows, 5 passes: 4 ms a pass
         }
         assert!((p.predraft_ms(4, 2) - 4.0 * 5.0).abs() < 1e-9, "measured");
@@ -525,9 +531,13 @@ mod tests {
             let s = p.choose(4..=4, None);
             assert!(!s.bet && s.candidates >= 2, "{s:?}");
         }
-        // The first replay took 6.5 ms: it replaces the stalls.
-        p.observe_predraft(4, 2, 4, 6.5);
-        assert!((p.predraft_ms(4, 2) - 6.5).abs() < 1e-9);
+        // Its replays take 6.5 ms: the first replaces the stalls; until TRIAL runs the shape
+        // is valued at no more than the optimistic estimate, then at its mean.
+        for run in 3..=TRIAL {
+            p.observe_predraft(4, 2, 4, 6.5);
+            let want = if run < TRIAL { 0.8 * 5.0 } else { 6.5 };
+            assert!((p.predraft_ms(4, 2) - want).abs() < 1e-9, "run {run}");
+        }
         // Three candidates (15 rows, a shape of its own) stall at their first pre-drafts too:
         // valued as untried, and two candidates' estimate stays.
         p.observe_predraft(4, 3, 4, 40.0);
@@ -547,6 +557,46 @@ mod tests {
         }
         let s = p.choose(4..=4, None);
         assert!(s.bet && s.candidates == 0, "{s:?}");
+    }
+
+    #[test]
+    fn a_shape_priced_high_by_its_first_runs_is_tried_until_its_mean_is_measured() {
+        // Two H200s, 7B/0.5B shapes (2026-11-29): a draft 0.8 ms a level, a verify 4.85 ms
+        // beside a pre-draft; a pass of 10 rows (two candidates) 1.016 ms over thousands of
+        // runs, of 15 rows (three) 1.04 ms, but its first 13 runs came to 1.336 (stalls while
+        // its graphs were made), of 20 rows (four) 1.24 ms. Three candidates hold the outcome
+        // more often than two.
+        let rounds = [(4, 4), (4, 3), (4, 4), (4, 2), (4, 4), (4, 4)];
+        let mut p = measured(&rounds, 0.8, 4.85);
+        p.observe_verify(4, 4, 4.85, true);
+        for i in 0..100 {
+            p.observe_outcome(2, false, i % 10 != 0);
+            p.observe_outcome(2, true, i % 10 != 0);
+            p.observe_outcome(3, false, true);
+            p.observe_outcome(3, true, true);
+            p.observe_predraft(4, 2, 4, 1.016 * 5.0);
+            p.observe_outcome(4, false, true);
+            p.observe_outcome(4, true, true);
+            p.observe_predraft(4, 4, 4, 1.24 * 5.0);
+        }
+        for ms in [
+            3.0, 2.5, 1.6, 1.4, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3,
+        ] {
+            p.observe_predraft(4, 3, 4, ms * 5.0);
+        }
+        // Thirteen runs are not enough to price three candidates out: they are tried again.
+        assert_eq!(p.choose(4..=4, None).candidates, 3);
+        // Measured at their real cost (the running mean forgets the stalls) they stay chosen.
+        for _ in 0..40 {
+            p.observe_predraft(4, 3, 4, 1.04 * 5.0);
+        }
+        assert!(p.pass_ms[&15].tried());
+        assert_eq!(p.choose(4..=4, None).candidates, 3);
+        // Had they really cost 1.336 ms a pass, two candidates would win.
+        for _ in 0..60 {
+            p.observe_predraft(4, 3, 4, 1.336 * 5.0);
+        }
+        assert_eq!(p.choose(4..=4, None).candidates, 2);
     }
 
     #[test]

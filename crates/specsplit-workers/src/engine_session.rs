@@ -85,6 +85,9 @@ pub struct EngineSession<St> {
     /// The session's share of the store's memory budget: at least the cache's bytes once a
     /// round reserved room (a spare body's cache may be larger until then).
     pub(crate) charge: KvCharge,
+    /// What a draft session's last pre-draft grew past the sequence, for the next pre-draft
+    /// to keep ([`crate::predraft`]); always `None` on a target.
+    pub(crate) grown: Option<crate::predraft::GrownBranches>,
     /// Where the cache and stepper go when the session ends (dropped there when it is full).
     spares: Arc<Spares<SessionBody<St>>>,
 }
@@ -106,6 +109,7 @@ impl<St> EngineSession<St> {
             rng: seeded_rng(seed),
             stepper: body.stepper,
             charge,
+            grown: None,
             spares: spares.clone(),
         })
     }

@@ -9,11 +9,17 @@
 //! whole path its best bonus tokens. Every candidate starts a branch over the cached prefix and
 //! the path's first j tokens; one pass per level then grows all branches' trees together. The
 //! cache keeps the committed sequence and the path afterwards; every branch is freed.
+//!
+//! Where the branches grew from one replayed graph, their rows stay past the sequence
+//! ([`GrownBranches`]): when the verdict selects one of them, the next pre-draft's first pass
+//! moves that branch's cached rows and their logits into place and computes only the path's
+//! last token, the one row the growth did not feed.
 
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use specsplit_core::tree::{full_tree_size, TokenTree};
+use specsplit_models::fused::MOVE_MAX;
 
 use crate::draft::{
     stepper_over, top_w_on_device, DraftEngine, DraftParams, DraftSession, DraftStats, Forest, Grow,
@@ -60,6 +66,55 @@ pub struct PreDrafted {
     pub token: u32,
     /// The tree after committed sequence + accepted path tokens + `token`.
     pub tree: TokenTree,
+}
+
+/// What a pre-draft's replayed growth left past the sequence in the session's cache: branch
+/// `b`'s node at level `l` (its candidate at level 0, then the chain's tokens) sits at slot
+/// `base + l·n + b` of `n` branches, and row `b` of level `l`'s logits is the draft's
+/// distribution after it. Valid while the cache's [`SessionCache::generation`] is the one
+/// recorded: no pass has written the cache since.
+///
+/// [`SessionCache::generation`]: specsplit_core::cache::SessionCache::generation
+#[derive(Debug)]
+pub struct GrownBranches {
+    /// The cache's generation when the pre-draft ended.
+    generation: u64,
+    /// The slot of the first level's first node.
+    base: usize,
+    /// Per branch: its root's position (the tokens it sees before it), its root, and the
+    /// tokens its later levels fed (its chain's first `depth - 1`).
+    branches: Vec<(usize, u32, Vec<u32>)>,
+    /// `(depth, branches, vocab)`: each level's logits.
+    logits: Tensor,
+}
+
+impl GrownBranches {
+    /// The branch rooted at position `keep` whose nodes continue `tokens` there, and how many
+    /// of its nodes do (at most [`MOVE_MAX`], leaving at least the last token to compute).
+    fn kept(&self, tokens: &[u32], keep: usize) -> Option<(usize, usize)> {
+        let room = tokens.len().checked_sub(keep + 1)?.min(MOVE_MAX);
+        self.branches
+            .iter()
+            .position(|(lead, root, _)| *lead == keep && tokens.get(keep) == Some(root))
+            .map(|b| {
+                let fed = &self.branches[b].2;
+                let later = fed
+                    .iter()
+                    .zip(&tokens[keep + 1..])
+                    .take_while(|(f, t)| f == t)
+                    .count();
+                (b, (1 + later).min(room))
+            })
+            .filter(|&(_, rows)| rows > 0)
+    }
+
+    /// The cache moves that bring branch `b`'s first `rows` nodes to slots `keep..`.
+    fn moves(&self, b: usize, rows: usize, keep: usize) -> Vec<(usize, usize)> {
+        let n = self.branches.len();
+        (0..rows)
+            .map(|l| (self.base + l * n + b, keep + l))
+            .collect()
+    }
 }
 
 impl DraftEngine {
@@ -119,6 +174,7 @@ impl DraftEngine {
             s.cache.truncate(0)?;
             s.tokens.clear();
             s.last_logits = None;
+            s.grown = None;
         }
         result
     }
@@ -141,14 +197,26 @@ impl DraftEngine {
         let t0 = Instant::now();
         let keep = common_prefix(&s.tokens, tokens).min(committed - 1);
         stats.cache_hit = keep > 0;
+        // The previous pre-draft's rows of the branch this sequence continues, if nothing wrote
+        // the cache since.
+        let grown = s.grown.take();
+        let kept = grown
+            .as_ref()
+            .filter(|g| g.generation == s.cache.generation())
+            .and_then(|g| Some((g, g.kept(tokens, keep)?)));
         s.cache.truncate(keep)?;
         s.tokens.truncate(keep);
         s.last_logits = None;
-        let feed = &tokens[keep..];
         let first = committed - 1 - keep;
-        let at_lengths = self.causal_rows(s, feed, keep, first)?;
-        stats.tokens_processed += feed.len();
-        s.tokens.extend_from_slice(feed);
+        let (at_lengths, reused) = match kept {
+            Some((g, (b, rows))) => {
+                let logits = self.resume_branch(s, tokens, keep, (g, b, rows), first)?;
+                (logits, rows)
+            }
+            None => (self.causal_rows(s, &tokens[keep..], keep, first)?, 0),
+        };
+        stats.tokens_processed += tokens.len() - keep - reused;
+        s.tokens.extend_from_slice(&tokens[keep + reused..]);
         let picks = top_w_on_device(&at_lengths, m + 1, self.fused_launch())?;
         let first_pass = t0.elapsed();
         stats.model_time += first_pass;
@@ -197,15 +265,20 @@ impl DraftEngine {
             self.grow_outcomes(s, tokens, committed, &outcomes, grown, p)?;
         }
         tracing::trace!(
-            rows = feed.len(),
+            rows = tokens.len() - keep - reused,
+            reused,
             branches = outcomes.len(),
             first_pass_ms = first_pass.as_secs_f64() * 1e3,
             choose_ms = choose.as_secs_f64() * 1e3,
             growth_ms = t_grow.elapsed().as_secs_f64() * 1e3,
             "pre-draft phases"
         );
-        // Keep the committed sequence and the path; free every branch.
+        // Keep the committed sequence and the path; free every branch (a replayed growth's
+        // rows stay for the next pre-draft until anything else writes the cache).
         s.cache.truncate(tokens.len())?;
+        if let Some(g) = &mut s.grown {
+            g.generation = s.cache.generation();
+        }
         s.last_logits = Some(at_lengths.get(path.len())?);
         let out = outcomes
             .into_iter()
@@ -319,6 +392,43 @@ impl DraftEngine {
         Ok(model.forward(&ids, &pos, None, &mut s.cache, &rows)?)
     }
 
+    /// Pass 0 from branch `b` of `g`: moves its first `rows` nodes to slots `keep..` (they
+    /// are `tokens[keep..keep + rows]`), computes the rest of `tokens` after them (one step
+    /// that keeps its logits for the usual single token, else [`DraftEngine::causal_rows`]),
+    /// and returns the logits after each token from `keep + first` on: the kept nodes' from
+    /// the growth. The caller extends the session's tokens past the kept ones.
+    fn resume_branch(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        keep: usize,
+        (g, b, rows): (&GrownBranches, usize, usize),
+        first: usize,
+    ) -> Result<Tensor, EngineError> {
+        let model = self.model();
+        model.move_cache_entries(&s.cache, &g.moves(b, rows, keep))?;
+        s.cache.advance(rows)?;
+        s.tokens.extend_from_slice(&tokens[keep..keep + rows]);
+        let kept = g
+            .logits
+            .narrow(0, 0, rows)?
+            .narrow(1, b, 1)?
+            .squeeze(1)?
+            .to_dtype(DType::F32)?;
+        let feed = &tokens[keep + rows..];
+        let computed = if let [token] = feed {
+            let cap = s.cache.capacity();
+            let stepper = stepper_over(&mut s.stepper, model, cap)?;
+            let logits = stepper.step_logits(model, &s.cache, *token, keep + rows)?;
+            s.cache.advance(1)?;
+            logits.to_dtype(DType::F32)?
+        } else {
+            self.causal_rows(s, feed, keep + rows, 0)?
+        };
+        let all = Tensor::cat(&[kept, computed], 0)?;
+        Ok(all.narrow(0, first, all.dim(0)? - first)?)
+    }
+
     /// Whether `n` greedy chains of `depth` tokens grow from one replayed graph
     /// ([`specsplit_models::step::DecodeStepper::grow_chains`]) after a sequence of `len` tokens.
     fn chains_replayable(&self, s: &DraftSession, len: usize, n: usize, depth: usize) -> bool {
@@ -363,7 +473,7 @@ impl DraftEngine {
         let model = self.model();
         let cap = s.cache.capacity();
         let stepper = stepper_over(&mut s.stepper, model, cap)?;
-        let out = stepper.grow_chains(
+        let (out, logits) = stepper.grow_chains(
             model,
             &s.cache,
             &roots,
@@ -374,6 +484,19 @@ impl DraftEngine {
         )?;
         // Rows: each level's tokens, then their log-probabilities; one copy for all.
         let packed: Vec<Vec<f32>> = out.to_vec2()?;
+        s.grown = Some(GrownBranches {
+            generation: s.cache.generation(),
+            base: tokens.len(),
+            branches: outcomes
+                .iter()
+                .enumerate()
+                .map(|(o, &(j, t, _))| {
+                    let fed = (0..depth - 1).map(|l| packed[l][o] as u32).collect();
+                    (committed + j, t, fed)
+                })
+                .collect(),
+            logits,
+        });
         for (o, &(_, root, _)) in outcomes.iter().enumerate() {
             if self.eos().contains(&root) {
                 continue;
@@ -588,6 +711,54 @@ mod tests {
     use super::*;
     use crate::draft::SyntheticOracle;
     use crate::engine_session::SessionEngine;
+
+    #[test]
+    fn a_grown_branch_is_kept_where_the_sequence_continues_it() {
+        // Three branches of a growth of depth 4 from slot 10: one rooted after 8 tokens (a
+        // rejection outcome), two after all 10 (the bonus outcomes).
+        let g = GrownBranches {
+            generation: 0,
+            base: 10,
+            branches: vec![
+                (8, 50, vec![51, 52, 53]),
+                (10, 60, vec![61, 62, 63]),
+                (10, 70, vec![71, 72, 73]),
+            ],
+            logits: Tensor::zeros((4, 3, 2), DType::F32, &Device::Cpu).unwrap(),
+        };
+        let seq = |lead: u32, tail: &[u32]| {
+            let mut t: Vec<u32> = (0..lead).collect();
+            t.extend(tail);
+            t
+        };
+        // The third branch's whole chain and the token after it: its four nodes are kept.
+        assert_eq!(g.kept(&seq(10, &[70, 71, 72, 73, 74]), 10), Some((2, 4)));
+        assert_eq!(
+            g.moves(2, 4, 10),
+            vec![(12, 10), (15, 11), (18, 12), (21, 13)]
+        );
+        // A path that leaves the branch after its second node keeps two.
+        assert_eq!(g.kept(&seq(10, &[60, 61, 99, 63]), 10), Some((1, 2)));
+        // The last token is always computed, so a sequence ending at the root keeps nothing.
+        assert_eq!(g.kept(&seq(10, &[60, 61]), 10), Some((1, 1)));
+        assert_eq!(g.kept(&seq(10, &[60]), 10), None);
+        // A root no branch has, or a branch rooted elsewhere, keeps nothing.
+        assert_eq!(g.kept(&seq(10, &[61, 62]), 10), None);
+        assert_eq!(g.kept(&seq(8, &[50, 51, 52, 53, 54]), 8), Some((0, 4)));
+        assert_eq!(g.kept(&seq(8, &[50, 51, 52, 53, 54]), 7), None);
+        assert_eq!(g.moves(0, 4, 8), vec![(10, 8), (13, 9), (16, 10), (19, 11)]);
+    }
+
+    #[test]
+    fn no_rows_are_kept_off_the_replayed_growth() {
+        // On the CPU the branches grow op by op: nothing stays for the next pre-draft.
+        let e = engine(true);
+        let mut s = e.new_session(1).unwrap();
+        let tokens: Vec<u32> = (1..12).collect();
+        e.predraft(&mut s, &tokens, &all(8, 2), &params(&[1, 1]))
+            .unwrap();
+        assert!(s.grown.is_none());
+    }
 
     fn engine(static_chains: bool) -> DraftEngine {
         let mut cfg = specsplit_models::config::ModelConfig::preset("tiny").unwrap();
@@ -808,6 +979,134 @@ mod tests {
             pre[0].tree.tokens(),
             &[100, 101],
             "its tree follows the reference"
+        );
+    }
+}
+
+/// On a GPU: a pre-draft that keeps the rows its predecessor grew for the selected branch
+/// leaves the cache and drafts as one that computes the whole sequence. Needs the `cuda`
+/// feature and a GPU; without a GPU the test says so and returns.
+#[cfg(all(test, feature = "cuda"))]
+mod gpu_tests {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device, Tensor};
+    use specsplit_core::sampling::SamplingParams;
+    use specsplit_models::config::ModelConfig;
+    use specsplit_models::transformer::Transformer;
+
+    use super::{OutcomeSet, PreDrafted};
+    use crate::draft::{DraftEngine, DraftParams, DraftSession};
+    use crate::engine_session::SessionEngine;
+
+    fn host(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
+    fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let (a, b) = (host(a), host(b));
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+        a.iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    }
+
+    fn keyed(p: &[PreDrafted]) -> Vec<(usize, u32, Vec<u32>)> {
+        p.iter()
+            .map(|o| {
+                let toks = o.tree.tokens().to_vec();
+                (o.accepted, o.token, toks)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_pre_draft_keeping_its_branch_drafts_as_one_that_computes_it() {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("no GPU, skipping: {e}");
+                return;
+            }
+        };
+        let mut cfg = ModelConfig::preset("qwen2.5-0.5b").unwrap();
+        cfg.num_hidden_layers = 3;
+        cfg.vocab_size = 8192;
+        cfg.max_position_embeddings = 2048;
+        let model = Arc::new(Transformer::random(cfg, 7, DType::BF16, &dev).unwrap());
+        let e = DraftEngine::new(model, vec![], 1024);
+        let p = DraftParams {
+            widths: vec![1; 4],
+            sampling: SamplingParams::default(),
+            deadline: None,
+        };
+        let set = |committed| OutcomeSet {
+            committed,
+            candidates: 2,
+            accepted_lengths: Vec::new(),
+        };
+        let mut tokens: Vec<u32> = (0..12).map(|i| (i * 89 + 3) % 8192).collect();
+        let committed = tokens.len();
+        tokens.extend([17, 4000, 123, 77]);
+        let (mut same, mut outcomes) = (0, 0);
+        // The bonus outcomes and two rejections; each selected on a session of its own.
+        for pick in [0usize, 1, 2, 3, 8, 9] {
+            let mut kept: DraftSession = e.new_session(1).unwrap();
+            // Three rounds first, so that the growth's graph is captured and replayed.
+            let mut first = Vec::new();
+            for _ in 0..3 {
+                first = e
+                    .predraft(&mut kept, &tokens, &set(committed), &p)
+                    .unwrap()
+                    .0;
+            }
+            assert!(kept.grown.is_some());
+            let o = &first[first.len() - 1 - pick.min(first.len() - 1)];
+            let mut next = tokens[..committed + o.accepted].to_vec();
+            next.push(o.token);
+            let chain = o.tree.tokens().to_vec();
+            assert_eq!(chain.len(), 4);
+            next.extend(&chain);
+            let c = committed + o.accepted + 1;
+            let (with, stats) = e.predraft(&mut kept, &next, &set(c), &p).unwrap();
+            assert_eq!(
+                stats.tokens_processed,
+                1 + with.len() * 4,
+                "one row computed"
+            );
+            let mut fresh: DraftSession = e.new_session(1).unwrap();
+            let (without, stats) = e.predraft(&mut fresh, &next, &set(c), &p).unwrap();
+            assert_eq!(stats.tokens_processed, next.len() + without.len() * 4);
+            // The same cache (bf16 rounding of two kernel paths apart) and the same logits after
+            // the path.
+            assert_eq!(kept.cache.len(), fresh.cache.len());
+            for l in 0..3 {
+                let (a, b) = (kept.cache.layer(l), fresh.cache.layer(l));
+                assert!(
+                    rel_diff(&a.0, &b.0) < 0.05 && rel_diff(&a.1, &b.1) < 0.05,
+                    "layer {l}"
+                );
+            }
+            let (a, b) = (kept.last_logits.as_ref(), fresh.last_logits.as_ref());
+            let d = rel_diff(a.unwrap(), b.unwrap());
+            assert!(d < 0.05, "logits after the path differ by {d}");
+            let (with, without) = (keyed(&with), keyed(&without));
+            outcomes += without.len();
+            same += with.iter().filter(|o| without.contains(o)).count();
+        }
+        // A near-tie may break the other way between the two kernel paths; a kept row in the
+        // wrong place would change nearly every outcome.
+        assert!(
+            same * 10 >= outcomes * 8,
+            "{same} of {outcomes} outcomes the same"
         );
     }
 }

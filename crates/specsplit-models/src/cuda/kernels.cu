@@ -6,6 +6,8 @@
 // Nothing here synchronises with the host: positions are read from device memory, so a step
 // built from these kernels can be captured into a CUDA graph and replayed.
 //
+// cache.cu moves cache entries (a pre-draft keeping its selected branch's rows).
+//
 // draft_attention.cu holds the one-kernel attention of a draft's passes (which need no batch
 // invariance). rows_attention.cu and bi_matmul.cu hold the batch-invariant kernels (rows attention,
 // tensor-core matmul) that every dense bf16 pass of up to 64 rows runs: each computes a row's result in an order that
@@ -23,3 +25,4 @@
 #include "draft_attention.cu"
 #include "bi_matmul.cu"
 #include "elementwise.cu"
+#include "cache.cu"

@@ -691,6 +691,34 @@ pub(super) fn addresses(ts: &[&Tensor]) -> Result<Vec<u64>> {
     ts.iter().map(|t| ptr(t)).collect()
 }
 
+/// [`super::move_entries`] of `moves` entries in `buffers` `(1, kv, capacity, head_dim)` bf16
+/// buffers, whose addresses and moves `table` holds (checked by the caller).
+pub(super) fn move_entries(
+    table: &Tensor,
+    (buffers, moves, kv, capacity, head_dim): (usize, usize, usize, usize, usize),
+    l: super::Launch,
+) -> Result<()> {
+    let lanes = buffers * kv * head_dim / 2;
+    let args = [
+        P(ptr(table)?),
+        I(buffers as i32),
+        P(ptr(table)? + (8 * buffers) as u64),
+        I(moves as i32),
+        I(kv as i32),
+        I(capacity as i32),
+        I(head_dim as i32),
+    ];
+    let grid = lanes.div_ceil(256) as u32;
+    launch(
+        l.pdl,
+        cuda(table)?,
+        "specsplit_move_entries_bf16",
+        grid,
+        256,
+        &args,
+    )
+}
+
 /// Checks `table` against `shape` and `layer`.
 fn check_table(table: &super::SessionTable, layer: usize, s: AttnShape) -> Result<()> {
     check(

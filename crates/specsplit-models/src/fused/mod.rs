@@ -25,12 +25,14 @@
 //! kernels are launched.
 //!
 //! The wrappers, by kernel family: `gemv`, `bi_matmul`, `norm`, `rope`, `attention` and
-//! `elementwise` check their operands (`sessions` those of a multi-session pass); `launch` holds the launch-shape rules, `scratch` the
+//! `elementwise` check their operands (`sessions` those of a multi-session pass, `cache` the
+//! moves of cache entries); `launch` holds the launch-shape rules, `scratch` the
 //! graph-capture output carving, and `cuda` (`off` without the feature) loads the PTX and
 //! launches.
 
 mod attention;
 mod bi_matmul;
+mod cache;
 mod elementwise;
 mod gemv;
 #[cfg(feature = "cuda")]
@@ -51,6 +53,7 @@ pub use attention::{
     decode_attention, draft_attention, rows_attention, AttnShape, PassKeys, RA_MAX_REP,
 };
 pub use bi_matmul::{bi_matmul, bi_matmul_fits, cublas_product, BI_MAX_ROWS, WIDE_MAX_ROWS};
+pub use cache::{move_entries, MOVE_MAX};
 pub use elementwise::{argmax_rows, greedy_head, greedy_rows, silu_mul, top_rows};
 pub use gemv::{gemv, gemv_fits, gemv_rows, gemv_rows_fits, GEMV_MAX_ROWS};
 pub use launch::{

@@ -115,6 +115,13 @@ pub(super) fn greedy_head(
 pub(super) fn addresses(_: &[&Tensor]) -> Result<Vec<u64>> {
     Err(off())
 }
+pub(super) fn move_entries(
+    _: &Tensor,
+    _: (usize, usize, usize, usize, usize),
+    _: super::Launch,
+) -> Result<()> {
+    Err(off())
+}
 #[allow(clippy::too_many_arguments)]
 pub(super) fn qkv_rope_sessions(
     _: &Tensor,

@@ -78,6 +78,9 @@ pub struct ChainGrowth {
     /// `(2 depth, rows)` f32: level `l`'s greedy tokens in row `l` (exact in f32: ids are below
     /// 2^24), their log-probabilities in row `depth + l`.
     pub out: Tensor,
+    /// `(depth, rows, vocab)` in the model's dtype: each level's logits, row `b` of level `l`
+    /// the distribution after chain `b`'s node at that level.
+    pub logits: Tensor,
     rows: usize,
     depth: usize,
     capacity: usize,
@@ -179,6 +182,7 @@ impl ChainGrowth {
             forced: self.forced.clone(),
             forced_on: self.forced_on.clone(),
             out: self.out.clone(),
+            logits: self.logits.clone(),
             rows: self.rows,
             depth: self.depth,
             capacity: self.capacity,
@@ -238,6 +242,7 @@ impl Transformer {
             forced_on,
             io,
             out: Tensor::zeros((2 * d, n), DType::F32, &self.device)?,
+            logits: Tensor::zeros((d, n, self.config.vocab_size), self.dtype, &self.device)?,
             rows: n,
             depth: d,
             capacity,
@@ -252,7 +257,8 @@ impl Transformer {
     /// head for all its rows (`greedy_level`), with every input read on the device, so a
     /// captured CUDA graph serves every round: writes each node's K/V
     /// at its slot (past the cache's length, which is left alone) and the chains' tokens and
-    /// log-probabilities to `b.out`. Fails unless [`Transformer::grow_chains_fit`] holds.
+    /// log-probabilities to `b.out`, and each level's logits to `b.logits`. Fails unless
+    /// [`Transformer::grow_chains_fit`] holds.
     pub fn grow_chains(&self, b: &ChainGrowth, cache: &SessionCache) -> Result<(), ModelError> {
         let layers = self.exact_rows_layers("chain growth", b.capacity, b.rows, cache)?;
         let launch = self.kernels.launch();
@@ -268,10 +274,29 @@ impl Transformer {
                 &layers, &product, &ids, &positions, slots, keys, cache, draft,
             )?;
             let logits = product(&h, head, None)?;
+            b.logits.slice_set(&logits.unsqueeze(0)?, 0, level)?;
             let head_io = (&b.forced, &b.forced_on, &b.out);
             ids = greedy_level(&logits, head_io, b.depth, level, launch)?;
         }
         Ok(())
+    }
+
+    /// Moves entry `from` to entry `to` of every layer's K and V in `cache`, for each
+    /// `(from, to)` of `moves` (at most [`fused::MOVE_MAX`], destinations distinct, sources read
+    /// before any destination is written): a pre-draft keeping the rows its growth computed
+    /// for the branch a verdict selected. One launch on CUDA in bf16. The cache's length is
+    /// left alone.
+    pub fn move_cache_entries(
+        &self,
+        cache: &SessionCache,
+        moves: &[(usize, usize)],
+    ) -> Result<(), ModelError> {
+        let mut buffers = Vec::with_capacity(2 * self.layers.len());
+        for layer in 0..self.layers.len() {
+            let (k, v) = cache.buffers(layer)?;
+            buffers.extend([k, v]);
+        }
+        Ok(fused::move_entries(&buffers, moves, self.kernels.launch())?)
     }
 }
 
@@ -334,5 +359,59 @@ mod tests {
         let cache = m.new_cache(32).unwrap();
         assert!(!m.grow_chains_fit(32, 2));
         assert!(m.grow_chains(&b, &cache).is_err());
+    }
+
+    #[test]
+    fn moved_entries_read_every_source_before_writing() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let m = Transformer::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let cache = m.new_cache(8).unwrap();
+        let layers = m.config().num_hidden_layers;
+        // Every entry of every buffer distinct: 1000·buffer + 10·slot + element.
+        for l in 0..layers {
+            let (k, v) = cache.buffers(l).unwrap();
+            for (i, t) in [k, v].into_iter().enumerate() {
+                let (_, kv, cap, hd) = t.dims4().unwrap();
+                let vals: Vec<f32> = (0..kv * cap * hd)
+                    .map(|e| (1000 * (2 * l + i) + 10 * ((e / hd) % cap) + e % hd) as f32)
+                    .collect();
+                let src = Tensor::from_vec(vals, t.shape(), &Device::Cpu).unwrap();
+                t.slice_set(&src, 0, 0).unwrap();
+            }
+        }
+        let before: Vec<Vec<f32>> = (0..layers)
+            .flat_map(|l| {
+                let (k, v) = cache.buffers(l).unwrap();
+                [k, v].map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            })
+            .collect();
+        // Slot 2 is a destination and a source; so is slot 5.
+        let moves = [(5, 2), (2, 3), (7, 5)];
+        m.move_cache_entries(&cache, &moves).unwrap();
+        for l in 0..layers {
+            let (k, v) = cache.buffers(l).unwrap();
+            for (i, t) in [k, v].into_iter().enumerate() {
+                let (_, kv, cap, hd) = t.dims4().unwrap();
+                let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let old = &before[2 * l + i];
+                assert_eq!(got.len(), kv * cap * hd);
+                for (e, &value) in got.iter().enumerate() {
+                    let (head, slot, x) = (e / (cap * hd), (e / hd) % cap, e % hd);
+                    let from = moves.iter().find(|mv| mv.1 == slot).map_or(slot, |mv| mv.0);
+                    assert_eq!(
+                        value,
+                        old[(head * cap + from) * hd + x],
+                        "buffer {} {e}",
+                        2 * l + i
+                    );
+                }
+            }
+        }
+        // Repeated destinations, slots past the capacity and too many moves are refused.
+        assert!(m.move_cache_entries(&cache, &[(1, 2), (3, 2)]).is_err());
+        assert!(m.move_cache_entries(&cache, &[(8, 2)]).is_err());
+        let many: Vec<(usize, usize)> = (0..fused::MOVE_MAX + 1).map(|i| (0, i)).collect();
+        let cache = m.new_cache(16).unwrap();
+        assert!(m.move_cache_entries(&cache, &many).is_err());
     }
 }

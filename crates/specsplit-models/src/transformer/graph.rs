@@ -20,6 +20,9 @@ pub struct StaticStep {
     pub next: Tensor,
     /// `(1,)` f32: the next token's log-probability, written by the step.
     pub next_logprob: Tensor,
+    /// `(1, vocab)` in the model's dtype, where the buffers were made with them
+    /// ([`Transformer::static_step_buffers_with_logits`]): the step's logits.
+    pub logits: Option<Tensor>,
     slots: Tensor,
     visible: Tensor,
     hidden: Tensor,
@@ -126,6 +129,19 @@ impl Transformer {
 
     /// Device buffers for [`Transformer::static_step`] over caches of `capacity` entries.
     pub fn static_step_buffers(&self, capacity: usize) -> Result<StaticStep, ModelError> {
+        self.step_buffers(capacity, false)
+    }
+
+    /// [`Transformer::static_step_buffers`] with a buffer the step copies its logits to
+    /// ([`StaticStep::logits`]).
+    pub fn static_step_buffers_with_logits(
+        &self,
+        capacity: usize,
+    ) -> Result<StaticStep, ModelError> {
+        self.step_buffers(capacity, true)
+    }
+
+    fn step_buffers(&self, capacity: usize, logits: bool) -> Result<StaticStep, ModelError> {
         specsplit_core::device::bind_to_thread(&self.device)?;
         let dev = &self.device;
         let slots: Vec<u32> = (0..capacity as u32).collect();
@@ -134,6 +150,9 @@ impl Transformer {
             position: Tensor::zeros(1, DType::U32, dev)?,
             next: Tensor::zeros(1, DType::U32, dev)?,
             next_logprob: Tensor::zeros(1, DType::F32, dev)?,
+            logits: logits
+                .then(|| Tensor::zeros((1, self.config.vocab_size), self.dtype, dev))
+                .transpose()?,
             slots: Tensor::new(slots.as_slice(), dev)?,
             visible: Tensor::zeros(capacity, self.dtype, dev)?,
             hidden: Tensor::full(f32::NEG_INFINITY, capacity, dev)?
@@ -206,10 +225,11 @@ impl Transformer {
             x = (&x + layer.mlp(&x, eps, &self.kernels)?)?;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        let logits = self
-            .lm_head
-            .forward(&x, &self.kernels)?
-            .to_dtype(DType::F32)?;
+        let logits = self.lm_head.forward(&x, &self.kernels)?;
+        if let Some(out) = &b.logits {
+            out.slice_set(&logits.to_dtype(self.dtype)?, 0, 0)?;
+        }
+        let logits = logits.to_dtype(DType::F32)?;
         let next = logits.argmax_keepdim(1)?.reshape(1)?;
         let lp = (logits.max_keepdim(1)? - logits.log_sum_exp(1)?.unsqueeze(1)?)?.reshape(1)?;
         b.next.slice_set(&next, 0, 0)?;
@@ -374,6 +394,9 @@ impl Transformer {
         let (h, head) = self.step_stack(layers, &b.token, &b.position, b.capacity, cache)?;
         let launch = self.kernels.launch();
         let logits = fused::gemv(&h, head, None, launch)?;
+        if let Some(out) = &b.logits {
+            out.slice_set(&logits, 0, 0)?;
+        }
         fused::greedy_head(
             &logits,
             &b.next,
