@@ -79,7 +79,8 @@ pub struct ChainGrowth {
     /// 2^24), their log-probabilities in row `depth + l`.
     pub out: Tensor,
     /// `(depth, rows, vocab)` in the model's dtype: each level's logits, row `b` of level `l`
-    /// the distribution after chain `b`'s node at that level.
+    /// the distribution after chain `b`'s node at that level (17.4 MiB for 15 chains of 4 over
+    /// a 151,936-token vocabulary in bf16, held by each stepper that grows that shape).
     pub logits: Tensor,
     rows: usize,
     depth: usize,
