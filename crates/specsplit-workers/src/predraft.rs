@@ -999,17 +999,12 @@ mod gpu_tests {
     use crate::draft::{DraftEngine, DraftParams, DraftSession};
     use crate::engine_session::SessionEngine;
 
-    fn host(t: &Tensor) -> Vec<f32> {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-
     /// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
     fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let host = |t: &Tensor| -> Vec<f32> {
+            let t = t.to_dtype(DType::F32).and_then(|t| t.flatten_all());
+            t.and_then(|t| t.to_vec1()).unwrap()
+        };
         let (a, b) = (host(a), host(b));
         assert_eq!(a.len(), b.len());
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
