@@ -533,14 +533,7 @@ impl DecodeStepper {
 
     /// Sets the next step's input: `token` at cache slot `position` (one small upload each).
     pub fn start(&self, token: u32, position: usize) -> Result<(), ModelError> {
-        let dev = self.bufs.token.device();
-        self.bufs
-            .token
-            .slice_set(&Tensor::new(&[token], dev)?, 0, 0)?;
-        self.bufs
-            .position
-            .slice_set(&Tensor::new(&[position as u32], dev)?, 0, 0)?;
-        Ok(())
+        set_input(&self.bufs, token, position)
     }
 
     /// Replaces the next step's input token, keeping its position.
@@ -577,10 +570,7 @@ impl DecodeStepper {
                 Replay::default(),
             )),
         };
-        let dev = bufs.token.device();
-        bufs.token.slice_set(&Tensor::new(&[token], dev)?, 0, 0)?;
-        bufs.position
-            .slice_set(&Tensor::new(&[position as u32], dev)?, 0, 0)?;
+        set_input(bufs, token, position)?;
         let b = &*bufs;
         replay.run(model, || model.static_step(b, cache))?;
         b.logits
@@ -597,6 +587,15 @@ impl DecodeStepper {
         let bufs = &self.bufs;
         self.replay.run(model, || model.static_step(bufs, cache))
     }
+}
+
+/// Sets a static step's input: `token` at cache slot `position` (one small upload each).
+fn set_input(b: &StaticStep, token: u32, position: usize) -> Result<(), ModelError> {
+    let dev = b.token.device();
+    b.token.slice_set(&Tensor::new(&[token], dev)?, 0, 0)?;
+    b.position
+        .slice_set(&Tensor::new(&[position as u32], dev)?, 0, 0)?;
+    Ok(())
 }
 
 /// Batch-invariant decode steps over one session cache ([`Transformer::exact_rows`]: the logits

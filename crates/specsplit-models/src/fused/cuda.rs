@@ -699,10 +699,12 @@ pub(super) fn move_entries(
     l: super::Launch,
 ) -> Result<()> {
     let lanes = buffers * kv * head_dim / 2;
+    // The addresses (two words a buffer), then the moves.
+    let words = ptr(table)?;
     let args = [
-        P(ptr(table)?),
+        P(words),
         I(buffers as i32),
-        P(ptr(table)? + (8 * buffers) as u64),
+        P(words + (8 * buffers) as u64),
         I(moves as i32),
         I(kv as i32),
         I(capacity as i32),
