@@ -65,8 +65,11 @@ pub struct DraftStats {
 
 /// A synthetic proposer for benchmarks: the first child at every expansion is the target's
 /// own next token (looked up in reference continuations) with probability `beta`, and a wrong
-/// token otherwise, while the draft model's forward passes are still paid for. Its results
-/// measure the system's efficiency apart from draft quality and must be labelled synthetic.
+/// token otherwise, while the draft model's forward passes are still paid for. Where the first
+/// child is wrong, the target's token is the draft's `a`-th alternative with the measured
+/// chance (see [`SyntheticOracle::alternative_rank`]), so a tree's further children hold it as
+/// often as a real draft's would. Its results measure the system's efficiency apart from draft
+/// quality and must be labelled synthetic.
 ///
 /// Clones share one reference set, so a benchmark can add continuations it observed (the
 /// target's verification path may break a near-tie differently than its single-token decode).
@@ -120,6 +123,14 @@ impl SyntheticOracle {
                 .copied()
                 .unwrap_or(0.0),
         }
+    }
+
+    /// Where the draft's first choice is wrong, the rank among its alternatives (1: the
+    /// second likeliest token) at which the target's token lies, for a uniform draw `u` in
+    /// [0, 1): `a` with probability `coverage(a) - coverage(a - 1)`; `None` past the list's
+    /// last value (a rank too deep to matter, or none).
+    pub fn alternative_rank(&self, u: f64) -> Option<usize> {
+        self.coverage.iter().position(|&c| u < c).map(|i| i + 1)
     }
 
     /// The coverage list (see [`SyntheticOracle::with_coverage`]).
@@ -232,6 +243,43 @@ fn want_rows(next: &[Grow], first: usize) -> Vec<u32> {
     next.iter()
         .map(|g| (g.node.expect("a grown node") - first) as u32)
         .collect()
+}
+
+/// The synthetic proposer's alternatives where its first child `children[0]` is wrong: the
+/// target's token `right` goes to the child at the rank the oracle draws (when the expansion
+/// has that many children) and no other child holds it; the children stay distinct.
+fn place_alternative(
+    children: &mut [(u32, f32)],
+    right: u32,
+    o: &SyntheticOracle,
+    vocab: u32,
+    rng: &mut ChaCha8Rng,
+) {
+    let rank = o
+        .alternative_rank(rand::Rng::random::<f64>(rng))
+        .filter(|&r| r < children.len());
+    if let Some(i) = rank {
+        if children[i].0 != right {
+            // A sibling that held `right` takes this child's token.
+            let old = children[i].0;
+            if let Some(c) = children.iter_mut().find(|c| c.0 == right) {
+                c.0 = old;
+            }
+            children[i].0 = right;
+        }
+    }
+    let mut other = right;
+    for i in 1..children.len() {
+        if Some(i) != rank && children[i].0 == right {
+            other = loop {
+                other = (other + 1) % vocab;
+                if other != right && !children.iter().any(|c| c.0 == other) {
+                    break other;
+                }
+            };
+            children[i].0 = other;
+        }
+    }
 }
 
 /// What [`DraftEngine::prepare`] leaves: a greedy chain on the fixed-shape path, or a round
@@ -477,7 +525,11 @@ impl DraftEngine {
             let round = self.start_chain(s, tokens, p.widths.len(), stats)?;
             return Ok(Prepared::Chain(round));
         }
-        let root_logits = self.sync_prefix(s, tokens, p.deadline, &mut stats)?;
+        let root_logits = if self.drafts_rooted_chains(p) {
+            self.sync_prefix_rows(s, tokens, p.deadline, &mut stats)?
+        } else {
+            self.sync_prefix(s, tokens, p.deadline, &mut stats)?
+        };
         let prefix_len = s.tokens.len();
         let mut trees = vec![TokenTree::new()];
         trees[0].set_siblings_without_replacement(true);
@@ -495,11 +547,115 @@ impl DraftEngine {
             pending: None,
             stats,
         };
-        if let Err(e) = self.pick(s, &mut round) {
+        if let Err(e) = self
+            .pick(s, &mut round)
+            .and_then(|()| self.grow_rooted_chains(s, tokens, &mut round))
+        {
             self.abandon(s, &round);
             return Err(e);
         }
         Ok(Prepared::Levels(round))
+    }
+
+    /// A greedy tree of several roots with a chain below each (widths `[w, 1, …, 1]`, `w` ≥ 2)
+    /// on the fixed-shape path, its roots picked: grows every root's chain in one graph
+    /// replay ([`specsplit_models::step::DecodeStepper::grow_chains`], as a pre-draft grows
+    /// its branches) instead of a level pass a level, and completes the round. Other rounds,
+    /// and shapes the model does not replay, are left to their level passes.
+    fn grow_rooted_chains(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        round: &mut DraftRound,
+    ) -> Result<(), EngineError> {
+        let depth = round.params.widths.len() - 1;
+        let n = round.frontier.len();
+        if !self.drafts_rooted_chains(&round.params)
+            || round.pending.is_none()
+            || !self.chains_replayable(s, tokens.len(), n, depth)
+        {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let outcomes: Vec<(usize, u32, usize)> = round
+            .frontier
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (0, round.forest.tokens[g.node.expect("a root")], i))
+            .collect();
+        let mut chains = vec![TokenTree::new(); n];
+        self.grow_chains_replayed(s, tokens, tokens.len(), &outcomes, &mut chains, depth)?;
+        // Nothing keeps these rows: the cache holds the request's tokens again.
+        s.grown = None;
+        s.cache.truncate(tokens.len())?;
+        round.stats.model_time += t0.elapsed();
+        round.stats.tokens_processed += n * depth;
+        // Level by level, so that the tree stays breadth-first.
+        let tree = &mut round.trees[0];
+        let mut parents: Vec<Option<usize>> = round.frontier.iter().map(|g| g.at).collect();
+        for level in 0..depth {
+            for (chain, parent) in chains.iter().zip(parents.iter_mut()) {
+                let (Some(p), true) = (*parent, level < chain.len()) else {
+                    *parent = None;
+                    continue;
+                };
+                let node = tree
+                    .push_child(p, chain.token(level), chain.log_prob(level))
+                    .map_err(|e| EngineError::InvalidArgument(format!("draft tree: {e}")))?;
+                *parent = Some(node);
+            }
+        }
+        round.pending = None;
+        round.frontier.clear();
+        Ok(())
+    }
+
+    /// Whether a draft with `p` is a greedy tree of several roots with a chain below each
+    /// (widths `[w, 1, …, 1]`, `w` ≥ 2) on the fixed-shape path: its chains grow in one replay
+    /// ([`DraftEngine::prepare`]) where the model replays them.
+    fn drafts_rooted_chains(&self, p: &DraftParams) -> bool {
+        let w = &p.widths;
+        self.static_chains
+            && p.sampling.is_greedy()
+            && w.len() >= 2
+            && w[0] >= 2
+            && w[1..].iter().all(|&x| x == 1)
+    }
+
+    /// [`DraftEngine::sync_prefix`] with the uncached tokens in one pass replayed from a graph
+    /// per row count where the model has exact rows passes and they fit (else as
+    /// `sync_prefix` does): a tree of rooted chains catches up without an eager pass.
+    fn sync_prefix_rows(
+        &self,
+        s: &mut DraftSession,
+        tokens: &[u32],
+        deadline: Option<Instant>,
+        stats: &mut DraftStats,
+    ) -> Result<Tensor, EngineError> {
+        let lcp = common_prefix(&s.tokens, tokens);
+        let keep = lcp.min(tokens.len() - 1);
+        let cached = lcp == tokens.len() && lcp == s.tokens.len() && s.cache.len() == lcp;
+        let fits = self
+            .model
+            .exact_rows_fit(s.cache.capacity(), tokens.len() - keep);
+        if (cached && s.last_logits.is_some()) || !fits {
+            return self.sync_prefix(s, tokens, deadline, stats);
+        }
+        before_deadline(deadline, "the draft caught up with the sequence")?;
+        stats.cache_hit = keep > 0;
+        s.cache.truncate(keep)?;
+        s.tokens.truncate(keep);
+        s.last_logits = None;
+        let t0 = Instant::now();
+        let feed = &tokens[keep..];
+        let logits = self
+            .causal_rows(s, feed, keep, feed.len() - 1)?
+            .squeeze(0)?;
+        stats.model_time += t0.elapsed();
+        stats.tokens_processed += feed.len();
+        s.tokens.extend_from_slice(feed);
+        s.last_logits = Some(logits.clone());
+        Ok(logits)
     }
 
     /// Whether a draft with `p` goes through the fixed-shape chain path, drafted whole by
@@ -761,6 +917,9 @@ impl DraftEngine {
                         }
                     }
                     children[0].0 = new;
+                    if new != right && children.len() > 1 {
+                        place_alternative(&mut children, right, o, vocab, &mut s.rng);
+                    }
                 }
             }
             let tree = &mut trees[g.tree];
@@ -1183,6 +1342,84 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_synthetic_proposers_alternatives_hold_the_targets_token_at_the_measured_ranks() {
+        let seq: Vec<u32> = vec![4, 8, 15, 16];
+        let right = 23;
+        let reference: Vec<u32> = seq.iter().copied().chain([right, 42]).collect();
+        let roots = DraftParams {
+            widths: vec![3],
+            sampling: SamplingParams::default(),
+            deadline: None,
+        };
+        // First child always wrong: the second holds the target's token half the time, the
+        // third a quarter of the time (coverage 0.5 and 0.75 for one and two alternatives).
+        let oracle =
+            SyntheticOracle::new(vec![reference.clone()], 0.0).with_coverage(vec![0.5, 0.75]);
+        let e = tiny_engine(vec![], false).with_synthetic(oracle);
+        let mut s = e.new_session(3).unwrap();
+        let n = 800;
+        let mut at = [0usize; 3];
+        for _ in 0..n {
+            let (t, _) = e.draft(&mut s, &seq, &roots).unwrap();
+            assert_eq!(t.len(), 3);
+            let mut distinct = t.tokens().to_vec();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert_eq!(
+                distinct.len(),
+                3,
+                "siblings stay distinct: {:?}",
+                t.tokens()
+            );
+            for (i, &tok) in t.tokens().iter().enumerate() {
+                at[i] += usize::from(tok == right);
+            }
+        }
+        assert_eq!(at[0], 0, "the first child is wrong at beta 0");
+        let rate = |k: usize| at[k] as f64 / n as f64;
+        assert!(
+            (rate(1) - 0.5).abs() < 0.06,
+            "second child held it at {}",
+            rate(1)
+        );
+        assert!(
+            (rate(2) - 0.25).abs() < 0.05,
+            "third child held it at {}",
+            rate(2)
+        );
+        // A first child that is right leaves no alternative holding it.
+        let oracle = SyntheticOracle::new(vec![reference], 1.0).with_coverage(vec![1.0]);
+        let e = tiny_engine(vec![], false).with_synthetic(oracle);
+        let mut s = e.new_session(3).unwrap();
+        for _ in 0..50 {
+            let (t, _) = e.draft(&mut s, &seq, &roots).unwrap();
+            assert_eq!(t.token(0), right);
+            assert!(!t.tokens()[1..].contains(&right));
+        }
+    }
+
+    #[test]
+    fn an_alternatives_rank_follows_the_coverage_steps() {
+        let o = SyntheticOracle::new(vec![], 0.8).with_coverage(vec![0.5, 0.75, 0.75, 1.0]);
+        assert_eq!(o.alternative_rank(0.0), Some(1));
+        assert_eq!(o.alternative_rank(0.49), Some(1));
+        assert_eq!(o.alternative_rank(0.5), Some(2));
+        assert_eq!(o.alternative_rank(0.74), Some(2));
+        assert_eq!(
+            o.alternative_rank(0.75),
+            Some(4),
+            "a rank of no mass is skipped"
+        );
+        assert_eq!(o.alternative_rank(0.999), Some(4));
+        let short = SyntheticOracle::new(vec![], 0.8).with_coverage(vec![0.3]);
+        assert_eq!(
+            short.alternative_rank(0.31),
+            None,
+            "past the list's last value: none"
+        );
     }
 
     #[test]

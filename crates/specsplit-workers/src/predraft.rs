@@ -366,7 +366,7 @@ impl DraftEngine {
     /// Pass 0: `feed` after the `keep` cached tokens, causally, into the cache; the logits of
     /// its rows `first..`. Replayed from a graph per row count where the model has exact rows
     /// passes (bf16 on CUDA with the fused kernels), else an eager forward.
-    fn causal_rows(
+    pub(crate) fn causal_rows(
         &self,
         s: &mut DraftSession,
         feed: &[u32],
@@ -431,7 +431,13 @@ impl DraftEngine {
 
     /// Whether `n` greedy chains of `depth` tokens grow from one replayed graph
     /// ([`specsplit_models::step::DecodeStepper::grow_chains`]) after a sequence of `len` tokens.
-    fn chains_replayable(&self, s: &DraftSession, len: usize, n: usize, depth: usize) -> bool {
+    pub(crate) fn chains_replayable(
+        &self,
+        s: &DraftSession,
+        len: usize,
+        n: usize,
+        depth: usize,
+    ) -> bool {
         let cap = s.cache.capacity();
         self.static_chains()
             && n > 0
@@ -445,7 +451,7 @@ impl DraftEngine {
     /// committed tokens and the path's first `j`. A synthetic proposer's tokens (decided on the
     /// host from each outcome's context) replace the model's on the device. A chain is cut
     /// after an end-of-sequence token; a candidate that is one gets no tree.
-    fn grow_chains_replayed(
+    pub(crate) fn grow_chains_replayed(
         &self,
         s: &mut DraftSession,
         tokens: &[u32],
@@ -1103,5 +1109,54 @@ mod gpu_tests {
             same * 10 >= outcomes * 8,
             "{same} of {outcomes} outcomes the same"
         );
+    }
+
+    #[test]
+    fn a_tree_of_rooted_chains_grown_in_one_replay_drafts_as_its_level_passes() {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("no GPU, skipping: {e}");
+                return;
+            }
+        };
+        let mut cfg = ModelConfig::preset("qwen2.5-0.5b").unwrap();
+        cfg.num_hidden_layers = 3;
+        cfg.vocab_size = 8192;
+        cfg.max_position_embeddings = 2048;
+        let model = Arc::new(Transformer::random(cfg, 7, DType::BF16, &dev).unwrap());
+        let replayed = DraftEngine::new(model.clone(), vec![], 1024).with_static_chains(true);
+        let levels = DraftEngine::new(model, vec![], 1024).with_static_chains(false);
+        let (mut same, mut trees) = (0, 0);
+        for widths in [vec![2, 1, 1, 1], vec![3, 1, 1], vec![4, 1, 1, 1, 1]] {
+            let p = DraftParams {
+                widths: widths.clone(),
+                sampling: SamplingParams::default(),
+                deadline: None,
+            };
+            let mut a: DraftSession = replayed.new_session(1).unwrap();
+            let mut b: DraftSession = levels.new_session(1).unwrap();
+            let mut seq: Vec<u32> = (0..20).map(|i| (i * 131 + 7) % 8192).collect();
+            for round in 0..6 {
+                let (x, sx) = replayed.draft(&mut a, &seq, &p).unwrap();
+                let (y, _) = levels.draft(&mut b, &seq, &p).unwrap();
+                // The same shape, breadth-first; the cache holds the sequence alone after.
+                assert_eq!(x.parents(), y.parents(), "{widths:?} round {round}");
+                assert_eq!(x.len(), specsplit_core::tree::full_tree_size(&widths));
+                assert_eq!(a.cache.len(), seq.len());
+                assert!(a.grown.is_none());
+                assert!(sx.tokens_processed >= widths[0] * (widths.len() - 1));
+                trees += 1;
+                same += usize::from(x.tokens() == y.tokens());
+                // Accept the second root and its child, then a token of the verifier's.
+                seq.extend([
+                    x.token(1),
+                    x.token(widths[0] + 1),
+                    (round as u32 * 97 + 5) % 8192,
+                ]);
+            }
+        }
+        // A near-tie may break the other way between the two kernel paths.
+        assert!(same * 10 >= trees * 8, "{same} of {trees} trees the same");
     }
 }

@@ -655,7 +655,7 @@ impl TargetEngine {
         // move down next to them, the rest is dropped.
         let base = keep + new.len();
         let kept: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| base + i).collect();
-        s.cache.compact(base, &kept)?;
+        keep_path(&self.model, &mut s.cache, base, &kept)?;
         s.tokens.extend_from_slice(&new);
         s.tokens.extend_from_slice(&verdict.accepted_tokens);
         let last_row = verdict.accepted_nodes.last().map_or(0, |&i| i + 1);
@@ -879,6 +879,33 @@ fn emitted_logprobs(logits: &Tensor, verdict: &Verdict) -> Result<Vec<f32>, Engi
     Ok(picked.squeeze(1)?.to_vec1()?)
 }
 
+/// Keeps the cache entries `kept` (ascending, from `base` on: a verdict's accepted nodes) right
+/// after `base` and drops every entry past them. Up to [`fused::MOVE_MAX`] entries that move go
+/// in one [`Transformer::move_cache_entries`] (one launch for every layer on CUDA); more, or
+/// `kept` out of order, go through [`SessionCache::compact`] (a copy per layer, or its error).
+pub(crate) fn keep_path(
+    model: &Transformer,
+    cache: &mut specsplit_core::cache::SessionCache,
+    base: usize,
+    kept: &[usize],
+) -> Result<(), EngineError> {
+    let ordered = kept.windows(2).all(|w| w[0] < w[1])
+        && kept.first().is_none_or(|&p| p >= base)
+        && kept.last().is_none_or(|&p| p < cache.len());
+    let moves: Vec<(usize, usize)> = (base..)
+        .zip(kept)
+        .filter(|(to, from)| *from != to)
+        .map(|(to, &from)| (from, to))
+        .collect();
+    if !ordered || moves.len() > fused::MOVE_MAX {
+        cache.compact(base, kept)?;
+        return Ok(());
+    }
+    model.move_cache_entries(cache, &moves)?;
+    cache.truncate(base + kept.len())?;
+    Ok(())
+}
+
 /// Whether `tree` is one chain: a single root, each later node the child of the one before.
 fn is_chain(tree: &TokenTree) -> bool {
     (0..tree.len()).all(|i| tree.parent(i) == i.checked_sub(1))
@@ -945,6 +972,90 @@ pub(crate) fn greedy_continuation(
 mod tests {
     use super::*;
     use crate::session::{SessionLimits, SessionStore};
+
+    #[test]
+    fn keeping_a_path_moves_its_entries_as_the_caches_compaction_does() {
+        let m = crate::test_models::tiny_model(3);
+        let dev = candle_core::Device::Cpu;
+        // A cache of 12 entries, each entry's values its own slot number.
+        let filled = || {
+            let mut c = m.new_cache(16).unwrap();
+            for layer in 0..m.config().num_hidden_layers {
+                let (k, _) = c.buffers(layer).unwrap();
+                let (_, kv, _, hd) = k.dims4().unwrap();
+                let x = Tensor::arange(0f32, 12.0, &dev)
+                    .unwrap()
+                    .reshape((1, 1, 12, 1))
+                    .unwrap()
+                    .broadcast_as((1, kv, 12, hd))
+                    .unwrap()
+                    .to_dtype(k.dtype())
+                    .unwrap();
+                let v = (&x + 100.0).unwrap();
+                c.append(layer, &x, &v).unwrap();
+            }
+            c.advance(12).unwrap();
+            c
+        };
+        let contents = |c: &specsplit_core::cache::SessionCache| -> Vec<Vec<f32>> {
+            (0..m.config().num_hidden_layers)
+                .flat_map(|l| {
+                    let (k, v) = c.layer(l);
+                    [k, v].map(|t| {
+                        t.flatten_all()
+                            .unwrap()
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap()
+                    })
+                })
+                .collect()
+        };
+        // A path with a node in place, nodes that move, none, and more than one launch moves.
+        let many: Vec<usize> = (3..12).collect();
+        let spread: Vec<usize> = vec![4, 6, 7, 9, 10, 11];
+        let cases = [
+            (4, vec![]),
+            (4, vec![4]),
+            (4, vec![4, 7, 9]),
+            (4, vec![5, 8]),
+            (4, spread),
+            (2, many),
+        ];
+        for (base, kept) in cases {
+            let (mut a, mut b) = (filled(), filled());
+            keep_path(&m, &mut a, base, &kept).unwrap();
+            b.compact(base, &kept).unwrap();
+            assert_eq!(a.len(), base + kept.len(), "{kept:?}");
+            assert_eq!(contents(&a), contents(&b), "{kept:?}");
+            // Head 0's first value of every entry: the slot it came from.
+            let slots: Vec<f32> = a
+                .layer(0)
+                .0
+                .get(0)
+                .unwrap()
+                .get(0)
+                .unwrap()
+                .narrow(1, 0, 1)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let want: Vec<f32> = (0..base)
+                .chain(kept.iter().copied())
+                .map(|p| p as f32)
+                .collect();
+            assert_eq!(slots, want, "{kept:?}");
+        }
+        // A path out of order is refused as the compaction refuses it.
+        let mut c = filled();
+        assert!(keep_path(&m, &mut c, 4, &[7, 5]).is_err());
+        assert!(keep_path(&m, &mut c, 4, &[3]).is_err());
+    }
 
     fn tiny_engine(spares: usize) -> TargetEngine {
         TargetEngine::new(crate::test_models::tiny_model(11), 128).with_spare_sessions(spares)
