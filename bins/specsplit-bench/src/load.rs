@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+use specsplit_core::tree::full_tree_size;
 use specsplit_orchestrator::{
     ClientSpin, ConnectOptions, GenerateConfig, Generation, Mode, Orchestrator, Pipeline,
 };
@@ -52,8 +53,9 @@ pub struct LoadSettings {
     /// The synthetic drafter's coverage of rejected positions (see
     /// [`SyntheticOracle::with_coverage`]).
     pub coverage: Vec<f64>,
-    /// Draft chain depth the orchestrator asks for (the target's advice caps it).
-    pub depth: usize,
+    /// The draft tree's children per node at each depth the orchestrator asks for (a chain:
+    /// all 1); the target's advice caps its depth.
+    pub widths: Vec<usize>,
     /// The speculative pipeline.
     pub pipeline: Pipeline,
     /// Whether the target advises depths by load.
@@ -239,7 +241,28 @@ fn row(
         "mean_draft_pass_sessions": ratio(drafts as f64, passes.draft as f64),
         "draft_chain_shapes_made": passes.draft_shapes,
         "draft_chain_shapes_ms": passes.draft_shapes_ms,
+        "round_parts_ms": round_parts(&rounds),
         "slowest_rounds": slowest_rounds(gens),
+    })
+}
+
+/// Where the mean round of `rounds` went, in ms (the parts sum to the mean round): each
+/// worker's model time, the rest of its reported handling (queueing for a shared pass, host
+/// work), the transport to it and back (its call's wall time less its reported time), and the
+/// orchestrator's own time between the calls; draft parts are 0 in rounds without a draft call.
+fn round_parts(rounds: &[&specsplit_orchestrator::RoundRecord]) -> Value {
+    let n = rounds.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&specsplit_orchestrator::RoundRecord) -> f64| {
+        rounds.iter().map(|r| f(r)).sum::<f64>() / n
+    };
+    json!({
+        "draft_model": mean(&|r| r.draft_model_ms),
+        "draft_server_rest": mean(&|r| r.draft_server_ms - r.draft_model_ms),
+        "draft_transport": mean(&|r| r.draft_ms - r.draft_server_ms),
+        "verify_model": mean(&|r| r.verify_model_ms),
+        "verify_server_rest": mean(&|r| r.verify_server_ms - r.verify_model_ms),
+        "verify_transport": mean(&|r| r.verify_ms - r.verify_server_ms),
+        "orchestrator": mean(&|r| r.round_ms - r.draft_ms - r.verify_ms),
     })
 }
 
@@ -340,8 +363,8 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     };
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let z = Sizing {
-        max_context: longest + s.max_tokens + s.depth + 16,
-        max_tree_nodes: s.depth.max(1) + 8,
+        max_context: longest + s.max_tokens + s.widths.len() + 16,
+        max_tree_nodes: full_tree_size(&s.widths).max(1) + 8,
     };
     let limits = SessionLimits {
         max_sessions: 2 * most + 8,
@@ -396,7 +419,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
     let spec_cfg = GenerateConfig {
         mode: Mode::Spec,
         pipeline: s.pipeline,
-        widths: vec![1; s.depth],
+        widths: s.widths.clone(),
         first_round_overlap: s.first_round_overlap,
         ..base.clone()
     };
@@ -492,6 +515,7 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
                     passes.draft_shapes,
                     passes.draft_shapes_ms,
                 );
+                eprintln!("    round parts (ms) {}", r["round_parts_ms"]);
                 if mode == Mode::Spec {
                     for slow in r["slowest_rounds"].as_array().into_iter().flatten() {
                         eprintln!("    slow round {slow}");
@@ -521,7 +545,8 @@ pub async fn run(s: &LoadSettings) -> Result<Value> {
             "max_tokens": s.max_tokens,
             "synthetic": s.synthetic_beta.is_some(), "beta": s.synthetic_beta,
             "synthetic_coverage": s.synthetic_beta.map(|_| s.coverage.clone()),
-            "depth": s.depth,
+            "depth": s.widths.len(),
+            "widths": s.widths,
             "pipeline": format!("{:?}", s.pipeline).to_lowercase(),
             "load_gate": s.load_gate,
             "max_batch_sessions": s.max_batch_sessions,
@@ -590,7 +615,7 @@ mod tests {
             max_tokens: 16,
             synthetic_beta: Some(0.8),
             coverage: vec![0.5],
-            depth: 4,
+            widths: vec![1; 4],
             pipeline: Pipeline::Overlapped,
             load_gate: true,
             max_batch_sessions: 64,
@@ -660,6 +685,16 @@ mod tests {
             );
             let slow = r["slowest_rounds"].as_array().unwrap();
             assert!(!slow.is_empty() && slow.len() <= SLOWEST_ROUNDS, "{r}");
+            // The round's parts sum to the mean round, the models' parts to their means.
+            let parts = r["round_parts_ms"].as_object().unwrap();
+            let sum: f64 = parts.values().map(|v| v.as_f64().unwrap()).sum();
+            let round = r["mean_round_ms"].as_f64().unwrap();
+            assert!(
+                (sum - round).abs() < 1e-6 * round.max(1.0),
+                "{sum} vs {round}: {r}"
+            );
+            assert_eq!(parts["verify_model"], r["mean_verify_model_ms"], "{r}");
+            assert!(parts["verify_model"].as_f64().unwrap() > 0.0, "{r}");
             // Each verify pass holds one to `sessions` sessions' rounds; one session alone
             // has a pass to itself every round.
             let n = r["sessions"].as_f64().unwrap();

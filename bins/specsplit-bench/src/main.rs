@@ -116,6 +116,10 @@ struct LoadArgs {
     /// Draft chain depth the orchestrator asks for; the target's load advice caps it.
     #[arg(long, default_value_t = 4)]
     depth: usize,
+    /// A draft tree's children per node at each depth (e.g. 2,1,1,1: two roots, a chain under
+    /// each) instead of a chain of `--depth`; the target's load advice caps its depth.
+    #[arg(long, value_delimiter = ',')]
+    widths: Option<Vec<usize>>,
     /// Speculative pipeline: sequential, overlapped or predraft (sequential: with both models
     /// on one GPU the overlapped pipeline's drafts contend with the verifications).
     #[arg(long, value_enum, default_value = "sequential")]
@@ -575,7 +579,13 @@ fn load_bench(a: LoadArgs) -> Result<()> {
         coverage: a
             .synthetic_coverage
             .unwrap_or_else(|| specsplit_workers::draft::MEASURED_COVERAGE.to_vec()),
-        depth: a.depth,
+        widths: match a.widths {
+            Some(w) if w.is_empty() || w.contains(&0) => {
+                anyhow::bail!("--widths: each depth needs at least one child, got {w:?}")
+            }
+            Some(w) => w,
+            None => vec![1; a.depth],
+        },
         pipeline: match a.pipeline {
             PipelineArg::Sequential => Pipeline::Sequential,
             PipelineArg::Overlapped => Pipeline::Overlapped,
