@@ -525,11 +525,8 @@ impl DraftEngine {
             let round = self.start_chain(s, tokens, p.widths.len(), stats)?;
             return Ok(Prepared::Chain(round));
         }
-        let root_logits = if self.drafts_rooted_chains(p) {
-            self.sync_prefix_rows(s, tokens, p.deadline, &mut stats)?
-        } else {
-            self.sync_prefix(s, tokens, p.deadline, &mut stats)?
-        };
+        let replayed = self.drafts_rooted_chains(p);
+        let root_logits = self.sync_prefix(s, tokens, p.deadline, replayed, &mut stats)?;
         let prefix_len = s.tokens.len();
         let mut trees = vec![TokenTree::new()];
         trees[0].set_siblings_without_replacement(true);
@@ -620,42 +617,6 @@ impl DraftEngine {
             && w.len() >= 2
             && w[0] >= 2
             && w[1..].iter().all(|&x| x == 1)
-    }
-
-    /// [`DraftEngine::sync_prefix`] with the uncached tokens in one pass replayed from a graph
-    /// per row count where the model has exact rows passes and they fit (else as
-    /// `sync_prefix` does): a tree of rooted chains catches up without an eager pass.
-    fn sync_prefix_rows(
-        &self,
-        s: &mut DraftSession,
-        tokens: &[u32],
-        deadline: Option<Instant>,
-        stats: &mut DraftStats,
-    ) -> Result<Tensor, EngineError> {
-        let lcp = common_prefix(&s.tokens, tokens);
-        let keep = lcp.min(tokens.len() - 1);
-        let cached = lcp == tokens.len() && lcp == s.tokens.len() && s.cache.len() == lcp;
-        let fits = self
-            .model
-            .exact_rows_fit(s.cache.capacity(), tokens.len() - keep);
-        if (cached && s.last_logits.is_some()) || !fits {
-            return self.sync_prefix(s, tokens, deadline, stats);
-        }
-        before_deadline(deadline, "the draft caught up with the sequence")?;
-        stats.cache_hit = keep > 0;
-        s.cache.truncate(keep)?;
-        s.tokens.truncate(keep);
-        s.last_logits = None;
-        let t0 = Instant::now();
-        let feed = &tokens[keep..];
-        let logits = self
-            .causal_rows(s, feed, keep, feed.len() - 1)?
-            .squeeze(0)?;
-        stats.model_time += t0.elapsed();
-        stats.tokens_processed += feed.len();
-        s.tokens.extend_from_slice(feed);
-        s.last_logits = Some(logits.clone());
-        Ok(logits)
     }
 
     /// Whether a draft with `p` goes through the fixed-shape chain path, drafted whole by
@@ -795,12 +756,15 @@ impl DraftEngine {
     /// Brings the cache to `tokens`; returns the logits after the last token, shape (vocab,).
     /// On a CPU the uncached tokens go through in chunks of [`CPU_CATCH_UP_CHUNK`], and a
     /// `deadline` that passes between two stops the catch-up there: the session keeps the
-    /// chunks already cached (its tokens and cache agree) for the next request.
+    /// chunks already cached (its tokens and cache agree) for the next request. With
+    /// `replayed`, uncached tokens that fit the model's exact rows passes go through in one
+    /// pass replayed from a graph per row count (a tree of rooted chains catches up so).
     fn sync_prefix(
         &self,
         s: &mut DraftSession,
         tokens: &[u32],
         deadline: Option<Instant>,
+        replayed: bool,
         stats: &mut DraftStats,
     ) -> Result<Tensor, EngineError> {
         let lcp = common_prefix(&s.tokens, tokens);
@@ -817,6 +781,16 @@ impl DraftEngine {
         s.last_logits = None;
         let dev = self.model.device();
         let new = &tokens[keep..];
+        if replayed && self.model.exact_rows_fit(s.cache.capacity(), new.len()) {
+            before_deadline(deadline, "the draft caught up with the sequence")?;
+            let t0 = Instant::now();
+            let logits = self.causal_rows(s, new, keep, new.len() - 1)?.squeeze(0)?;
+            stats.model_time += t0.elapsed();
+            stats.tokens_processed += new.len();
+            s.tokens.extend_from_slice(new);
+            s.last_logits = Some(logits.clone());
+            return Ok(logits);
+        }
         let chunk = if dev.is_cpu() {
             CPU_CATCH_UP_CHUNK
         } else {

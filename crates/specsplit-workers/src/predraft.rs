@@ -1029,20 +1029,30 @@ mod gpu_tests {
             .collect()
     }
 
-    #[test]
-    fn a_pre_draft_keeping_its_branch_drafts_as_one_that_computes_it() {
+    /// A random bf16 model of the 0.5B shape cut to three layers and an 8192-token
+    /// vocabulary, on the first GPU (`None`, after saying so, without one).
+    fn small_gpu_model() -> Option<Arc<Transformer>> {
         let dev = match Device::new_cuda(0) {
             Ok(d) => d,
             Err(e) => {
                 eprintln!("no GPU, skipping: {e}");
-                return;
+                return None;
             }
         };
         let mut cfg = ModelConfig::preset("qwen2.5-0.5b").unwrap();
         cfg.num_hidden_layers = 3;
         cfg.vocab_size = 8192;
         cfg.max_position_embeddings = 2048;
-        let model = Arc::new(Transformer::random(cfg, 7, DType::BF16, &dev).unwrap());
+        Some(Arc::new(
+            Transformer::random(cfg, 7, DType::BF16, &dev).unwrap(),
+        ))
+    }
+
+    #[test]
+    fn a_pre_draft_keeping_its_branch_drafts_as_one_that_computes_it() {
+        let Some(model) = small_gpu_model() else {
+            return;
+        };
         let e = DraftEngine::new(model, vec![], 1024);
         let p = DraftParams {
             widths: vec![1; 4],
@@ -1113,18 +1123,9 @@ mod gpu_tests {
 
     #[test]
     fn a_tree_of_rooted_chains_grown_in_one_replay_drafts_as_its_level_passes() {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(e) => {
-                eprintln!("no GPU, skipping: {e}");
-                return;
-            }
+        let Some(model) = small_gpu_model() else {
+            return;
         };
-        let mut cfg = ModelConfig::preset("qwen2.5-0.5b").unwrap();
-        cfg.num_hidden_layers = 3;
-        cfg.vocab_size = 8192;
-        cfg.max_position_embeddings = 2048;
-        let model = Arc::new(Transformer::random(cfg, 7, DType::BF16, &dev).unwrap());
         let replayed = DraftEngine::new(model.clone(), vec![], 1024).with_static_chains(true);
         let levels = DraftEngine::new(model, vec![], 1024).with_static_chains(false);
         let (mut same, mut trees) = (0, 0);
