@@ -15,26 +15,41 @@ use crate::ModelError;
 use candle_core::{DType, Tensor};
 use specsplit_core::cache::SessionCache;
 
-/// Weights of at least this many elements go through cuBLAS in [`Transformer::grow_chains`],
-/// the smaller ones through the batch-invariant product. A pre-draft is only a proposal the
-/// target verifies, so its passes need no batch invariance. Measured (`specsplit-bench forward
-/// --growth-rows 10`, Qwen2.5 0.5B shape, H200, 2026-11-27): a level of 10 chains took 1.181
-/// ms with every product batch-invariant, 1.082 ms with cuBLAS for gate|up, down and the head
-/// (cuBLAS loses on the smaller Q|K|V and output products).
+/// Weights of at least this many elements go through cuBLAS in a draft pass of more than
+/// [`fused::GEMV_MAX_ROWS`] rows, the smaller ones through the batch-invariant product. A draft
+/// is only a proposal the target verifies, so its passes need no batch invariance. Measured
+/// (`specsplit-bench forward --growth-rows 10`, Qwen2.5 0.5B shape, H200, 2026-11-27): a level
+/// of 10 chains took 1.181 ms with every product batch-invariant, 1.082 ms with cuBLAS for
+/// gate|up, down and the head (cuBLAS loses on the smaller Q|K|V and output products).
 const GROWTH_CUBLAS_MIN: usize = 4 << 20;
 
-/// A growth pass's product: cuBLAS for weights of at least [`GROWTH_CUBLAS_MIN`] elements,
-/// else the batch-invariant product (a growth drafts; it needs no batch invariance).
+/// Products of a draft pass of two rows with fewer columns than this run through the step's
+/// GEMV, the wider ones through the batch-invariant product (see [`growth_product`]).
+const CHAIN_GEMV_MAX_COLS: usize = 4096;
+
+/// A draft pass's product (a growth of chains, or sessions' chains grown together), by its
+/// rows. The step's GEMV reads each weight once for all rows, but its time grows with the rows
+/// (each warp loads every row's input): at the Qwen2.5 0.5B shape on an H200, per launch in a
+/// graph, one row's products took 2.2 (Q|K|V), 1.9 (output), 5.3 (gate|up), 4.1 (down) and 63
+/// µs (head) through the GEMV against 3.0, 2.8, 7.2, 5.5 and 67 through the batch-invariant
+/// product; two rows' 2.7, 2.3, 7.8, 4.9 and 94 against 3.0, 2.8, 5.4, 5.5 and 69; three and
+/// four rows' every product was faster through the batch-invariant product (`specsplit-bench
+/// kernels --shape qwen2.5-0.5b --rows 1,2,3,4 --contexts 256 --rows-pass --gemv-warp-rows
+/// 1,2,4`, 2026-11-29). Hence one row through the GEMV, two rows through it for the narrow
+/// products, up to [`fused::GEMV_MAX_ROWS`] rows through the batch-invariant product, and more
+/// through cuBLAS for weights of at least [`GROWTH_CUBLAS_MIN`] elements.
 pub(super) fn growth_product(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     launch: fused::Launch,
 ) -> candle_core::Result<Tensor> {
-    if w.elem_count() >= GROWTH_CUBLAS_MIN {
-        fused::cublas_product(x, w, bias)
-    } else {
-        fused::bi_matmul(x, w, bias, launch)
+    match x.dim(0)? {
+        1 => fused::gemv_rows(x, w, bias, launch),
+        2 if w.dim(0)? < CHAIN_GEMV_MAX_COLS => fused::gemv_rows(x, w, bias, launch),
+        n if n <= fused::GEMV_MAX_ROWS => fused::bi_matmul(x, w, bias, launch),
+        _ if w.elem_count() >= GROWTH_CUBLAS_MIN => fused::cublas_product(x, w, bias),
+        _ => fused::bi_matmul(x, w, bias, launch),
     }
 }
 

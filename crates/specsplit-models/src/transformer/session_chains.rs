@@ -23,10 +23,6 @@ use specsplit_core::cache::SessionCache;
 /// The most tokens a session feeds before its chain: the last accepted token and the bonus.
 pub const CHAIN_FEED_MAX: usize = 2;
 
-/// Products of a pass of two rows with fewer columns than this run through the step's GEMV,
-/// the wider ones through the batch-invariant product (see [`Transformer::grow_session_chains`]).
-const CHAIN_GEMV_MAX_COLS: usize = 4096;
-
 /// One session's share of a [`Transformer::grow_session_chains`].
 pub struct SessionChain<'a> {
     /// The session's cache: its first `len()` slots hold the sequence before `feed`.
@@ -282,9 +278,8 @@ impl Transformer {
     /// Grows each session's greedy chain of `b.depth()` tokens after its feed (set by
     /// [`SessionChains::start`]), one pass a level for all sessions (the fused layers with each
     /// row's rotary, K/V write and attention on its own session's cache, the one-kernel draft
-    /// attention up to [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys; the products of one row
-    /// through the step's GEMV, of up to [`fused::GEMV_MAX_ROWS`] rows through the
-    /// batch-invariant product, wider ones through `growth_product`: each session's logits
+    /// attention up to [`fused::DRAFT_ATTENTION_MAX_SPAN`] keys; the products by their rows
+    /// through `growth_product`: each session's logits
     /// those of its chain decoded alone up to bf16 rounding) and one greedy head for all rows
     /// (`greedy_level`), every input read on the device, so a
     /// captured CUDA graph serves every round whatever the caches: writes each row's K/V at its
@@ -300,21 +295,8 @@ impl Transformer {
         }
         let layers = self.fused_layers()?;
         let launch = self.kernels.launch();
-        // The step's GEMV reads each weight once for all rows, but its time grows with the rows
-        // (each warp loads every row's input): at the Qwen2.5 0.5B shape on an H200, per launch
-        // in a graph, one row's products took 2.2 (Q|K|V), 1.9 (output), 5.3 (gate|up), 4.1
-        // (down) and 63 µs (head) through the GEMV against 3.0, 2.8, 7.2, 5.5 and 67 through the
-        // batch-invariant product; two rows' 2.7, 2.3, 7.8, 4.9 and 94 against 3.0, 2.8, 5.4,
-        // 5.5 and 69; three and four rows' every product was faster through the batch-invariant
-        // product (`specsplit-bench kernels --shape qwen2.5-0.5b --rows 1,2,3,4 --contexts 256
-        // --rows-pass --gemv-warp-rows 1,2,4`, 2026-11-29). Hence one row through the GEMV, two
-        // rows through it for the narrow products (fewer than `CHAIN_GEMV_MAX_COLS` columns).
-        let product = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| match x.dim(0)? {
-            1 => fused::gemv_rows(x, w, bias, launch),
-            2 if w.dim(0)? < CHAIN_GEMV_MAX_COLS => fused::gemv_rows(x, w, bias, launch),
-            n if n <= fused::GEMV_MAX_ROWS => fused::bi_matmul(x, w, bias, launch),
-            _ => growth_product(x, w, bias, launch),
-        };
+        let product =
+            |x: &Tensor, w: &Tensor, bias: Option<&Tensor>| growth_product(x, w, bias, launch);
         let (shape, scale) = self.fused_attn_shape(b.capacity);
         let mut ids = b.roots.clone();
         for level in 0..b.depth {
