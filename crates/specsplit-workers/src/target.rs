@@ -901,7 +901,10 @@ pub(crate) fn keep_path(
         cache.compact(base, kept)?;
         return Ok(());
     }
-    model.move_cache_entries(cache, &moves)?;
+    // A chain's accepted nodes are in place already: nothing to gather or launch.
+    if !moves.is_empty() {
+        model.move_cache_entries(cache, &moves)?;
+    }
     cache.truncate(base + kept.len())?;
     Ok(())
 }
